@@ -1,0 +1,64 @@
+// Package lock is the distributed lease lock port used by jobs and the
+// outbox. Providers (in-process, PostgreSQL) live beside it; callers depend
+// only on the types in this file.
+package lock
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	"worker/internal/obs"
+)
+
+// Locker grants leases. There is deliberately no blocking Acquire: every
+// acquisition is bounded by wait.
+type Locker interface {
+	// TryAcquire returns a lease on key valid for ttl, or a *TimeoutError no
+	// later than wait after the call. ctx cancellation returns ctx.Err().
+	TryAcquire(ctx context.Context, key string, wait, ttl time.Duration) (Lease, error)
+}
+
+// Lease is one grant of a key.
+type Lease interface {
+	Key() string
+	// Token is the fencing token: strictly greater than any earlier grant of
+	// the same key, across takeovers and restarts.
+	Token() int64
+	// Renew extends the lease by its ttl. It returns ErrLeaseExpired or
+	// ErrLeaseLost (and fires Lost) when the lease is no longer ours.
+	Renew(ctx context.Context) error
+	// Release gives the lease back. Releasing a valid lease twice is a no-op;
+	// releasing an expired one returns ErrLeaseExpired.
+	Release(ctx context.Context) error
+	// Lost is closed when the lease is known to be no longer held: a renewal
+	// found it expired or taken, or renewal kept failing until the ttl ran out.
+	Lost() <-chan struct{}
+}
+
+var (
+	// ErrLeaseExpired: the lease's ttl ran out before Release or Renew.
+	ErrLeaseExpired = errors.New("lock: lease expired")
+	// ErrLeaseLost: the lease was declared lost (renewal failed).
+	ErrLeaseLost = errors.New("lock: lease lost")
+)
+
+// TimeoutError is returned when a key stays held for the whole wait.
+type TimeoutError struct {
+	Key  string
+	Wait time.Duration
+}
+
+func (e *TimeoutError) Error() string {
+	return fmt.Sprintf("lock: %q still held after waiting %s", e.Key, e.Wait)
+}
+
+// Code implements obs.Coded.
+func (e *TimeoutError) Code() string { return obs.CodeLockAcquisitionTimeout }
+
+// IsTimeout reports whether err is an acquisition timeout.
+func IsTimeout(err error) bool {
+	var t *TimeoutError
+	return errors.As(err, &t)
+}

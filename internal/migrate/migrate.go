@@ -1,0 +1,104 @@
+// Package migrate applies the worker's embedded SQL migrations (goose) and
+// River's own migrations (rivermigrate) in one step that is safe when
+// several replicas start at once.
+package migrate
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"fmt"
+	"log/slog"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/jackc/pgx/v5/stdlib"
+	"github.com/pressly/goose/v3"
+	"github.com/pressly/goose/v3/lock"
+	"github.com/riverqueue/river/riverdriver/riverpgxv5"
+	"github.com/riverqueue/river/rivermigrate"
+
+	"worker/migrations"
+)
+
+// Up applies every pending migration: the worker's own (goose), then
+// River's (rivermigrate). Both run while this replica holds goose's table
+// lock, a lease row judged by the database clock rather than a session
+// advisory lock, so exactly one replica applies each migration and the others
+// wait for it, then find nothing to do. River's migrations run one
+// transaction each, because some add enum values that a later migration uses.
+func Up(ctx context.Context, pool *pgxpool.Pool, log *slog.Logger) (err error) {
+	db := stdlib.OpenDBFromPool(pool)
+	defer db.Close()
+	// Goose's default retries every 5s; replicas started together should not
+	// wait that long for the one applying the migrations.
+	locker, err := lock.NewPostgresTableLocker(lock.WithTableLockTimeout(200*time.Millisecond, 1500))
+	if err != nil {
+		return err
+	}
+	if err := locker.Lock(ctx, db); err != nil {
+		return fmt.Errorf("take migration lock: %w", err)
+	}
+	defer func() {
+		if uerr := locker.Unlock(context.WithoutCancel(ctx), db); uerr != nil && err == nil {
+			err = fmt.Errorf("release migration lock: %w", uerr)
+		}
+	}()
+
+	p, err := provider(db, log)
+	if err != nil {
+		return err
+	}
+	res, err := p.Up(ctx)
+	if err != nil {
+		return fmt.Errorf("apply worker migrations: %w", err)
+	}
+	for _, r := range res {
+		log.Info("migration applied", "version", r.Source.Version, "file", r.Source.Path, "duration_ms", r.Duration.Milliseconds())
+	}
+	m, err := rivermigrate.New(riverpgxv5.New(pool), &rivermigrate.Config{Logger: log})
+	if err != nil {
+		return err
+	}
+	rr, err := m.Migrate(ctx, rivermigrate.DirectionUp, nil)
+	if err != nil {
+		return fmt.Errorf("apply river migrations: %w", err)
+	}
+	for _, v := range rr.Versions {
+		log.Info("river migration applied", "version", v.Version, "name", v.Name)
+	}
+	return nil
+}
+
+// Pending reports whether any worker or River migration is not yet applied.
+// It takes no lock and writes nothing, so /readyz can call it.
+func Pending(ctx context.Context, pool *pgxpool.Pool) (bool, error) {
+	db := stdlib.OpenDBFromPool(pool)
+	defer db.Close()
+	p, err := provider(db, slog.New(slog.DiscardHandler))
+	if err != nil {
+		return false, err
+	}
+	pending, err := p.HasPending(ctx)
+	if err != nil || pending {
+		return pending, err
+	}
+	m, err := rivermigrate.New(riverpgxv5.New(pool), &rivermigrate.Config{Logger: slog.New(slog.DiscardHandler)})
+	if err != nil {
+		return false, err
+	}
+	existing, err := m.ExistingVersions(ctx)
+	if err != nil {
+		var pgErr interface{ SQLState() string }
+		if errors.As(err, &pgErr) && pgErr.SQLState() == "42P01" { // river_migration missing
+			return true, nil
+		}
+		return false, err
+	}
+	all := m.AllVersions()
+	return len(existing) == 0 || existing[len(existing)-1].Version < all[len(all)-1].Version, nil
+}
+
+func provider(db *sql.DB, log *slog.Logger) (*goose.Provider, error) {
+	return goose.NewProvider(goose.DialectPostgres, db, migrations.FS, goose.WithSlog(log), goose.WithDisableGlobalRegistry(true))
+}

@@ -1,0 +1,171 @@
+// Package pgtest gives each test its own PostgreSQL database, cloned from a
+// migrated template, so test packages run in parallel without sharing state.
+// There is no skip: a test that needs PostgreSQL fails when it is missing.
+package pgtest
+
+import (
+	"context"
+	"crypto/rand"
+	"crypto/sha256"
+	"encoding/hex"
+	"fmt"
+	"io/fs"
+	"log/slog"
+	"net/url"
+	"os"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"worker/internal/migrate"
+	"worker/migrations"
+)
+
+// AdminURL is the server the tests use: WORKER_TEST_DATABASE_URL, or the
+// local default. Test databases are created and dropped through it.
+func AdminURL() string {
+	if u := os.Getenv("WORKER_TEST_DATABASE_URL"); u != "" {
+		return u
+	}
+	return "postgres://postgres@127.0.0.1:5432/postgres?sslmode=disable"
+}
+
+// DB is one test's private database.
+type DB struct {
+	Name string
+	URL  string // connection URL for child processes or extra pools
+	Pool *pgxpool.Pool
+}
+
+// New returns a fresh, fully migrated database that is dropped when t ends.
+func New(t testing.TB) *DB { return create(t, templateName(t)) }
+
+// NewEmpty returns a fresh database with no migrations applied.
+func NewEmpty(t testing.TB) *DB { return create(t, "template0") }
+
+// NewPool opens another pool on db (a second "replica"), closed when t ends.
+func (db *DB) NewPool(t testing.TB, maxConns int32) *pgxpool.Pool {
+	t.Helper()
+	cfg, err := pgxpool.ParseConfig(db.URL)
+	if err != nil {
+		t.Fatalf("pgtest: %v", err)
+	}
+	if maxConns > 0 {
+		cfg.MaxConns = maxConns
+	}
+	p, err := pgxpool.NewWithConfig(context.Background(), cfg)
+	if err != nil {
+		t.Fatalf("pgtest: %v", err)
+	}
+	t.Cleanup(p.Close)
+	return p
+}
+
+func create(t testing.TB, template string) *DB {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	admin := connect(t, ctx, AdminURL())
+	defer admin.Close(ctx)
+	name := "worker_test_" + randHex(6)
+	if _, err := admin.Exec(ctx, fmt.Sprintf("CREATE DATABASE %s TEMPLATE %s", name, template)); err != nil {
+		t.Fatalf("pgtest: create database: %v", err)
+	}
+	db := &DB{Name: name, URL: withDatabase(t, AdminURL(), name)}
+	t.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+		defer cancel()
+		c := connect(t, ctx, AdminURL())
+		defer c.Close(ctx)
+		if _, err := c.Exec(ctx, fmt.Sprintf("DROP DATABASE IF EXISTS %s WITH (FORCE)", name)); err != nil {
+			t.Errorf("pgtest: drop database %s: %v", name, err)
+		}
+	})
+	db.Pool = db.NewPool(t, 0)
+	return db
+}
+
+// templateName returns the migrated template for the current migrations,
+// building it once per machine. The name carries a hash of the migration
+// files, so a changed migration builds a new template.
+func templateName(t testing.TB) string {
+	t.Helper()
+	h := sha256.New()
+	err := fs.WalkDir(migrations.FS, ".", func(p string, d fs.DirEntry, err error) error {
+		if err != nil || d.IsDir() {
+			return err
+		}
+		b, err := fs.ReadFile(migrations.FS, p)
+		h.Write([]byte(p))
+		h.Write(b)
+		return err
+	})
+	if err != nil {
+		t.Fatalf("pgtest: %v", err)
+	}
+	name := "worker_tmpl_" + hex.EncodeToString(h.Sum(nil))[:16]
+
+	ctx, cancel := context.WithTimeout(context.Background(), 120*time.Second)
+	defer cancel()
+	admin := connect(t, ctx, AdminURL())
+	defer admin.Close(ctx)
+	// Test packages run in parallel processes; one builds the template while
+	// the others wait. A session lock is fine here: it is test scaffolding on
+	// a dedicated connection, closed right after.
+	if _, err := admin.Exec(ctx, "SELECT pg_advisory_lock(7236501)"); err != nil {
+		t.Fatalf("pgtest: %v", err)
+	}
+	var exists bool
+	if err := admin.QueryRow(ctx, "SELECT EXISTS (SELECT 1 FROM pg_database WHERE datname = $1)", name).Scan(&exists); err != nil {
+		t.Fatalf("pgtest: %v", err)
+	}
+	if exists {
+		return name
+	}
+	build := name + "_build"
+	if _, err := admin.Exec(ctx, fmt.Sprintf("DROP DATABASE IF EXISTS %s WITH (FORCE)", build)); err != nil {
+		t.Fatalf("pgtest: %v", err)
+	}
+	if _, err := admin.Exec(ctx, fmt.Sprintf("CREATE DATABASE %s TEMPLATE template0", build)); err != nil {
+		t.Fatalf("pgtest: %v", err)
+	}
+	pool, err := pgxpool.New(ctx, withDatabase(t, AdminURL(), build))
+	if err != nil {
+		t.Fatalf("pgtest: %v", err)
+	}
+	err = migrate.Up(ctx, pool, slog.New(slog.DiscardHandler))
+	pool.Close()
+	if err != nil {
+		t.Fatalf("pgtest: migrate template: %v", err)
+	}
+	if _, err := admin.Exec(ctx, fmt.Sprintf("ALTER DATABASE %s RENAME TO %s", build, name)); err != nil {
+		t.Fatalf("pgtest: %v", err)
+	}
+	return name
+}
+
+func connect(t testing.TB, ctx context.Context, u string) *pgx.Conn {
+	t.Helper()
+	c, err := pgx.Connect(ctx, u)
+	if err != nil {
+		t.Fatalf("pgtest: PostgreSQL is required at %s (set WORKER_TEST_DATABASE_URL): %v", u, err)
+	}
+	return c
+}
+
+func withDatabase(t testing.TB, dsn, name string) string {
+	u, err := url.Parse(dsn)
+	if err != nil {
+		t.Fatalf("pgtest: WORKER_TEST_DATABASE_URL must be a URL: %v", err)
+	}
+	u.Path = "/" + name
+	return u.String()
+}
+
+func randHex(n int) string {
+	b := make([]byte, n)
+	_, _ = rand.Read(b)
+	return hex.EncodeToString(b)
+}
