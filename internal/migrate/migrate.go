@@ -56,7 +56,9 @@ func Up(ctx context.Context, pool *pgxpool.Pool, log *slog.Logger) (err error) {
 	for _, r := range res {
 		log.Info("migration applied", "version", r.Source.Version, "file", r.Source.Path, "duration_ms", r.Duration.Milliseconds())
 	}
-	m, err := rivermigrate.New(riverpgxv5.New(pool), &rivermigrate.Config{Logger: log})
+	// River logs every step under its own generic message; one line per
+	// applied version (below) is enough.
+	m, err := rivermigrate.New(riverpgxv5.New(pool), &rivermigrate.Config{Logger: slog.New(slog.DiscardHandler)})
 	if err != nil {
 		return err
 	}

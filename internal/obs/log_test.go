@@ -1,0 +1,89 @@
+package obs
+
+import (
+	"bytes"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"log/slog"
+	"strings"
+	"testing"
+)
+
+// Secrets must not reach a log line however a caller hands them over.
+func TestLoggerNeverPrintsSecrets(t *testing.T) {
+	const (
+		dsn     = "postgres://app:Pa55-w0rd%21@db.internal:5432/app?sslmode=require"
+		webhook = "whsec_dGhpcy1pcy1hLXNpZ25pbmcta2V5"
+	)
+	var buf bytes.Buffer
+	log, err := NewLogger(&buf, "json", "debug", "replica-1", dsn, webhook)
+	if err != nil {
+		t.Fatal(err)
+	}
+	log.Info("connecting to "+dsn, "dsn", dsn)
+	log.Error("failed", "error", fmt.Errorf("dial %s: %w", dsn, errors.New("refused")))
+	log.Warn("kv dsn", "conn", "host=db user=app password=Pa55-w0rd! dbname=app")
+	log.Info("signing", "secret", webhook, slog.Group("sink", "header", "key="+webhook))
+	log.Debug("stringer", "v", stringer("url postgres://x:other-pass@h/db"))
+
+	out := buf.String()
+	for _, leak := range []string{"Pa55-w0rd", "Pa55-w0rd%21", "dGhpcy1pcy1hLXNpZ25pbmcta2V5", "other-pass"} {
+		if strings.Contains(out, leak) {
+			t.Errorf("log output leaks %q:\n%s", leak, out)
+		}
+	}
+	lines := strings.Split(strings.TrimSpace(out), "\n")
+	if len(lines) != 5 {
+		t.Fatalf("want 5 lines, got %d:\n%s", len(lines), out)
+	}
+	for _, l := range lines {
+		var m map[string]any
+		if err := json.Unmarshal([]byte(l), &m); err != nil {
+			t.Fatalf("not JSON: %s", l)
+		}
+		if m["instance_id"] != "replica-1" {
+			t.Errorf("line without instance_id: %s", l)
+		}
+	}
+	if !strings.Contains(out, "postgres://app:xxxxx@db.internal:5432/app") {
+		t.Errorf("masked DSN should keep user and host for debugging:\n%s", out)
+	}
+}
+
+type stringer string
+
+func (s stringer) String() string { return string(s) }
+
+func TestLoggerLevelAndFormat(t *testing.T) {
+	var buf bytes.Buffer
+	log, err := NewLogger(&buf, "json", "warn", "i", "")
+	if err != nil {
+		t.Fatal(err)
+	}
+	log.Info("hidden")
+	log.Warn("shown")
+	if strings.Contains(buf.String(), "hidden") || !strings.Contains(buf.String(), "shown") {
+		t.Fatalf("level not applied: %s", buf.String())
+	}
+	if _, err := NewLogger(&buf, "xml", "info", "i"); err == nil {
+		t.Error("format xml accepted")
+	}
+	if _, err := NewLogger(&buf, "json", "loud", "i"); err == nil {
+		t.Error("level loud accepted")
+	}
+}
+
+func TestMaskDSN(t *testing.T) {
+	cases := map[string]string{
+		"postgres://u:p@h:5432/d":            "postgres://u:xxxxx@h:5432/d",
+		"postgres://u@h/d":                   "postgres://u@h/d",
+		"host=h password='a b' user=u":       "host=h password=xxxxx user=u",
+		"amqp://guest:guest@127.0.0.1:5672/": "amqp://guest:xxxxx@127.0.0.1:5672/",
+	}
+	for in, want := range cases {
+		if got := MaskDSN(in); got != want {
+			t.Errorf("MaskDSN(%q) = %q, want %q", in, got, want)
+		}
+	}
+}

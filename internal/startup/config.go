@@ -1,0 +1,344 @@
+package startup
+
+import (
+	"crypto/rand"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"net"
+	"os"
+	"reflect"
+	"slices"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/go-viper/mapstructure/v2"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/knadh/koanf/parsers/yaml"
+	"github.com/knadh/koanf/providers/confmap"
+	kenv "github.com/knadh/koanf/providers/env/v2"
+	"github.com/knadh/koanf/providers/file"
+	"github.com/knadh/koanf/v2"
+
+	"worker/internal/jobs"
+	"worker/internal/obs"
+	"worker/internal/outbox"
+)
+
+// Config is the effective configuration: built-in defaults, then the YAML
+// file, then APP_* environment variables.
+type Config struct {
+	Database struct {
+		URL            string        `koanf:"url" secret:"dsn"`
+		MigrateOnStart bool          `koanf:"migrate_on_start"`
+		ConnectTimeout time.Duration `koanf:"connect_timeout"`
+		MaxConns       int           `koanf:"max_conns"`
+	} `koanf:"database"`
+	MultiInstance struct {
+		Enabled bool `koanf:"enabled"`
+	} `koanf:"multi_instance"`
+	Instance struct {
+		ID string `koanf:"id"`
+	} `koanf:"instance"`
+	Lock struct {
+		Provider string        `koanf:"provider"`
+		WaitTime time.Duration `koanf:"wait_time"`
+		LeaseTTL time.Duration `koanf:"lease_ttl"`
+	} `koanf:"lock"`
+	HTTP struct {
+		Addr string `koanf:"addr"`
+	} `koanf:"http"`
+	Shutdown struct {
+		Timeout time.Duration `koanf:"timeout"`
+	} `koanf:"shutdown"`
+	Log struct {
+		Level  string `koanf:"level"`
+		Format string `koanf:"format"`
+	} `koanf:"log"`
+	AsyncExecutor struct {
+		MaxSize int `koanf:"max_size"`
+	} `koanf:"async_executor"`
+	Outbox outbox.Config     `koanf:"outbox"`
+	Jobs   []jobs.Definition `koanf:"jobs"`
+}
+
+// Lock providers.
+const (
+	ProviderInProcess = "inprocess"
+	ProviderPostgres  = "postgres"
+)
+
+// setting is one scalar configuration key. The table below is the single
+// list of keys: defaults, environment names and the docs test all read it.
+type setting struct {
+	Key     string // koanf path, as in configs/worker.yaml
+	Default any
+}
+
+// Env is the environment variable that overrides the key.
+func (s setting) Env() string { return "APP_" + strings.ToUpper(strings.ReplaceAll(s.Key, ".", "_")) }
+
+func settings() []setting {
+	o := outbox.DefaultConfig()
+	return []setting{
+		{"database.url", "postgres://postgres@127.0.0.1:5432/postgres?sslmode=disable"},
+		{"database.migrate_on_start", true},
+		{"database.connect_timeout", 30 * time.Second},
+		{"database.max_conns", 10},
+		{"multi_instance.enabled", false},
+		{"instance.id", ""},
+		{"lock.provider", ""},
+		{"lock.wait_time", 3 * time.Second},
+		{"lock.lease_ttl", 30 * time.Second},
+		{"http.addr", ":9090"},
+		{"shutdown.timeout", 20 * time.Second},
+		{"log.level", "info"},
+		{"log.format", "json"},
+		{"async_executor.max_size", 10},
+		{"outbox.enabled", o.Enabled},
+		{"outbox.sink", o.Sink},
+		{"outbox.relays", o.Relays},
+		{"outbox.batch_size", o.BatchSize},
+		{"outbox.poll_interval", o.PollInterval},
+		{"outbox.in_flight_timeout", o.InFlightTimeout},
+		{"outbox.max_attempts", o.MaxAttempts},
+		{"outbox.backoff_base", o.BackoffBase},
+		{"outbox.backoff_max", o.BackoffMax},
+		{"outbox.block_on_dead", o.BlockOnDead},
+		{"outbox.retention", o.Retention},
+		{"outbox.webhook.url", o.Webhook.URL},
+		{"outbox.webhook.secret", o.Webhook.Secret},
+		{"outbox.webhook.timeout", o.Webhook.Timeout},
+	}
+}
+
+// ConfigError is invalid configuration: exit 78.
+type ConfigError struct{ Msg string }
+
+func (e *ConfigError) Error() string { return "invalid configuration: " + e.Msg }
+
+func configErrorf(format string, a ...any) error { return &ConfigError{Msg: fmt.Sprintf(format, a...)} }
+
+// DefaultConfigFile is read when it exists and no other file is named.
+const DefaultConfigFile = "configs/worker.yaml"
+
+// LoadConfig builds the effective configuration. path is the file named by
+// --config or APP_CONFIG_FILE ("" means DefaultConfigFile if it exists);
+// environ is os.Environ() in production.
+func LoadConfig(path string, environ []string) (*Config, error) {
+	all := settings()
+	defaults := make(map[string]any, len(all))
+	envToKey := make(map[string]string, len(all))
+	for _, s := range all {
+		defaults[s.Key] = s.Default
+		envToKey[s.Env()] = s.Key
+	}
+	k := koanf.New(".")
+	if err := k.Load(confmap.Provider(defaults, "."), nil); err != nil {
+		return nil, err
+	}
+
+	if path == "" {
+		if _, err := os.Stat(DefaultConfigFile); err == nil {
+			path = DefaultConfigFile
+		}
+	}
+	if path != "" {
+		fk := koanf.New(".")
+		if err := fk.Load(file.Provider(path), yaml.Parser()); err != nil {
+			return nil, configErrorf("config file %s: %v", path, err)
+		}
+		if err := checkFileKeys(fk, defaults, path); err != nil {
+			return nil, err
+		}
+		if err := k.Merge(fk); err != nil {
+			return nil, err
+		}
+	}
+
+	fromEnv := map[string]string{} // key -> env var, to name the source in errors
+	err := k.Load(kenv.Provider(".", kenv.Opt{
+		Prefix:      "APP_",
+		EnvironFunc: func() []string { return environ },
+		TransformFunc: func(name, v string) (string, any) {
+			key, ok := envToKey[name]
+			if !ok {
+				return "", nil // APP_CONFIG_FILE and unrelated variables
+			}
+			fromEnv[key] = name
+			return key, v
+		},
+	}), nil)
+	if err != nil {
+		return nil, err
+	}
+
+	source := func(key string) string {
+		if name, ok := fromEnv[key]; ok {
+			return name
+		}
+		return key
+	}
+	for _, s := range all {
+		if err := checkType(s, k.Get(s.Key), source(s.Key)); err != nil {
+			return nil, err
+		}
+	}
+
+	var cfg Config
+	dec := &mapstructure.DecoderConfig{
+		DecodeHook:       mapstructure.StringToTimeDurationHookFunc(),
+		WeaklyTypedInput: true,
+		ErrorUnused:      true,
+		Result:           &cfg,
+		TagName:          "koanf",
+	}
+	if err := k.UnmarshalWithConf("", &cfg, koanf.UnmarshalConf{DecoderConfig: dec}); err != nil {
+		return nil, configErrorf("%v", err)
+	}
+	if cfg.Instance.ID == "" {
+		cfg.Instance.ID = defaultInstanceID()
+	}
+	if err := cfg.validate(source); err != nil {
+		return nil, err
+	}
+	return &cfg, nil
+}
+
+// checkFileKeys rejects keys the worker does not know, so a typo in the YAML
+// file is an error instead of a silently ignored setting.
+func checkFileKeys(fk *koanf.Koanf, defaults map[string]any, path string) error {
+	for _, key := range fk.Keys() {
+		if key == "jobs" || strings.HasPrefix(key, "jobs.") {
+			continue
+		}
+		if _, ok := defaults[key]; !ok {
+			return configErrorf("%s: unknown key %q; known keys are listed in %s and the README", path, key, DefaultConfigFile)
+		}
+	}
+	raw := fk.Get("jobs")
+	if raw == nil {
+		return nil
+	}
+	list, ok := raw.([]any)
+	if !ok {
+		return configErrorf("%s: jobs must be a list of job entries", path)
+	}
+	allowed := tagNames(reflect.TypeFor[jobs.Definition]())
+	for i, item := range list {
+		m, ok := item.(map[string]any)
+		if !ok {
+			return configErrorf("%s: jobs[%d] must be a mapping with name, kind, delay, ...", path, i)
+		}
+		for key := range m {
+			if !slices.Contains(allowed, key) {
+				return configErrorf("%s: jobs[%d] %q: unknown key %q; allowed: %s", path, i, fmt.Sprint(m["name"]), key, strings.Join(allowed, ", "))
+			}
+		}
+	}
+	return nil
+}
+
+func tagNames(t reflect.Type) []string {
+	var names []string
+	for f := range t.Fields() {
+		names = append(names, f.Tag.Get("koanf"))
+	}
+	return names
+}
+
+// checkType parses v as the type of the key's default, so a bad value is
+// reported with its source (environment variable or YAML key).
+func checkType(s setting, v any, source string) error {
+	str, ok := v.(string)
+	if !ok {
+		return nil // typed already: a default or a YAML scalar of the right kind
+	}
+	switch s.Default.(type) {
+	case time.Duration:
+		if _, err := time.ParseDuration(str); err != nil {
+			return configErrorf("%s=%q is not a duration; want a number with a unit, such as 3s, 500ms or 5m", source, str)
+		}
+	case int:
+		if _, err := strconv.Atoi(str); err != nil {
+			return configErrorf("%s=%q is not a whole number", source, str)
+		}
+	case bool:
+		if _, err := strconv.ParseBool(str); err != nil {
+			return configErrorf("%s=%q is not a boolean; want true or false", source, str)
+		}
+	}
+	return nil
+}
+
+func (c *Config) validate(source func(string) string) error {
+	positive := []struct {
+		key string
+		v   time.Duration
+	}{
+		{"database.connect_timeout", c.Database.ConnectTimeout},
+		{"lock.lease_ttl", c.Lock.LeaseTTL},
+		{"shutdown.timeout", c.Shutdown.Timeout},
+	}
+	for _, p := range positive {
+		if p.v <= 0 {
+			return configErrorf("%s=%s must be positive", source(p.key), p.v)
+		}
+	}
+	if c.Lock.WaitTime < 0 {
+		return configErrorf("%s=%s must not be negative", source("lock.wait_time"), c.Lock.WaitTime)
+	}
+	if c.Lock.LeaseTTL < c.Lock.WaitTime {
+		return configErrorf("%s=%s is shorter than %s=%s; the lease must outlive the wait for it",
+			source("lock.lease_ttl"), c.Lock.LeaseTTL, source("lock.wait_time"), c.Lock.WaitTime)
+	}
+	if c.Shutdown.Timeout <= time.Second {
+		return configErrorf("%s=%s must be longer than 1s: in-flight work gets the timeout minus 1s, the last second hands back claims and leases",
+			source("shutdown.timeout"), c.Shutdown.Timeout)
+	}
+	switch c.Lock.Provider {
+	case "", ProviderInProcess, ProviderPostgres:
+	default:
+		return configErrorf("%s=%q is not a lock provider; want %s or %s", source("lock.provider"), c.Lock.Provider, ProviderPostgres, ProviderInProcess)
+	}
+	if c.Lock.Provider == "" && !c.MultiInstance.Enabled {
+		c.Lock.Provider = ProviderInProcess
+	}
+	if !slices.Contains([]string{"debug", "info", "warn", "error"}, c.Log.Level) {
+		return configErrorf("%s=%q; want debug, info, warn or error", source("log.level"), c.Log.Level)
+	}
+	if c.Log.Format != "json" && c.Log.Format != "text" {
+		return configErrorf("%s=%q; want json or text", source("log.format"), c.Log.Format)
+	}
+	if c.AsyncExecutor.MaxSize < 1 {
+		return configErrorf("%s=%d must be at least 1", source("async_executor.max_size"), c.AsyncExecutor.MaxSize)
+	}
+	if c.Database.MaxConns < 2 {
+		return configErrorf("%s=%d must be at least 2", source("database.max_conns"), c.Database.MaxConns)
+	}
+	if _, err := pgxpool.ParseConfig(c.Database.URL); err != nil {
+		return configErrorf("%s is not a PostgreSQL URL: %s", source("database.url"), obs.MaskDSN(err.Error()))
+	}
+	if _, _, err := net.SplitHostPort(c.HTTP.Addr); err != nil {
+		return configErrorf("%s=%q; want host:port or :port", source("http.addr"), c.HTTP.Addr)
+	}
+	// WIRE: outbox Validate and jobs ValidateDefinitions
+	return nil
+}
+
+func defaultInstanceID() string {
+	host, err := os.Hostname()
+	if err != nil || host == "" {
+		host = "worker"
+	}
+	b := make([]byte, 3)
+	_, _ = rand.Read(b)
+	return host + "-" + hex.EncodeToString(b)
+}
+
+// errors.As target helper for callers that only need the exit code.
+func isConfigError(err error) bool {
+	var ce *ConfigError
+	return errors.As(err, &ce)
+}

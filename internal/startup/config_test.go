@@ -1,0 +1,196 @@
+package startup
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/knadh/koanf/parsers/yaml"
+	"github.com/knadh/koanf/providers/file"
+	"github.com/knadh/koanf/v2"
+)
+
+func writeFile(t *testing.T, body string) string {
+	t.Helper()
+	p := filepath.Join(t.TempDir(), "worker.yaml")
+	if err := os.WriteFile(p, []byte(body), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	return p
+}
+
+func TestDefaults(t *testing.T) {
+	cfg, err := LoadConfig(writeFile(t, "{}\n"), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if cfg.Database.URL != "postgres://postgres@127.0.0.1:5432/postgres?sslmode=disable" ||
+		cfg.MultiInstance.Enabled || cfg.Lock.Provider != ProviderInProcess ||
+		cfg.Lock.WaitTime != 3*time.Second || cfg.Lock.LeaseTTL != 30*time.Second ||
+		cfg.HTTP.Addr != ":9090" || cfg.Shutdown.Timeout != 20*time.Second ||
+		cfg.Log.Level != "info" || cfg.Log.Format != "json" || cfg.AsyncExecutor.MaxSize != 10 ||
+		!cfg.Database.MigrateOnStart || cfg.Database.ConnectTimeout != 30*time.Second {
+		t.Fatalf("unexpected defaults: %+v", cfg)
+	}
+	host, _ := os.Hostname()
+	if !strings.HasPrefix(cfg.Instance.ID, host+"-") || len(cfg.Instance.ID) <= len(host)+1 {
+		t.Fatalf("instance id %q: want hostname plus a random suffix", cfg.Instance.ID)
+	}
+}
+
+func TestLayers(t *testing.T) {
+	path := writeFile(t, "lock:\n  wait_time: 5s\n  lease_ttl: 40s\nlog:\n  level: debug\n")
+	cfg, err := LoadConfig(path, []string{"APP_LOCK_WAIT_TIME=7s", "APP_ASYNC_EXECUTOR_MAX_SIZE=3", "APP_UNRELATED=1"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if cfg.Lock.WaitTime != 7*time.Second { // env beats file
+		t.Errorf("wait_time = %s, want 7s from the environment", cfg.Lock.WaitTime)
+	}
+	if cfg.Lock.LeaseTTL != 40*time.Second || cfg.Log.Level != "debug" { // file beats default
+		t.Errorf("file values lost: %+v", cfg)
+	}
+	if cfg.AsyncExecutor.MaxSize != 3 {
+		t.Errorf("max_size = %d, want 3", cfg.AsyncExecutor.MaxSize)
+	}
+}
+
+func TestInvalidConfig(t *testing.T) {
+	cases := []struct {
+		name, file string
+		env        []string
+		want       []string // all must appear in the message
+	}{
+		{"unparsable duration", "{}", []string{"APP_LOCK_WAIT_TIME=banana"}, []string{"APP_LOCK_WAIT_TIME", "banana", "3s"}},
+		{"duration in file", "shutdown:\n  timeout: soon\n", nil, []string{"shutdown.timeout", "soon"}},
+		{"zero timeout", "{}", []string{"APP_SHUTDOWN_TIMEOUT=0s"}, []string{"APP_SHUTDOWN_TIMEOUT", "positive"}},
+		{"negative timeout", "{}", []string{"APP_DATABASE_CONNECT_TIMEOUT=-1s"}, []string{"APP_DATABASE_CONNECT_TIMEOUT", "positive"}},
+		{"ttl below wait", "{}", []string{"APP_LOCK_LEASE_TTL=2s", "APP_LOCK_WAIT_TIME=3s"}, []string{"APP_LOCK_LEASE_TTL", "APP_LOCK_WAIT_TIME", "shorter"}},
+		{"unknown provider", "{}", []string{"APP_LOCK_PROVIDER=zookeeper"}, []string{"APP_LOCK_PROVIDER", "zookeeper", "postgres", "inprocess"}},
+		{"unknown key", "lock:\n  wiat_time: 3s\n", nil, []string{"lock.wiat_time", "unknown key"}},
+		{"unknown top-level key", "databse:\n  url: x\n", nil, []string{"databse.url", "unknown key"}},
+		{"unknown job key", "jobs:\n  - name: a\n    kind: sql\n    delay: 1s\n    sql: SELECT 1\n    dealy: 2s\n", nil, []string{`"a"`, "dealy"}},
+		{"bad int", "{}", []string{"APP_ASYNC_EXECUTOR_MAX_SIZE=ten"}, []string{"APP_ASYNC_EXECUTOR_MAX_SIZE", "ten"}},
+		{"bad bool", "{}", []string{"APP_MULTI_INSTANCE_ENABLED=yes please"}, []string{"APP_MULTI_INSTANCE_ENABLED", "true or false"}},
+		{"bad level", "{}", []string{"APP_LOG_LEVEL=loud"}, []string{"APP_LOG_LEVEL", "loud", "debug"}},
+		{"bad format", "{}", []string{"APP_LOG_FORMAT=xml"}, []string{"APP_LOG_FORMAT", "json"}},
+		{"zero executor", "{}", []string{"APP_ASYNC_EXECUTOR_MAX_SIZE=0"}, []string{"APP_ASYNC_EXECUTOR_MAX_SIZE"}},
+		{"bad http addr", "{}", []string{"APP_HTTP_ADDR=9090"}, []string{"APP_HTTP_ADDR", "9090"}},
+		{"bad database url", "{}", []string{"APP_DATABASE_URL=postgres://u:hunter2@[::1"}, []string{"APP_DATABASE_URL"}},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			_, err := LoadConfig(writeFile(t, c.file), c.env)
+			if ExitCode(err) != ExitConfig {
+				t.Fatalf("exit code %d (err %v), want %d", ExitCode(err), err, ExitConfig)
+			}
+			for _, w := range c.want {
+				if !strings.Contains(err.Error(), w) {
+					t.Errorf("message %q does not mention %q", err, w)
+				}
+			}
+			if strings.Contains(err.Error(), "hunter2") {
+				t.Errorf("message leaks the password: %q", err)
+			}
+		})
+	}
+}
+
+func TestMissingConfigFile(t *testing.T) {
+	_, err := LoadConfig(filepath.Join(t.TempDir(), "nope.yaml"), nil)
+	if ExitCode(err) != ExitConfig || !strings.Contains(err.Error(), "nope.yaml") {
+		t.Fatalf("got %v", err)
+	}
+}
+
+func TestPrintConfigMasksSecrets(t *testing.T) {
+	cfg, err := LoadConfig(writeFile(t, "{}"), []string{
+		"APP_DATABASE_URL=postgres://app:s3cr3t-pw@db:5432/app",
+		"APP_OUTBOX_WEBHOOK_SECRET=whsec_c2VjcmV0LXNpZ25pbmcta2V5",
+		"APP_OUTBOX_WEBHOOK_URL=https://example.test/hook",
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var out bytes.Buffer
+	if err := PrintConfig(&out, cfg); err != nil {
+		t.Fatal(err)
+	}
+	s := out.String()
+	for _, secret := range []string{"s3cr3t-pw", "c2VjcmV0LXNpZ25pbmcta2V5"} {
+		if strings.Contains(s, secret) {
+			t.Fatalf("config print leaks %q:\n%s", secret, s)
+		}
+	}
+	for _, want := range []string{"url: postgres://app:xxxxx@db:5432/app", "secret: xxxxx", "wait_time: 3s", "https://example.test/hook"} {
+		if !strings.Contains(s, want) {
+			t.Errorf("config print lacks %q:\n%s", want, s)
+		}
+	}
+}
+
+// Every setting is documented: a commented default in configs/worker.yaml
+// (which must itself load cleanly) and a row in the README.
+func TestEverySettingIsDocumented(t *testing.T) {
+	const yamlPath, readme = "../../configs/worker.yaml", "../../README.md"
+	if _, err := LoadConfig(yamlPath, nil); err != nil {
+		t.Fatalf("shipped config does not load: %v", err)
+	}
+	k := koanf.New(".")
+	if err := k.Load(file.Provider(yamlPath), yaml.Parser()); err != nil {
+		t.Fatal(err)
+	}
+	doc, err := os.ReadFile(readme)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, s := range settings() {
+		if !k.Exists(s.Key) {
+			t.Errorf("%s is missing from configs/worker.yaml", s.Key)
+		}
+		if !bytes.Contains(doc, []byte("`"+s.Env()+"`")) {
+			t.Errorf("%s has no row in the README", s.Env())
+		}
+	}
+}
+
+func TestStartupSafety(t *testing.T) {
+	load := func(env ...string) *Config {
+		cfg, err := LoadConfig(writeFile(t, "{}"), env)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return cfg
+	}
+	cases := []struct {
+		env  []string
+		want int
+		msg  string
+	}{
+		{nil, ExitOK, ""},
+		{[]string{"APP_MULTI_INSTANCE_ENABLED=true"}, ExitUnsafe, "set APP_LOCK_PROVIDER=postgres"},
+		{[]string{"APP_MULTI_INSTANCE_ENABLED=true", "APP_LOCK_PROVIDER=inprocess"}, ExitUnsafe, "APP_LOCK_PROVIDER=postgres"},
+		{[]string{"APP_MULTI_INSTANCE_ENABLED=true", "APP_LOCK_PROVIDER=postgres"}, ExitOK, ""},
+		{[]string{"APP_LOCK_PROVIDER=postgres"}, ExitOK, ""},
+	}
+	for _, c := range cases {
+		err := CheckLockProvider(load(c.env...))
+		if ExitCode(err) != c.want || (c.msg != "" && !strings.Contains(err.Error(), c.msg)) {
+			t.Errorf("%v: got %v (exit %d), want exit %d mentioning %q", c.env, err, ExitCode(err), c.want, c.msg)
+		}
+	}
+
+	multi := load("APP_MULTI_INSTANCE_ENABLED=true", "APP_LOCK_PROVIDER=postgres")
+	err := CheckLockStore(t.Context(), multi, func(_ context.Context) error { return errors.New(`relation "worker_lock" does not exist`) })
+	if ExitCode(err) != ExitUnsafe || !strings.Contains(err.Error(), "APP_DATABASE_MIGRATE_ON_START") {
+		t.Errorf("unusable store: got %v", err)
+	}
+	if err := CheckLockStore(t.Context(), multi, func(context.Context) error { return nil }); err != nil {
+		t.Errorf("usable store: %v", err)
+	}
+}

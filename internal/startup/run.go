@@ -1,0 +1,182 @@
+package startup
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net/http"
+	"os"
+	"os/signal"
+	"sync"
+	"syscall"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/prometheus/client_golang/prometheus"
+
+	"worker/internal/migrate"
+	"worker/internal/obs"
+)
+
+// component is a long-running part of the worker (the job scheduler, the
+// outbox relay). Shutdown stops new work, lets in-flight work finish until
+// ctx's deadline, then cancels it and hands back claims and leases.
+type component interface {
+	Start(ctx context.Context) error
+	Shutdown(ctx context.Context) error
+}
+
+type runCmd struct{}
+
+func (runCmd) Run(e *cmdEnv) error {
+	cfg, err := LoadConfig(e.ConfigPath, e.Environ)
+	if err != nil {
+		return err
+	}
+	log, err := newLogger(e, cfg)
+	if err != nil {
+		return err
+	}
+	if err := CheckLockProvider(cfg); err != nil {
+		log.Error("refusing to start", "error", err)
+		return err
+	}
+
+	// Signals are watched from the start, so SIGTERM during a slow database
+	// connect ends the wait instead of being lost.
+	sigs := make(chan os.Signal, 2)
+	signal.Notify(sigs, syscall.SIGTERM, syscall.SIGINT)
+	defer signal.Stop(sigs)
+	ctx, stop := context.WithCancel(context.Background())
+	defer stop()
+	go func() {
+		s := <-sigs
+		log.Info("shutdown requested", "signal", s.String(), "budget", cfg.Shutdown.Timeout.String())
+		stop()
+		s = <-sigs
+		log.Warn("second signal, exiting at once", "signal", s.String())
+		os.Exit(ExitInterrupted)
+	}()
+
+	reg := obs.NewRegistry()
+	ready := &readiness{}
+	srv := newOpsServer(cfg.HTTP.Addr, reg, ready)
+	ln, err := listen(srv)
+	if err != nil {
+		return fmt.Errorf("ops HTTP server on %s (APP_HTTP_ADDR): %w", cfg.HTTP.Addr, err)
+	}
+	go func() {
+		if err := srv.Serve(ln); err != nil && !errors.Is(err, http.ErrServerClosed) {
+			log.Error("ops HTTP server stopped", "error", err)
+		}
+	}()
+	defer func() {
+		sctx, cancel := context.WithTimeout(context.Background(), 500*time.Millisecond)
+		defer cancel()
+		_ = srv.Shutdown(sctx)
+	}()
+
+	pool, err := connectDB(ctx, cfg, log)
+	if err != nil {
+		if ctx.Err() != nil {
+			return nil // asked to stop while still connecting: a clean exit
+		}
+		log.Error("database unavailable", "error", err)
+		return err
+	}
+	defer closeBounded(pool, time.Second, log)
+	ready.pool.Store(pool)
+
+	if cfg.Database.MigrateOnStart {
+		if err := migrate.Up(ctx, pool, log); err != nil {
+			if ctx.Err() != nil {
+				return nil
+			}
+			return fmt.Errorf("migrations: %w", err)
+		}
+	}
+
+	parts, cleanup, err := wire(ctx, cfg, pool, log, reg)
+	defer cleanup()
+	if err != nil {
+		log.Error("refusing to start", "error", err)
+		return err
+	}
+	for _, p := range parts {
+		if err := p.Start(ctx); err != nil {
+			return fmt.Errorf("start: %w", err)
+		}
+	}
+	ready.started.Store(true)
+	log.Info("worker ready", "http_addr", cfg.HTTP.Addr, "multi_instance", cfg.MultiInstance.Enabled,
+		"lock_provider", cfg.Lock.Provider)
+
+	<-ctx.Done()
+	ready.draining.Store(true)
+	// In-flight work gets the budget minus 1s; the last second is for
+	// handing back claims and leases and closing the pool.
+	sctx, cancel := context.WithTimeout(context.Background(), cfg.Shutdown.Timeout-time.Second)
+	defer cancel()
+	var wg sync.WaitGroup
+	for _, p := range parts {
+		wg.Go(func() {
+			if err := p.Shutdown(sctx); err != nil {
+				log.Warn("shutdown incomplete", "error", err)
+			}
+		})
+	}
+	wg.Wait()
+	log.Info("worker stopped")
+	return nil
+}
+
+// wire builds the worker's components. cleanup runs after they stopped.
+func wire(ctx context.Context, cfg *Config, pool *pgxpool.Pool, log *slog.Logger, reg prometheus.Registerer) (parts []component, cleanup func(), err error) {
+	return nil, func() {}, nil
+}
+
+func newLogger(e *cmdEnv, cfg *Config) (*slog.Logger, error) {
+	log, err := obs.NewLogger(e.Stderr, cfg.Log.Format, cfg.Log.Level, cfg.Instance.ID, cfg.Database.URL, cfg.Outbox.Webhook.Secret)
+	if err != nil {
+		return nil, configErrorf("%v", err)
+	}
+	return log, nil
+}
+
+// closeBounded closes the pool without letting a stuck connection hold the
+// exit past the shutdown budget.
+func closeBounded(pool *pgxpool.Pool, limit time.Duration, log *slog.Logger) {
+	done := make(chan struct{})
+	go func() { pool.Close(); close(done) }()
+	select {
+	case <-done:
+	case <-time.After(limit):
+		log.Warn("database pool did not close in time")
+	}
+}
+
+type migrateCmd struct{}
+
+func (migrateCmd) Run(e *cmdEnv) error {
+	cfg, err := LoadConfig(e.ConfigPath, e.Environ)
+	if err != nil {
+		return err
+	}
+	log, err := newLogger(e, cfg)
+	if err != nil {
+		return err
+	}
+	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
+	defer stop()
+	pool, err := connectDB(ctx, cfg, log)
+	if err != nil {
+		return err
+	}
+	defer pool.Close()
+	if err := migrate.Up(ctx, pool, log); err != nil {
+		return err
+	}
+	log.Info("migrations current")
+	return nil
+}

@@ -1,0 +1,41 @@
+package startup
+
+import (
+	"context"
+	"fmt"
+)
+
+// SafetyError means multi-instance mode lacks a shared lock: exit 72. Every
+// replica would otherwise run every job, so the worker refuses to start.
+type SafetyError struct{ Msg string }
+
+func (e *SafetyError) Error() string { return "unsafe multi-instance setup: " + e.Msg }
+
+// CheckLockProvider is the first half of the startup safety check and runs
+// before anything connects: with APP_MULTI_INSTANCE_ENABLED=true the lock
+// provider must be a shared one.
+func CheckLockProvider(cfg *Config) error {
+	if !cfg.MultiInstance.Enabled {
+		return nil
+	}
+	switch cfg.Lock.Provider {
+	case "":
+		return &SafetyError{Msg: "APP_MULTI_INSTANCE_ENABLED=true but APP_LOCK_PROVIDER is not set; set APP_LOCK_PROVIDER=postgres so replicas share job leases"}
+	case ProviderInProcess:
+		return &SafetyError{Msg: "APP_MULTI_INSTANCE_ENABLED=true but APP_LOCK_PROVIDER=inprocess only locks within one process; set APP_LOCK_PROVIDER=postgres"}
+	}
+	return nil
+}
+
+// CheckLockStore is the second half: the shared provider's store must be
+// usable. storeReady reports whether it is (for postgres: its table exists).
+func CheckLockStore(ctx context.Context, cfg *Config, storeReady func(context.Context) error) error {
+	if !cfg.MultiInstance.Enabled {
+		return nil
+	}
+	if err := storeReady(ctx); err != nil {
+		hint := "run `worker migrate` or set APP_DATABASE_MIGRATE_ON_START=true"
+		return &SafetyError{Msg: fmt.Sprintf("APP_LOCK_PROVIDER=%s cannot be used: %v; %s", cfg.Lock.Provider, err, hint)}
+	}
+	return nil
+}
