@@ -91,6 +91,9 @@ func startWorker(t *testing.T, env []string, args ...string) *proc {
 		"APP_CONFIG_FILE=" + empty,
 		"APP_HTTP_ADDR=" + p.addr,
 		"APP_LOG_LEVEL=debug",
+		// The race runtime sleeps 1s at exit by default; exit timing is
+		// under test here.
+		"GORACE=atexit_sleep_ms=0",
 	}, env...)
 	p.cmd.Stdout = &p.out
 	p.cmd.Stderr = &p.out
@@ -105,6 +108,9 @@ func startWorker(t *testing.T, env []string, args ...string) *proc {
 	t.Cleanup(func() {
 		_ = p.cmd.Process.Kill()
 		<-p.done
+		if strings.Contains(p.out.String(), "WARNING: DATA RACE") {
+			t.Error("the worker process reported a data race")
+		}
 		if t.Failed() {
 			t.Logf("worker output:\n%s", p.out.String())
 		}
