@@ -2,7 +2,15 @@
 // lease from the lock port when several replicas run.
 package jobs
 
-import "time"
+import (
+	"errors"
+	"fmt"
+	"net/url"
+	"regexp"
+	"slices"
+	"strings"
+	"time"
+)
 
 // Definition is one job under `jobs:` in configs/worker.yaml.
 type Definition struct {
@@ -17,4 +25,142 @@ type Definition struct {
 	URL          string            `koanf:"url" yaml:"url,omitempty"`
 	Method       string            `koanf:"method" yaml:"method,omitempty"`
 	Headers      map[string]string `koanf:"headers" yaml:"headers,omitempty"`
+}
+
+// Job kinds a Definition can name.
+const (
+	KindSQL  = "sql"
+	KindHTTP = "http"
+)
+
+// httpMethods are the methods an http job may use. CONNECT and TRACE make no
+// sense for a scheduled call, so a typo cannot silently pick them.
+var httpMethods = []string{"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"}
+
+// namePattern keeps job names usable as a lock key, a metric label and a
+// table key: short, printable, no spaces.
+var namePattern = regexp.MustCompile(`^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$`)
+
+// minLeaseTTL keeps a configured lease from being so short that its
+// heartbeat (every ttl/3) hammers the database or cannot keep up.
+const minLeaseTTL = time.Second
+
+// DefinitionError is one problem in one job definition. Its message names
+// the job, the key and what is allowed, so an operator can fix the file
+// without reading code.
+type DefinitionError struct {
+	Index int    // position under jobs:
+	Name  string // the job's name, possibly empty
+	Key   string // the offending key, e.g. "delay"
+	Msg   string
+}
+
+func (e *DefinitionError) Error() string {
+	return fmt.Sprintf("jobs[%d] %q: %s %s", e.Index, e.Name, e.Key, e.Msg)
+}
+
+// IsEnabled reports whether the job should be scheduled; unset means yes.
+func (d Definition) IsEnabled() bool { return d.Enabled == nil || *d.Enabled }
+
+// Validate checks one definition on its own. Errors name the job and key;
+// the index in them is 0 because a lone definition has no position; use
+// ValidateDefinitions for a whole list.
+func (d Definition) Validate() error { return d.validate(0) }
+
+func (d Definition) validate(i int) error {
+	var errs []error
+	bad := func(key, format string, args ...any) {
+		errs = append(errs, &DefinitionError{Index: i, Name: d.Name, Key: key, Msg: fmt.Sprintf(format, args...)})
+	}
+	if d.Name == "" {
+		bad("name", "is missing; want a unique name such as cleanup-sessions")
+	} else if !namePattern.MatchString(d.Name) {
+		bad("name", "%q is not allowed; want 1-63 letters, digits, '.', '_' or '-', starting with a letter or digit", d.Name)
+	}
+	switch {
+	case d.Delay == 0:
+		bad("delay", "is missing; want a positive duration such as 30s")
+	case d.Delay < 0:
+		bad("delay", "is %s; want a positive duration such as 30s", d.Delay)
+	}
+	for _, f := range []struct {
+		key string
+		v   time.Duration
+	}{{"initial_delay", d.InitialDelay}, {"timeout", d.Timeout}, {"lease_ttl", d.LeaseTTL}} {
+		if f.v < 0 {
+			bad(f.key, "is %s; want 0 (the default) or a positive duration", f.v)
+		}
+	}
+	if d.LeaseTTL > 0 && d.LeaseTTL < minLeaseTTL {
+		bad("lease_ttl", "is %s; want at least %s (it is renewed every ttl/3)", d.LeaseTTL, minLeaseTTL)
+	}
+	switch d.Kind {
+	case KindSQL:
+		if strings.TrimSpace(d.SQL) == "" {
+			bad("sql", "is empty; a sql job needs the statements to run in one transaction")
+		}
+		for _, f := range []struct {
+			key string
+			set bool
+		}{{"url", d.URL != ""}, {"method", d.Method != ""}, {"headers", len(d.Headers) > 0}} {
+			if f.set {
+				bad(f.key, "is set but kind is sql; url, method and headers belong to kind http")
+			}
+		}
+	case KindHTTP:
+		if d.URL == "" {
+			bad("url", "is empty; an http job needs an absolute http:// or https:// URL")
+		} else if u, err := url.Parse(d.URL); err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
+			bad("url", "%q is not an absolute http:// or https:// URL", redactURL(d.URL))
+		}
+		if d.Method != "" && !slices.Contains(httpMethods, strings.ToUpper(d.Method)) {
+			bad("method", "%q is not allowed; want one of %s (default GET)", d.Method, strings.Join(httpMethods, ", "))
+		}
+		if d.SQL != "" {
+			bad("sql", "is set but kind is http; sql belongs to kind sql")
+		}
+	case "":
+		bad("kind", "is missing; want sql or http")
+	default:
+		bad("kind", "%q is unknown; want sql or http", d.Kind)
+	}
+	return errors.Join(errs...)
+}
+
+// ValidateDefinitions checks every definition and that names are unique.
+// It reports every problem at once, one per line, so a broken file is fixed
+// in one pass.
+func ValidateDefinitions(defs []Definition) error {
+	var errs []error
+	first := map[string]int{}
+	for i, d := range defs {
+		if err := d.validate(i); err != nil {
+			errs = append(errs, err)
+		}
+		if d.Name == "" {
+			continue
+		}
+		if j, dup := first[d.Name]; dup {
+			errs = append(errs, &DefinitionError{Index: i, Name: d.Name, Key: "name",
+				Msg: fmt.Sprintf("duplicates jobs[%d]; every job needs a unique name (it is the lock key)", j)})
+			continue
+		}
+		first[d.Name] = i
+	}
+	return errors.Join(errs...)
+}
+
+// redactURL drops user info and the query, which may carry credentials, so
+// a URL can go into an error message or a log line.
+func redactURL(raw string) string {
+	u, err := url.Parse(raw)
+	if err != nil {
+		return "(unparsable URL)"
+	}
+	u.User = nil
+	if u.RawQuery != "" {
+		u.RawQuery = "..."
+	}
+	u.Fragment = ""
+	return u.String()
 }

@@ -42,6 +42,8 @@ var (
 	ErrLeaseExpired = errors.New("lock: lease expired")
 	// ErrLeaseLost: the lease was declared lost (renewal failed).
 	ErrLeaseLost = errors.New("lock: lease lost")
+	// ErrLeaseReleased: Renew on a lease that was already released.
+	ErrLeaseReleased = errors.New("lock: lease released")
 )
 
 // TimeoutError is returned when a key stays held for the whole wait.
@@ -61,4 +63,20 @@ func (e *TimeoutError) Code() string { return obs.CodeLockAcquisitionTimeout }
 func IsTimeout(err error) bool {
 	var t *TimeoutError
 	return errors.As(err, &t)
+}
+
+// WithLease returns a context that is cancelled, with cause ErrLeaseLost,
+// when the lease is lost. Protected work runs under it so that a replica
+// that lost its lease stops instead of racing the new holder. The returned
+// cancel must be called when the work ends.
+func WithLease(ctx context.Context, l Lease) (context.Context, context.CancelFunc) {
+	ctx, cancel := context.WithCancelCause(ctx)
+	go func() {
+		select {
+		case <-l.Lost():
+			cancel(ErrLeaseLost)
+		case <-ctx.Done():
+		}
+	}()
+	return ctx, func() { cancel(context.Canceled) }
 }

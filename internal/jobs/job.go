@@ -1,0 +1,72 @@
+package jobs
+
+import (
+	"context"
+	"time"
+)
+
+// Job is one unit of scheduled work. Run must honour ctx: it is cancelled
+// when the run times out, when the run's lease is lost, and at the end of
+// the shutdown budget.
+type Job interface {
+	Name() string
+	Run(ctx context.Context) error
+}
+
+// Spec is a Job plus its schedule.
+type Spec struct {
+	Job Job
+	// Delay is the rest between the end of one run and the start of the
+	// next, cluster-wide, on the database clock. Required.
+	Delay time.Duration
+	// InitialDelay holds this replica's first attempt back after Start.
+	InitialDelay time.Duration
+	// Timeout bounds one run; 0 means DefaultTimeout.
+	Timeout time.Duration
+	// LeaseTTL is the ttl of lease job:<name>; 0 means Options.LeaseTTL.
+	LeaseTTL time.Duration
+}
+
+// DefaultTimeout bounds a run whose Spec sets no timeout. A run must never
+// hang without bound: it would hold its lease (renewed) and a concurrency
+// slot forever. Five minutes is long for a periodic job yet short enough
+// that a stuck one is noticed; set timeout explicitly for longer work.
+const DefaultTimeout = 5 * time.Minute
+
+// Func adapts a function to Job, for code jobs that need no state.
+func Func(name string, run func(ctx context.Context) error) Job { return funcJob{name, run} }
+
+type funcJob struct {
+	name string
+	run  func(ctx context.Context) error
+}
+
+func (f funcJob) Name() string                  { return f.name }
+func (f funcJob) Run(ctx context.Context) error { return f.run(ctx) }
+
+type runKey struct{}
+
+type runInfo struct {
+	token int64
+	runID string
+}
+
+func withRun(ctx context.Context, token int64, runID string) context.Context {
+	return context.WithValue(ctx, runKey{}, runInfo{token, runID})
+}
+
+// FencingToken returns the fencing token of the lease the current run
+// holds. It is strictly greater than the token of any earlier run of the
+// same job on any replica, so a job can guard its writes with it (for
+// example `UPDATE ... WHERE last_token < $token`) and a run that lost its
+// lease cannot overwrite the work of the run that took over.
+func FencingToken(ctx context.Context) (int64, bool) {
+	ri, ok := ctx.Value(runKey{}).(runInfo)
+	return ri.token, ok
+}
+
+// RunID returns the id (a UUID) of the current run, as logged in run_id.
+func RunID(ctx context.Context) (string, bool) {
+	ri, ok := ctx.Value(runKey{}).(runInfo)
+	return ri.runID, ok
+}

@@ -1,0 +1,119 @@
+package jobs
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"net/url"
+	"strconv"
+	"strings"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+)
+
+// FromDefinitions turns the jobs under `jobs:` in configs/worker.yaml into
+// Specs, leaving out disabled ones. It validates first, so it returns the
+// same errors as ValidateDefinitions. httpClient may be nil; the run's
+// context bounds each call either way.
+func FromDefinitions(defs []Definition, pool *pgxpool.Pool, httpClient *http.Client) ([]Spec, error) {
+	if err := ValidateDefinitions(defs); err != nil {
+		return nil, err
+	}
+	if httpClient == nil {
+		httpClient = &http.Client{}
+	}
+	var specs []Spec
+	for _, d := range defs {
+		if !d.IsEnabled() {
+			continue
+		}
+		var j Job
+		switch d.Kind {
+		case KindSQL:
+			if pool == nil {
+				return nil, fmt.Errorf("jobs: sql job %q needs a database pool", d.Name)
+			}
+			j = &SQLJob{JobName: d.Name, SQL: d.SQL, Pool: pool}
+		case KindHTTP:
+			method := strings.ToUpper(d.Method)
+			if method == "" {
+				method = http.MethodGet
+			}
+			j = &HTTPJob{JobName: d.Name, Method: method, URL: d.URL, Headers: d.Headers, Client: httpClient}
+		}
+		specs = append(specs, Spec{Job: j, Delay: d.Delay, InitialDelay: d.InitialDelay, Timeout: d.Timeout, LeaseTTL: d.LeaseTTL})
+	}
+	return specs, nil
+}
+
+// SQLJob runs SQL (one or more statements) in one transaction. Before the
+// SQL runs, the transaction-local settings worker.fencing_token and
+// worker.run_id are set, so the SQL can guard its writes with
+// current_setting('worker.fencing_token')::bigint.
+type SQLJob struct {
+	JobName string
+	SQL     string
+	Pool    *pgxpool.Pool
+}
+
+// Name implements Job.
+func (j *SQLJob) Name() string { return j.JobName }
+
+// Run implements Job.
+func (j *SQLJob) Run(ctx context.Context) error {
+	token, _ := FencingToken(ctx)
+	runID, _ := RunID(ctx)
+	return pgx.BeginFunc(ctx, j.Pool, func(tx pgx.Tx) error {
+		if _, err := tx.Exec(ctx, "SELECT set_config('worker.fencing_token', $1, true), set_config('worker.run_id', $2, true)",
+			strconv.FormatInt(token, 10), runID); err != nil {
+			return err
+		}
+		// No arguments: pgx uses the simple protocol, which allows several
+		// statements in one string.
+		_, err := tx.Exec(ctx, j.SQL)
+		return err
+	})
+}
+
+// HTTPJob calls a URL; any 2xx status is success.
+type HTTPJob struct {
+	JobName string
+	Method  string
+	URL     string
+	Headers map[string]string
+	Client  *http.Client
+}
+
+// Name implements Job.
+func (j *HTTPJob) Name() string { return j.JobName }
+
+// Run implements Job.
+func (j *HTTPJob) Run(ctx context.Context) error {
+	req, err := http.NewRequestWithContext(ctx, j.Method, j.URL, nil)
+	if err != nil {
+		return fmt.Errorf("%s %s: %w", j.Method, redactURL(j.URL), err)
+	}
+	for k, v := range j.Headers {
+		req.Header.Set(k, v)
+	}
+	resp, err := j.Client.Do(req)
+	if err != nil {
+		// url.Error repeats the full URL, which may carry a token; report
+		// only its cause.
+		var ue *url.Error
+		if errors.As(err, &ue) {
+			err = ue.Err
+		}
+		return fmt.Errorf("%s %s: %w", j.Method, redactURL(j.URL), err)
+	}
+	// Drain a bounded amount so the connection can be reused.
+	_, _ = io.Copy(io.Discard, io.LimitReader(resp.Body, 64<<10))
+	_ = resp.Body.Close()
+	if resp.StatusCode < 200 || resp.StatusCode > 299 {
+		return fmt.Errorf("%s %s: status %s; want 2xx", j.Method, redactURL(j.URL), resp.Status)
+	}
+	return nil
+}

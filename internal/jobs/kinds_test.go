@@ -1,0 +1,97 @@
+package jobs
+
+import (
+	"context"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"worker/internal/pgtest"
+)
+
+func TestHTTPJob(t *testing.T) {
+	var (
+		mu   sync.Mutex
+		got  []string
+		code = http.StatusNoContent
+	)
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		mu.Lock()
+		defer mu.Unlock()
+		got = append(got, r.Method+" "+r.URL.Path+" "+r.Header.Get("X-Token"))
+		w.WriteHeader(code)
+	}))
+	defer srv.Close()
+
+	specs, err := FromDefinitions([]Definition{
+		{Name: "post", Kind: KindHTTP, Delay: time.Second, URL: srv.URL + "/hook", Method: "POST", Headers: map[string]string{"X-Token": "abc"}},
+		{Name: "get", Kind: KindHTTP, Delay: time.Second, URL: srv.URL + "/ping?key=hidden"},
+	}, nil, srv.Client())
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	if err := specs[0].Job.Run(ctx); err != nil {
+		t.Fatalf("204: %v", err)
+	}
+	if err := specs[1].Job.Run(ctx); err != nil {
+		t.Fatalf("204: %v", err)
+	}
+	mu.Lock()
+	code = http.StatusInternalServerError
+	mu.Unlock()
+	err = specs[1].Job.Run(ctx)
+	if err == nil || !strings.Contains(err.Error(), "500") {
+		t.Fatalf("500 gave %v, want an error naming the status", err)
+	}
+	if strings.Contains(err.Error(), "hidden") {
+		t.Fatalf("error leaks the query string: %v", err)
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	want := []string{"POST /hook abc", "GET /ping ", "GET /ping "}
+	if strings.Join(got, "|") != strings.Join(want, "|") {
+		t.Fatalf("server saw %q, want %q", got, want)
+	}
+}
+
+func TestHTTPJobHonoursContext(t *testing.T) {
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		<-r.Context().Done()
+	}))
+	defer srv.Close()
+	j := &HTTPJob{JobName: "slow", Method: http.MethodGet, URL: srv.URL, Client: srv.Client()}
+	ctx, cancel := context.WithTimeout(context.Background(), 100*time.Millisecond)
+	defer cancel()
+	if err := j.Run(ctx); err == nil {
+		t.Fatal("a call past its deadline succeeded")
+	}
+}
+
+func TestSQLJobRunsInOneTransaction(t *testing.T) {
+	db := pgtest.New(t)
+	ctx := context.Background()
+	if _, err := db.Pool.Exec(ctx, "CREATE TABLE t (token bigint, run_id text)"); err != nil {
+		t.Fatal(err)
+	}
+	ok := &SQLJob{JobName: "ok", Pool: db.Pool, SQL: `
+INSERT INTO t VALUES (current_setting('worker.fencing_token')::bigint, current_setting('worker.run_id'));
+INSERT INTO t VALUES (0, 'second statement');`}
+	if err := ok.Run(withRun(ctx, 42, "run-1")); err != nil {
+		t.Fatal(err)
+	}
+	bad := &SQLJob{JobName: "bad", Pool: db.Pool, SQL: `INSERT INTO t VALUES (7, 'rolled back'); SELECT 1/0;`}
+	if err := bad.Run(withRun(ctx, 43, "run-2")); err == nil {
+		t.Fatal("division by zero succeeded")
+	}
+	var n, token int64
+	if err := db.Pool.QueryRow(ctx, "SELECT count(*), max(token) FROM t").Scan(&n, &token); err != nil {
+		t.Fatal(err)
+	}
+	if n != 2 || token != 42 {
+		t.Fatalf("rows=%d max token=%d; want the two rows of the committed run with its token 42 and nothing from the failed one", n, token)
+	}
+}

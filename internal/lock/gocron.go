@@ -1,0 +1,124 @@
+package lock
+
+import (
+	"context"
+	"errors"
+	"log/slog"
+	"sync"
+	"time"
+
+	"github.com/go-co-op/gocron/v2"
+	"github.com/prometheus/client_golang/prometheus"
+
+	"worker/internal/obs"
+)
+
+// unlockTimeout bounds the release gocron asks for after a run. It runs on
+// a context detached from the job's (which is cancelled at shutdown), so it
+// needs its own bound.
+const unlockTimeout = 5 * time.Second
+
+// JobKey is the lease key of a scheduled job: "job:<name>".
+func JobKey(job string) string { return "job:" + job }
+
+// GocronConfig configures the gocron adapter.
+type GocronConfig struct {
+	// Wait is how long a replica waits for a job's lease before it skips
+	// the run. 0 (a single attempt) suits scheduled jobs: another replica
+	// is running it, so this one has nothing to do.
+	Wait time.Duration
+	// TTL returns the lease ttl of a job (its lease_ttl). Required.
+	TTL func(job string) time.Duration
+}
+
+// GocronLocker adapts a Locker to gocron.Locker. gocron passes the job
+// name; the lease key is JobKey(name). Install it with
+// gocron.WithDistributedJobLocker (or WithDistributedLocker).
+//
+// gocron's job function does not receive the lock, so the adapter records
+// the lease of each running job: the job body calls Lease(name) to read the
+// fencing token and watch Lost (see WithLease).
+type GocronLocker struct {
+	locker       Locker
+	cfg          GocronConfig
+	log          *slog.Logger
+	unlockErrors prometheus.Counter
+
+	mu     sync.Mutex
+	active map[string]Lease // job name -> lease of its current run
+}
+
+var _ gocron.Locker = (*GocronLocker)(nil)
+
+// NewGocronLocker returns the adapter. It registers lock_unlock_errors_total
+// on reg, because gocron discards Unlock errors. log may be nil.
+func NewGocronLocker(l Locker, cfg GocronConfig, reg prometheus.Registerer, log *slog.Logger) (*GocronLocker, error) {
+	if cfg.TTL == nil {
+		return nil, errors.New("lock: GocronConfig.TTL is required")
+	}
+	if log == nil {
+		log = slog.New(slog.DiscardHandler)
+	}
+	c := prometheus.NewCounter(prometheus.CounterOpts{
+		Name: "lock_unlock_errors_total",
+		Help: "Job lease releases that failed or found the lease expired (gocron itself ignores them).",
+	})
+	if err := reg.Register(c); err != nil {
+		return nil, err
+	}
+	return &GocronLocker{locker: l, cfg: cfg, log: log, unlockErrors: c, active: map[string]Lease{}}, nil
+}
+
+// Lock implements gocron.Locker. An error makes gocron skip the run.
+func (g *GocronLocker) Lock(ctx context.Context, job string) (gocron.Lock, error) {
+	key := JobKey(job)
+	lease, err := g.locker.TryAcquire(ctx, key, g.cfg.Wait, g.cfg.TTL(job))
+	if err != nil {
+		// Another replica holding the job is the normal case, not a fault.
+		lvl := slog.LevelWarn
+		if IsTimeout(err) {
+			lvl = slog.LevelDebug
+		}
+		g.log.Log(ctx, lvl, "job lease not acquired; skipping run", "job", job, "key", key,
+			"error", err, "error.code", obs.CodeOf(err))
+		return nil, err
+	}
+	g.mu.Lock()
+	g.active[job] = lease
+	g.mu.Unlock()
+	return &gocronLock{g: g, job: job, lease: lease}, nil
+}
+
+// Lease returns the lease of job's current run, if this replica runs it.
+func (g *GocronLocker) Lease(job string) (Lease, bool) {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	l, ok := g.active[job]
+	return l, ok
+}
+
+type gocronLock struct {
+	g     *GocronLocker
+	job   string
+	lease Lease
+}
+
+// Unlock implements gocron.Lock. It releases on a context detached from
+// ctx: gocron passes the job's context, which shutdown has cancelled by the
+// time the last runs finish, and their leases must still be handed back.
+func (l *gocronLock) Unlock(ctx context.Context) error {
+	l.g.mu.Lock()
+	if l.g.active[l.job] == l.lease {
+		delete(l.g.active, l.job)
+	}
+	l.g.mu.Unlock()
+	rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), unlockTimeout)
+	defer cancel()
+	err := l.lease.Release(rctx)
+	if err != nil {
+		l.g.unlockErrors.Inc()
+		l.g.log.Warn("job lease release failed", "job", l.job, "key", l.lease.Key(),
+			"token", l.lease.Token(), "error", err)
+	}
+	return err
+}

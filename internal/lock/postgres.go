@@ -1,0 +1,348 @@
+package lock
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+)
+
+// notifyChannel carries the key of every released lease.
+const notifyChannel = "worker_lock"
+
+// minStatementBudget bounds one acquire statement that starts close to (or
+// at) the caller's deadline: a healthy database answers in milliseconds, a
+// hung one must not stretch TryAcquire by more than this.
+const minStatementBudget = time.Second
+
+// Every statement below is a single autocommit statement that carries all
+// the state it needs (key, token, owner), and expiry is computed and judged
+// only by clock_timestamp() on the server. Nothing lives in the session, so
+// a transaction-mode pooler or a dropped connection cannot lose a lease.
+const (
+	// acquireSQL takes key if it is absent, released or expired, in one
+	// statement. A takeover draws its token from the sequence only after
+	// the row lock is held and the expiry re-checked, so tokens of one key
+	// increase in grant order; the sequence never goes back, so they keep
+	// increasing across restarts and after the reaper deleted the row.
+	//
+	// When the key is held and the caller will wait ($4), the statement
+	// marks the grant as awaited, so that its release notifies, and returns
+	// the holder's remaining time, so the waiter can wake exactly when it
+	// runs out. A single try ($4 false) marks nothing, so the releases of
+	// keys nobody waits for (the common case) send no notification.
+	acquireSQL = `
+WITH granted AS (
+    INSERT INTO worker_lock AS l (key, token, owner, acquired_at, expires_at)
+    VALUES ($1, nextval('worker_lock_token_seq'), $2, clock_timestamp(),
+            clock_timestamp() + $3 * interval '1 microsecond')
+    ON CONFLICT (key) DO UPDATE
+       SET token       = nextval('worker_lock_token_seq'),
+           owner       = excluded.owner,
+           acquired_at = clock_timestamp(),
+           expires_at  = clock_timestamp() + $3 * interval '1 microsecond',
+           awaited     = false
+     WHERE l.expires_at <= clock_timestamp()
+    RETURNING l.token
+), held AS (
+    UPDATE worker_lock h SET awaited = true
+     WHERE h.key = $1 AND $4 AND NOT EXISTS (SELECT FROM granted)
+    RETURNING h.expires_at
+)
+SELECT token, 0::bigint FROM granted
+UNION ALL
+SELECT 0, (extract(epoch FROM expires_at - clock_timestamp()) * 1000000)::bigint FROM held`
+
+	renewSQL = `
+UPDATE worker_lock SET expires_at = clock_timestamp() + $4 * interval '1 microsecond'
+ WHERE key = $1 AND token = $2 AND owner = $3 AND expires_at > clock_timestamp()`
+
+	// releaseSQL expires the grant now (keeping the row and its token) and,
+	// if a waiter marked it, notifies; the notification is delivered when
+	// the statement commits. CASE evaluates pg_notify only when awaited.
+	releaseSQL = `
+UPDATE worker_lock SET expires_at = clock_timestamp()
+ WHERE key = $1 AND token = $2 AND owner = $3 AND expires_at > clock_timestamp()
+RETURNING CASE WHEN awaited THEN pg_notify('` + notifyChannel + `', key) END`
+
+	// reapSQL deletes one bounded batch of long-expired rows. SKIP LOCKED
+	// keeps it out of the way of acquires; the repeated expiry test makes
+	// a row taken over meanwhile survive.
+	reapSQL = `
+DELETE FROM worker_lock
+ WHERE key IN (SELECT key FROM worker_lock
+                WHERE expires_at < clock_timestamp() - $1 * interval '1 microsecond'
+                LIMIT $2 FOR UPDATE SKIP LOCKED)
+   AND expires_at < clock_timestamp() - $1 * interval '1 microsecond'`
+)
+
+// reapBatch bounds the rows one reaper statement deletes.
+const reapBatch = 1000
+
+// Postgres is the shared lease provider over the worker_lock table.
+type Postgres struct {
+	pool  *pgxpool.Pool
+	owner string
+	opts  options
+	log   *slog.Logger
+
+	mu   sync.Mutex
+	keys map[string]*keyWaiters
+
+	stop      context.CancelFunc
+	closeOnce sync.Once
+	done      chan struct{}
+	connects  atomic.Int64 // successful LISTENs, for tests and diagnostics
+}
+
+// keyWaiters is the local state of one key that goroutines are waiting
+// for: who to wake on a notification, and a gate that lets only one of
+// them poll the database at a time.
+type keyWaiters struct {
+	gate    chan struct{}
+	waiters map[chan struct{}]struct{}
+}
+
+var _ Locker = (*Postgres)(nil)
+
+// NewPostgres returns the PostgreSQL provider. instance names this replica
+// in owner ids (a random part is appended); log may be nil. It starts the
+// shared LISTEN connection in the background; Close stops it. Leases keep
+// working without it, through the fallback poll.
+func NewPostgres(pool *pgxpool.Pool, instance string, log *slog.Logger, opts ...Option) (*Postgres, error) {
+	if pool == nil {
+		return nil, errors.New("lock: nil pool")
+	}
+	if log == nil {
+		log = slog.New(slog.DiscardHandler)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	p := &Postgres{
+		pool: pool, owner: newOwner(instance), opts: buildOptions(opts), log: log,
+		keys: map[string]*keyWaiters{}, stop: cancel, done: make(chan struct{}),
+	}
+	go p.listen(ctx)
+	return p, nil
+}
+
+// Owner is the id this provider writes into its grants.
+func (p *Postgres) Owner() string { return p.owner }
+
+// Close stops the listener. Held leases are not touched: release them first.
+func (p *Postgres) Close() {
+	p.closeOnce.Do(func() {
+		p.stop()
+		<-p.done
+	})
+}
+
+// TryAcquire implements Locker.
+func (p *Postgres) TryAcquire(ctx context.Context, key string, wait, ttl time.Duration) (Lease, error) {
+	if err := checkArgs(key, ttl); err != nil {
+		return nil, err
+	}
+	deadline := time.Now().Add(max(wait, 0))
+	// Subscribe before the first attempt, so a release that commits right
+	// after it still wakes us.
+	kw, wake := p.subscribe(key)
+	defer p.unsubscribe(key, wake)
+
+	// Local waiters for one key take turns at the gate: N goroutines of a
+	// replica cost the database one poller, not N.
+	select {
+	case kw.gate <- struct{}{}:
+	default:
+		t := time.NewTimer(time.Until(deadline))
+		select {
+		case kw.gate <- struct{}{}:
+			t.Stop()
+		case <-t.C:
+			return nil, &TimeoutError{Key: key, Wait: wait}
+		case <-ctx.Done():
+			t.Stop()
+			return nil, ctx.Err()
+		}
+	}
+	defer func() { <-kw.gate }()
+	select {
+	case <-wake: // a release from before our first attempt: it will see it
+	default:
+	}
+
+	for {
+		start := p.opts.now()
+		token, remaining, err := p.attempt(ctx, key, ttl, deadline, time.Until(deadline) > 0)
+		if err != nil {
+			return nil, err
+		}
+		if token > 0 {
+			return newLease(key, p.owner, token, ttl, start, p, p.opts, p.log), nil
+		}
+		left := time.Until(deadline)
+		if left <= 0 {
+			return nil, &TimeoutError{Key: key, Wait: wait}
+		}
+		// Sleep until a release notification, the holder's expiry by the
+		// database clock, the next fallback poll, or (last attempt) exactly
+		// our deadline, whichever comes first.
+		sleep := min(p.opts.pollInterval, left)
+		if remaining >= 0 {
+			sleep = min(sleep, remaining)
+		}
+		if p.opts.waitHook != nil {
+			p.opts.waitHook(key)
+		}
+		t := time.NewTimer(sleep)
+		select {
+		case <-wake:
+		case <-t.C:
+		case <-ctx.Done():
+			t.Stop()
+			return nil, ctx.Err()
+		}
+		t.Stop()
+	}
+}
+
+// attempt runs acquireSQL once. token > 0 means granted; otherwise
+// remaining is the holder's time left, or -1 if unknown.
+func (p *Postgres) attempt(ctx context.Context, key string, ttl time.Duration, deadline time.Time, willWait bool) (token int64, remaining time.Duration, err error) {
+	budget := deadline
+	if floor := time.Now().Add(minStatementBudget); budget.Before(floor) {
+		budget = floor
+	}
+	sctx, cancel := context.WithDeadline(ctx, budget)
+	defer cancel()
+	var remainingUS int64
+	err = p.pool.QueryRow(sctx, acquireSQL, key, p.owner, ttl.Microseconds(), willWait).Scan(&token, &remainingUS)
+	switch {
+	case err == nil:
+		return token, max(time.Duration(remainingUS)*time.Microsecond, 0), nil
+	case errors.Is(err, pgx.ErrNoRows):
+		// Held, but either we will not wait, or the holder's row is newer
+		// than our statement's snapshot: its remaining time is unknown
+		// (and the grant is not marked), so fall back to the poll.
+		return 0, -1, nil
+	case ctx.Err() != nil:
+		return 0, 0, ctx.Err()
+	default:
+		return 0, 0, fmt.Errorf("lock: acquire %q: %w", key, err)
+	}
+}
+
+func (p *Postgres) renew(ctx context.Context, key string, token int64, owner string, ttl time.Duration) (bool, error) {
+	tag, err := p.pool.Exec(ctx, renewSQL, key, token, owner, ttl.Microseconds())
+	return tag.RowsAffected() == 1, err
+}
+
+func (p *Postgres) release(ctx context.Context, key string, token int64, owner string) (bool, error) {
+	tag, err := p.pool.Exec(ctx, releaseSQL, key, token, owner)
+	return tag.RowsAffected() == 1, err
+}
+
+// Reap deletes lease rows that expired more than olderThan ago, in bounded
+// batches, and returns how many it deleted. Tokens stay monotonic because
+// they come from a sequence, not from the row. Keys are a fixed set (job
+// names), so live rows stay few; this only clears keys no longer in use.
+func (p *Postgres) Reap(ctx context.Context, olderThan time.Duration) (int64, error) {
+	var total int64
+	for {
+		tag, err := p.pool.Exec(ctx, reapSQL, max(olderThan, 0).Microseconds(), reapBatch)
+		if err != nil {
+			return total, fmt.Errorf("lock: reap: %w", err)
+		}
+		total += tag.RowsAffected()
+		if tag.RowsAffected() < reapBatch {
+			return total, nil
+		}
+	}
+}
+
+func (p *Postgres) subscribe(key string) (*keyWaiters, chan struct{}) {
+	wake := make(chan struct{}, 1)
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	kw := p.keys[key]
+	if kw == nil {
+		kw = &keyWaiters{gate: make(chan struct{}, 1), waiters: map[chan struct{}]struct{}{}}
+		p.keys[key] = kw
+	}
+	kw.waiters[wake] = struct{}{}
+	return kw, wake
+}
+
+func (p *Postgres) unsubscribe(key string, wake chan struct{}) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	kw := p.keys[key]
+	delete(kw.waiters, wake)
+	if len(kw.waiters) == 0 {
+		delete(p.keys, key)
+	}
+}
+
+// wake signals the local waiters of key.
+func (p *Postgres) wake(key string) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if kw := p.keys[key]; kw != nil {
+		kw.signal()
+	}
+}
+
+// wakeAll signals every local waiter: after the listener (re)connects, a
+// release may have gone by unheard.
+func (p *Postgres) wakeAll() {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	for _, kw := range p.keys {
+		kw.signal()
+	}
+}
+
+func (kw *keyWaiters) signal() {
+	for w := range kw.waiters {
+		select {
+		case w <- struct{}{}:
+		default: // already signalled
+		}
+	}
+}
+
+// CheckStore reports whether the PostgreSQL provider can work on pool: the
+// worker_lock table and its token sequence exist, have the expected
+// columns, and this role may use them. It writes nothing, so startup can
+// run it when migrations are off (a failure there means exit 72).
+func CheckStore(ctx context.Context, pool *pgxpool.Pool) error {
+	var table, seq bool
+	err := pool.QueryRow(ctx, `SELECT to_regclass('worker_lock') IS NOT NULL,
+	                                  to_regclass('worker_lock_token_seq') IS NOT NULL`).Scan(&table, &seq)
+	if err != nil {
+		return fmt.Errorf("lock store: %w", err)
+	}
+	if !table || !seq {
+		return errors.New("lock store: table worker_lock or sequence worker_lock_token_seq is missing (apply the migrations)")
+	}
+	if _, err := pool.Exec(ctx, `SELECT key, token, owner, acquired_at, expires_at, awaited FROM worker_lock LIMIT 0`); err != nil {
+		return fmt.Errorf("lock store: worker_lock is not usable: %w", err)
+	}
+	var ok bool
+	err = pool.QueryRow(ctx, `SELECT has_table_privilege('worker_lock', 'SELECT')
+	                             AND has_table_privilege('worker_lock', 'INSERT')
+	                             AND has_table_privilege('worker_lock', 'UPDATE')
+	                             AND has_table_privilege('worker_lock', 'DELETE')
+	                             AND has_sequence_privilege('worker_lock_token_seq', 'USAGE')`).Scan(&ok)
+	if err != nil {
+		return fmt.Errorf("lock store: %w", err)
+	}
+	if !ok {
+		return errors.New("lock store: this role lacks SELECT/INSERT/UPDATE/DELETE on worker_lock or USAGE on worker_lock_token_seq")
+	}
+	return nil
+}

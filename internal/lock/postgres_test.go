@@ -1,0 +1,343 @@
+package lock
+
+import (
+	"context"
+	"errors"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+
+	"worker/internal/pgtest"
+)
+
+type row struct {
+	token             int64
+	owner             string
+	acquired, expires time.Time
+}
+
+func readRow(t *testing.T, db *pgtest.DB, key string) (row, bool) {
+	t.Helper()
+	var r row
+	err := db.Pool.QueryRow(testCtx(t), `SELECT token, owner, acquired_at, expires_at FROM worker_lock WHERE key = $1`, key).
+		Scan(&r.token, &r.owner, &r.acquired, &r.expires)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return r, false
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	return r, true
+}
+
+func dbNow(t *testing.T, db *pgtest.DB) time.Time {
+	t.Helper()
+	var ts time.Time
+	if err := db.Pool.QueryRow(testCtx(t), `SELECT clock_timestamp()`).Scan(&ts); err != nil {
+		t.Fatal(err)
+	}
+	return ts
+}
+
+// acquireBracketed acquires key and checks that the row's expiry is ttl
+// after a database-clock instant taken during the call.
+func acquireBracketed(t *testing.T, db *pgtest.DB, l Locker, key string, wait, ttl time.Duration) Lease {
+	t.Helper()
+	before := dbNow(t, db)
+	lease, err := l.TryAcquire(testCtx(t), key, wait, ttl)
+	if err != nil {
+		t.Fatal(err)
+	}
+	after := dbNow(t, db)
+	r, _ := readRow(t, db, key)
+	if r.expires.Before(before.Add(ttl)) || r.expires.After(after.Add(ttl)) {
+		t.Fatalf("expires_at %s is not ttl after the database clock during acquire [%s, %s]",
+			r.expires, before.Add(ttl), after.Add(ttl))
+	}
+	return lease
+}
+
+// Expiry follows the database clock. The two replicas' clocks are an hour
+// ahead and an hour behind; had either computed or judged expiry with its
+// own clock, the lease would be stolen at once or held for an hour.
+func TestPostgresDatabaseClock(t *testing.T) {
+	ctx := testCtx(t)
+	db := pgtest.New(t)
+	log, _ := newTestLogger()
+	ahead := newPostgres(t, db, log, WithClock(func() time.Time { return time.Now().Add(time.Hour) }))
+	behind := newPostgres(t, db, log, WithClock(func() time.Time { return time.Now().Add(-time.Hour) }), WithoutHeartbeat())
+	const ttl = 2 * time.Second
+
+	lb := acquireBracketed(t, db, behind, "k", 0, ttl)
+	if _, err := ahead.TryAcquire(ctx, "k", 300*time.Millisecond, ttl); !IsTimeout(err) {
+		t.Fatalf("replica with a fast clock took a live lease: %v", err)
+	}
+	if err := lb.Renew(ctx); err != nil {
+		t.Fatalf("holder with a slow clock could not renew: %v", err)
+	}
+	renewed, _ := readRow(t, db, "k")
+
+	la := acquireBracketed(t, db, ahead, "k", 10*time.Second, ttl)
+	taken, _ := readRow(t, db, "k")
+	if taken.acquired.Before(renewed.expires) {
+		t.Errorf("taken over at %s, before the database expiry %s", taken.acquired, renewed.expires)
+	}
+	if la.Token() <= lb.Token() {
+		t.Errorf("token %d not greater than %d", la.Token(), lb.Token())
+	}
+	if err := lb.Release(ctx); !errors.Is(err, ErrLeaseExpired) {
+		t.Errorf("old holder's Release = %v, want ErrLeaseExpired", err)
+	}
+	if err := la.Release(ctx); err != nil {
+		t.Errorf("Release = %v", err)
+	}
+}
+
+// Killing every connection of the database does not drop or shorten a
+// lease: no one gets it early, the heartbeat recovers on a new connection,
+// and the listener reconnects.
+func TestPostgresConnectionLoss(t *testing.T) {
+	ctx := testCtx(t)
+	db := pgtest.New(t)
+	log, logs := newTestLogger()
+	holder := newPostgres(t, db, log)
+	// other polls hourly, so below only its (reconnected) listener can wake
+	// it early.
+	parked := make(chan struct{}, 1)
+	other := newPostgres(t, db, log, WithPollInterval(time.Hour), withWaitHook(func(string) {
+		select {
+		case parked <- struct{}{}:
+		default:
+		}
+	}))
+	eventually(t, 10*time.Second, "listeners connected", func() bool {
+		return holder.connects.Load() == 1 && other.connects.Load() == 1
+	})
+	const ttl = 3 * time.Second
+	lease, err := holder.TryAcquire(ctx, "k", 0, ttl)
+	if err != nil {
+		t.Fatal(err)
+	}
+
+	terminateBackends(t, db)
+	atKill, _ := readRow(t, db, "k")
+
+	if _, err := other.TryAcquire(ctx, "k", time.Second, ttl); !IsTimeout(err) {
+		t.Fatalf("another replica got the lease after the connections died: %v", err)
+	}
+	eventually(t, 2*ttl, "heartbeat renews on a new connection", func() bool {
+		r, _ := readRow(t, db, "k")
+		return r.token == lease.Token() && r.expires.After(atKill.expires)
+	})
+	if isClosed(lease.Lost()) {
+		t.Fatal("lease lost after a connection drop")
+	}
+	eventually(t, 10*time.Second, "listeners reconnected", func() bool {
+		return holder.connects.Load() >= 2 && other.connects.Load() >= 2
+	})
+	if len(logs.records(t, "lock listener disconnected; waiters fall back to polling until it reconnects")) == 0 {
+		t.Error("listener loss not logged")
+	}
+
+	if err := lease.Release(ctx); err != nil {
+		t.Fatalf("Release after the connection loss = %v", err)
+	}
+
+	// The reconnected listener still delivers releases: with an hour-long
+	// poll and ttl, only the notification can end this wait early.
+	long, err := holder.TryAcquire(ctx, "k", 0, time.Hour)
+	if err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case <-parked: // from the wait above
+	default:
+	}
+	got := make(chan error, 1)
+	go func() {
+		l, err := other.TryAcquire(ctx, "k", 30*time.Second, ttl)
+		if err == nil {
+			err = l.Release(ctx)
+		}
+		got <- err
+	}()
+	select {
+	case <-parked:
+	case <-time.After(10 * time.Second):
+		t.Fatal("waiter did not park")
+	}
+	if err := long.Release(ctx); err != nil {
+		t.Fatalf("Release = %v", err)
+	}
+	released := time.Now()
+	if err := <-got; err != nil {
+		t.Fatalf("waiter: %v", err)
+	}
+	if d := time.Since(released); d > wakeBound {
+		t.Errorf("waiter got the key %s after the release: the reconnected listener did not wake it", d)
+	}
+}
+
+func terminateBackends(t *testing.T, db *pgtest.DB) {
+	t.Helper()
+	ctx := testCtx(t)
+	admin, err := pgx.Connect(ctx, pgtest.AdminURL())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer admin.Close(ctx)
+	var n int
+	err = admin.QueryRow(ctx, `SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity
+	                            WHERE datname = $1 AND pid <> pg_backend_pid()`, db.Name).Scan(&n)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if n == 0 {
+		t.Fatal("no backends to terminate")
+	}
+	// The test's own reading pool lost its connections too; it is not under
+	// test, so give it fresh ones instead of a failing first query.
+	db.Pool.Reset()
+}
+
+// When every renewal fails (here: the pool is gone), the lease is declared
+// lost once the holder's own estimate of its ttl runs out.
+func TestPostgresRenewalFailsUntilTTL(t *testing.T) {
+	ctx := testCtx(t)
+	db := pgtest.New(t)
+	log, logs := newTestLogger()
+	pool := db.NewPool(t, 0)
+	p, err := NewPostgres(pool, "replica", log)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(p.Close)
+	l, reg := metered(t, p)
+	lease, err := l.TryAcquire(ctx, "k", 0, time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	pool.Close()
+	waitClosed(t, lease.Lost(), 5*time.Second, "Lost after failing renewals")
+	if len(logs.records(t, "lock lease renewal failed; retrying within the ttl")) == 0 {
+		t.Error("failed renewals were not logged")
+	}
+	eventually(t, 5*time.Second, "lock_lease_lost_total = 1", func() bool {
+		return metricValue(t, reg, "lock_lease_lost_total") == 1
+	})
+	if err := lease.Renew(ctx); !errors.Is(err, ErrLeaseLost) {
+		t.Errorf("Renew of a lost lease = %v, want ErrLeaseLost", err)
+	}
+}
+
+// Fencing tokens keep growing across a provider restart and after the
+// reaper deleted the key's row.
+func TestPostgresTokensSurviveRestartAndReap(t *testing.T) {
+	ctx := testCtx(t)
+	db := pgtest.New(t)
+	grant := func(p *Postgres) int64 {
+		t.Helper()
+		l, err := p.TryAcquire(ctx, "k", 0, time.Minute)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := l.Release(ctx); err != nil {
+			t.Fatal(err)
+		}
+		return l.Token()
+	}
+	first := newPostgres(t, db, nil)
+	t1 := grant(first)
+	first.Close()
+
+	restarted := newPostgres(t, db, nil)
+	t2 := grant(restarted)
+	if t2 <= t1 {
+		t.Fatalf("token after restart %d, not greater than %d", t2, t1)
+	}
+
+	if n, err := restarted.Reap(ctx, time.Hour); err != nil || n != 0 {
+		t.Fatalf("Reap(1h) = %d, %v; want 0 (the row expired just now)", n, err)
+	}
+	if n, err := restarted.Reap(ctx, 0); err != nil || n != 1 {
+		t.Fatalf("Reap(0) = %d, %v; want 1", n, err)
+	}
+	if _, ok := readRow(t, db, "k"); ok {
+		t.Fatal("reaped row still there")
+	}
+	t3 := grant(restarted)
+	if t3 <= t2 {
+		t.Fatalf("token after reaping %d, not greater than %d", t3, t2)
+	}
+
+	live, err := restarted.TryAcquire(ctx, "k", 0, time.Minute)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer live.Release(ctx)
+	if n, err := restarted.Reap(ctx, 0); err != nil || n != 0 {
+		t.Fatalf("Reap with a live lease = %d, %v; want 0", n, err)
+	}
+}
+
+// Reap deletes in bounded batches until nothing old is left.
+func TestPostgresReapBatches(t *testing.T) {
+	ctx := testCtx(t)
+	db := pgtest.New(t)
+	const old = 2*reapBatch + 500
+	_, err := db.Pool.Exec(ctx, `
+INSERT INTO worker_lock (key, token, owner, acquired_at, expires_at)
+SELECT 'old-' || g, nextval('worker_lock_token_seq'), 'gone', now() - interval '2 hours', now() - interval '1 hour'
+  FROM generate_series(1, $1) g`, old)
+	if err != nil {
+		t.Fatal(err)
+	}
+	p := newPostgres(t, db, nil)
+	keep, err := p.TryAcquire(ctx, "live", 0, time.Minute)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer keep.Release(ctx)
+	if n, err := p.Reap(ctx, 2*time.Hour); err != nil || n != 0 {
+		t.Fatalf("Reap(2h) = %d, %v; want 0", n, err)
+	}
+	if n, err := p.Reap(ctx, 30*time.Minute); err != nil || n != old {
+		t.Fatalf("Reap(30m) = %d, %v; want %d", n, err, old)
+	}
+	if _, ok := readRow(t, db, "live"); !ok {
+		t.Fatal("Reap deleted a live lease")
+	}
+}
+
+func TestCheckStore(t *testing.T) {
+	ctx := testCtx(t)
+	if err := CheckStore(ctx, pgtest.New(t).Pool); err != nil {
+		t.Errorf("migrated database: %v", err)
+	}
+	if err := CheckStore(ctx, pgtest.NewEmpty(t).Pool); err == nil {
+		t.Error("database without migrations passed CheckStore")
+	}
+}
+
+// Close stops the listener; a second Close is harmless.
+func TestPostgresClose(t *testing.T) {
+	db := pgtest.New(t)
+	p, err := NewPostgres(db.Pool, "", nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	p.Close()
+	p.Close()
+	// Leases still work without the listener, through the poll.
+	l, err := p.TryAcquire(context.Background(), "k", 0, time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := l.Release(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := NewPostgres(nil, "x", nil); err == nil {
+		t.Error("NewPostgres(nil pool) succeeded")
+	}
+}
