@@ -12,8 +12,8 @@ import (
 )
 
 // BenchmarkRunOverhead measures what the scheduler adds around one run of a
-// no-op job with the PostgreSQL lock provider: acquire, state check, start
-// and end writes, release. Compare, in the same run, with
+// no-op job with the PostgreSQL lock provider: acquire (through the gate and
+// the gocron adapter), state check, start and end writes, release. Compare, in the same run, with
 // BenchmarkBaselineRoundTrip (one trivial statement) and
 // BenchmarkBaselineCommit (one single-row write transaction): four of the
 // five statements are durable writes, so commits dominate.
@@ -30,16 +30,26 @@ func BenchmarkRunOverhead(b *testing.B) {
 		b.Fatal(err)
 	}
 	defer func() { _ = s.gs.Shutdown() }()
-	// Drive attempts directly instead of through gocron's timer, so the
-	// figure is the per-run cost and not the tick period.
-	s.base, s.cancelBase = context.WithCancelCause(context.Background())
+	// Drive attempts the way gocron's executor does (Lock, task, Unlock)
+	// instead of through its timer, so the figure is the per-run cost and
+	// not the tick period.
+	ctx := context.Background()
+	s.base, s.cancelBase = context.WithCancelCause(ctx)
 	e := s.entries[0]
-	if err := s.st.register(context.Background(), e.name, e.spec.Delay); err != nil {
+	if err := s.st.register(ctx, e.name, e.spec.Delay); err != nil {
 		b.Fatal(err)
 	}
+	g := gate{s}
 	n := 0
 	for b.Loop() {
+		lk, err := g.Lock(ctx, e.name)
+		if err != nil {
+			b.Fatal(err)
+		}
 		s.attempt(e)
+		if err := lk.Unlock(ctx); err != nil {
+			b.Fatal(err)
+		}
 		n++
 	}
 	b.StopTimer()

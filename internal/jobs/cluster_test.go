@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/prometheus/client_golang/prometheus"
 
 	"worker/internal/lock"
 	"worker/internal/pgtest"
@@ -40,6 +41,7 @@ func TestClusterFixedDelay(t *testing.T) {
 	names := []string{"r1", "r2", "r3"}
 	pools := map[string]*pgxpool.Pool{}
 	replicas := map[string]*replica{}
+	lockRegs := map[string]*prometheus.Registry{}
 	for _, name := range names {
 		pool := namedPool(t, db, name)
 		pools[name] = pool
@@ -48,6 +50,11 @@ func TestClusterFixedDelay(t *testing.T) {
 			t.Fatal(err)
 		}
 		t.Cleanup(pg.Close)
+		lockRegs[name] = prometheus.NewRegistry()
+		locker, err := lock.WithMetrics(pg, lockRegs[name])
+		if err != nil {
+			t.Fatal(err)
+		}
 		specs, err := FromDefinitions([]Definition{{Name: "tick", Kind: KindSQL, Delay: delay, LeaseTTL: ttl, SQL: fmt.Sprintf(`
 INSERT INTO runs VALUES ('%s', current_setting('worker.fencing_token')::bigint, clock_timestamp(), NULL);
 SELECT pg_sleep(0.2);
@@ -56,10 +63,20 @@ UPDATE runs SET finished_at = clock_timestamp() WHERE token = current_setting('w
 			t.Fatal(err)
 		}
 		time.Sleep(rand.N(700 * time.Millisecond)) // unsynchronized timers
-		replicas[name] = startReplica(t, Options{Pool: pool, Locker: pg, InstanceID: name}, specs...)
+		replicas[name] = startReplica(t, Options{Pool: pool, Locker: locker, InstanceID: name}, specs...)
 	}
 
 	eventually(t, 20*time.Second, "5 finished runs", func() bool { return len(finishedRuns(t, db.Pool)) >= 5 })
+	// What the lock store pays for the cadence: per run, the winner's
+	// acquisition, each other replica's look at the due time after the run
+	// ended and its attempt at the due time, and probes while the run lasts.
+	acquired, timedOut := 0.0, 0.0
+	for _, reg := range lockRegs {
+		acquired += metric(t, reg, "lock_acquisition_total", map[string]string{"outcome": lock.OutcomeAcquired})
+		timedOut += metric(t, reg, "lock_acquisition_total", map[string]string{"outcome": lock.OutcomeTimeout})
+	}
+	t.Logf("lock store, %d replicas: %v leases acquired and %v attempts found the lease held, for %d finished runs",
+		len(names), acquired, timedOut, len(finishedRuns(t, db.Pool)))
 
 	// A graceful stop (SIGTERM) of the replica running the job: it finishes
 	// the run within its budget, and another replica keeps the cadence.

@@ -8,84 +8,134 @@ import (
 	"runtime/debug"
 	"time"
 
+	"github.com/go-co-op/gocron/v2"
 	"github.com/google/uuid"
 
 	"worker/internal/lock"
 	"worker/internal/obs"
 )
 
-// Why the lease is taken here, through the lock port, and not by gocron's
-// WithDistributedJobLocker (checked against gocron v2.21.2):
-//   - gocron's Lock result never reaches the job function, so the job could
-//     not read its fencing token, and a lost lease could not cancel the
-//     job's context;
-//   - the due check against job_state must run while holding the lease and
-//     may decide not to run; gocron's locker can only say "locked";
-//   - after a lock failure with WithIntervalFromCompletion, gocron re-arms
-//     from this replica's own last completion, not from the cluster's last
-//     run: the timer offset problem of gocron #841;
-//   - gocron unlocks with the job's context, already cancelled at shutdown,
-//     and discards the error, while the run's end must be recorded and the
-//     lease released after the job's transaction committed, with a context
-//     that survives the cancellation.
+// How one attempt runs. gocron drives it; the lease is gocron's
+// (WithDistributedJobLocker), taken through lock.GocronLocker; the cadence is
+// the database's (job_state). Per tick of a job's gocron timer:
+//
+//  1. gate.Lock (gocron's locker call) admits the attempt unless shutdown
+//     began, returns errNotDue without any statement while this replica
+//     knows the job cannot be due yet, and otherwise takes lease job:<name>
+//     through the adapter.
+//  2. If that fails, gocron skips the run and calls lockFailed
+//     (AfterLockError): a held lease is counted as skipped_locked, quietly.
+//  3. Otherwise gocron calls attempt, under the lease. attempt finds the
+//     lease in the adapter, puts its fencing token in the run's context
+//     (FencingToken) and lets its Lost channel cancel that context, checks
+//     job_state and runs the job if it is due, recording its start and end.
+//  4. gocron calls Unlock after attempt returned: after the job's own
+//     transaction committed and its end was recorded. The adapter releases
+//     on a context detached from gocron's (cancelled at shutdown), and logs
+//     and counts failures, which gocron drops. Only then does the attempt
+//     end for Shutdown, which waits for it.
+//
+// After a failed Lock, gocron re-arms from this replica's own last
+// completion (gocron #841). That is harmless here: the timer only says
+// "look again" every min(delay, CheckPeriod), and job_state decides when
+// the job is due, cluster-wide.
 
-var errTimeout = errors.New("job timeout exceeded")
+var (
+	errTimeout = errors.New("job timeout exceeded")
+
+	// Reasons gate.Lock gives gocron to skip an attempt without asking the
+	// lock store. lockFailed ignores them: none is a skip worth counting
+	// (overlap is counted where it is found).
+	errNotDue   = errors.New("jobs: not due yet")
+	errStopping = errors.New("jobs: scheduler stopping")
+	errOverlap  = errors.New("jobs: previous attempt still in progress")
+)
 
 // retryAfterError spaces out attempts while the database or the lock store
 // fails, so an outage logs one line per job per second, not per period.
 const retryAfterError = time.Second
 
-// tick is what gocron calls every period on every replica.
-func (s *Scheduler) tick(e *entry) {
+// gate is the gocron.Locker installed on every job. It wraps the adapter
+// so that an attempt costs nothing while the job cannot be due, and so
+// that Shutdown can wait for attempts from lock to release.
+type gate struct{ s *Scheduler }
+
+func (g gate) Lock(ctx context.Context, name string) (gocron.Lock, error) {
+	s, e := g.s, g.s.byName[name]
 	if !e.busy.CompareAndSwap(false, true) {
 		// gocron's singleton mode should make this impossible; counting it
 		// keeps the guarantee visible if that ever changes.
 		s.m.count(e.name, OutcomeSkippedOverlap)
-		return
+		return nil, errOverlap
 	}
-	defer e.busy.Store(false)
 	if !s.enter() {
-		return
+		e.busy.Store(false)
+		return nil, errStopping
 	}
-	defer s.inflight.Done()
 	if time.Now().Before(e.nextCheck) {
-		return // not due by what this replica last read; no database call
+		s.leave(e)
+		return nil, errNotDue // by what this replica last read; no statement
 	}
-	s.attempt(e)
+	l, err := s.gl.Lock(ctx, name)
+	if err != nil {
+		s.leave(e)
+		return nil, err
+	}
+	return &gateLock{l: l, s: s, e: e}, nil
 }
 
-// attempt takes the lease, checks job_state and runs the job if it is due.
-func (s *Scheduler) attempt(e *entry) {
-	// While watching another replica's run, waiting is pointless: the probe
-	// only looks for a holder that died.
-	acquireWait := s.opts.AcquireWait
-	if e.watching {
-		acquireWait = 0
+type gateLock struct {
+	l gocron.Lock
+	s *Scheduler
+	e *entry
+}
+
+// Unlock releases the lease (the adapter logs and counts a failure) and
+// only then ends the attempt, so Shutdown returns after every release.
+func (g *gateLock) Unlock(ctx context.Context) error {
+	defer g.s.leave(g.e)
+	return g.l.Unlock(ctx)
+}
+
+// lockFailed is gocron's AfterLockError listener: gocron skipped the run
+// because gate.Lock returned err.
+func (s *Scheduler) lockFailed(_ uuid.UUID, name string, err error) {
+	e := s.byName[name]
+	switch {
+	case errors.Is(err, errNotDue), errors.Is(err, errStopping), errors.Is(err, errOverlap):
+	case lock.IsTimeout(err):
+		// Another replica runs the job or is about to. Count it once per
+		// stretch: while watching, this replica probes every period only
+		// to notice a crashed holder, and those probes are not attempts.
+		if !e.watching {
+			e.watching = true
+			s.m.count(e.name, OutcomeSkippedLocked)
+			s.log.Debug("job skipped: lease held by another replica", "job", e.name)
+		}
+	default:
+		// The adapter logged it (with error.code).
+		e.nextCheck = time.Now().Add(retryAfterError)
 	}
-	lease, err := s.opts.Locker.TryAcquire(s.base, e.key, acquireWait, e.spec.LeaseTTL)
-	if err != nil {
-		s.notAcquired(e, err)
+}
+
+// attempt is the gocron task. gocron calls it only after gate.Lock took
+// the lease, so the due check and the run happen under it.
+func (s *Scheduler) attempt(e *entry) {
+	lease, ok := s.gl.Lease(e.name)
+	if !ok {
+		s.log.Error("job called without its lease; run skipped", "job", e.name) // a wiring bug
 		return
 	}
 	e.watching = false
-	h := s.hold(lease)
-	// Released last: after the run's end was recorded (see run), and with a
-	// context of its own, so it happens even when shutdown cancelled the run.
-	defer func() {
-		switch err := h.release(); {
-		case err == nil:
-		case errors.Is(err, lock.ErrLeaseExpired):
-			// The provider already logs and counts this (lock_lease_expired_total).
-			s.log.Debug("job lease had expired when released", "job", e.name, "fencing_token", lease.Token())
-		default:
-			s.log.Warn("job lease release failed; it expires after its ttl", "job", e.name,
-				"fencing_token", lease.Token(), "error", err)
-		}
-	}()
+	// Cancelled with cause lock.ErrLeaseLost when the lease is lost (the
+	// provider renews it every ttl/3 and closes Lost when renewal fails),
+	// or errShutdown at the end of the shutdown budget.
+	ctx, cancel := lock.WithLease(s.base, lease)
+	defer cancel()
 
-	wait, prev, err := s.st.due(h.ctx, e.name, e.spec.Delay)
+	wait, prev, err := s.st.due(ctx, e.name, e.spec.Delay)
 	if err != nil {
-		if h.ctx.Err() == nil {
+		if ctx.Err() == nil {
 			s.log.Error("job state check failed; will retry", "job", e.name, "error", err)
 			e.nextCheck = time.Now().Add(retryAfterError)
 		}
@@ -113,15 +163,15 @@ func (s *Scheduler) attempt(e *entry) {
 		case <-t.C:
 		case <-s.stopCh:
 			return
-		case <-h.ctx.Done():
+		case <-ctx.Done():
 			return
 		}
 	}
 	select {
 	case s.sem <- struct{}{}:
 	default:
-		// Refusing is deliberate (no queue): the lease is released at once,
-		// so a replica with free capacity can run the job.
+		// Refusing is deliberate (no queue): returning lets gocron release
+		// the lease at once, so a replica with free capacity can run the job.
 		s.m.count(e.name, OutcomeRejected)
 		s.m.rejected.Inc()
 		s.log.Error("job run rejected: executor at capacity", "job", e.name,
@@ -133,33 +183,15 @@ func (s *Scheduler) attempt(e *entry) {
 		<-s.sem
 		s.m.saturation.Set(float64(len(s.sem)) / float64(cap(s.sem)))
 	}()
-	s.run(e, h)
+	s.run(ctx, e, lease.Token())
 }
 
-func (s *Scheduler) notAcquired(e *entry, err error) {
-	switch {
-	case lock.IsTimeout(err):
-		// Another replica runs the job or is about to. Count it once per
-		// stretch: while watching, this replica probes every period only
-		// to notice a crashed holder, and those probes are not attempts.
-		if !e.watching {
-			e.watching = true
-			s.m.count(e.name, OutcomeSkippedLocked)
-			s.log.Debug("job skipped: lease held by another replica", "job", e.name)
-		}
-	case s.base.Err() != nil:
-	default:
-		s.log.Warn("job lease not acquired; will retry", "job", e.name, "error", err, "error.code", obs.CodeOf(err))
-		e.nextCheck = time.Now().Add(retryAfterError)
-	}
-}
-
-// run executes one run of a due job and records it.
-func (s *Scheduler) run(e *entry, h *hold) {
+// run executes one run of a due job and records it. leaseCtx is the
+// attempt's context, cancelled when the lease is lost or at shutdown.
+func (s *Scheduler) run(leaseCtx context.Context, e *entry, token int64) {
 	runID := uuid.NewString()
-	token := h.lease.Token()
 	log := s.log.With("job", e.name, "run_id", runID, "fencing_token", token)
-	ok, err := s.st.start(h.ctx, e.name, e.spec.Delay, s.opts.InstanceID, token, runID)
+	ok, err := s.st.start(leaseCtx, e.name, e.spec.Delay, s.opts.InstanceID, token, runID)
 	if err != nil {
 		log.Error("job start not recorded; run skipped", "error", err)
 		e.nextCheck = time.Now().Add(retryAfterError)
@@ -170,7 +202,7 @@ func (s *Scheduler) run(e *entry, h *hold) {
 		return
 	}
 
-	ctx, cancel := context.WithTimeoutCause(h.ctx, e.spec.Timeout, errTimeout)
+	ctx, cancel := context.WithTimeoutCause(leaseCtx, e.spec.Timeout, errTimeout)
 	defer cancel()
 	ctx = obs.WithLogger(withRun(ctx, token, runID), log)
 	e.run.Store(true)
@@ -187,7 +219,8 @@ func (s *Scheduler) run(e *entry, h *hold) {
 		errText = oneLine(err.Error(), 1000)
 	}
 	// The job's own transaction has committed (Run returned): now record
-	// the end, before the lease is released, and even if ctx was cancelled.
+	// the end, before gocron releases the lease, and even if ctx was
+	// cancelled.
 	wctx, wcancel := context.WithTimeout(context.WithoutCancel(ctx), stateTimeout)
 	recorded, werr := s.st.finish(wctx, e.name, e.spec.Delay, token, outcome, errText)
 	wcancel()
@@ -252,28 +285,4 @@ func classify(ctx context.Context, err error, panicked bool) (outcome, code stri
 	default:
 		return OutcomeFailure, obs.CodeOf(err)
 	}
-}
-
-// hold is a held lease. ctx is cancelled with cause lock.ErrLeaseLost when
-// the lease is lost (the provider renews it every ttl/3 and closes Lost
-// when renewal fails), or errShutdown at the end of the shutdown budget.
-type hold struct {
-	lease  lock.Lease
-	ctx    context.Context
-	cancel context.CancelFunc
-}
-
-func (s *Scheduler) hold(lease lock.Lease) *hold {
-	ctx, cancel := lock.WithLease(s.base, lease)
-	return &hold{lease: lease, ctx: ctx, cancel: cancel}
-}
-
-// release gives the lease back, with a context that survives shutdown.
-// The error is lock.ErrLeaseExpired if the lease ran out while held.
-func (h *hold) release() error {
-	ctx, cancel := context.WithTimeout(context.Background(), stateTimeout)
-	defer cancel()
-	err := h.lease.Release(ctx)
-	h.cancel()
-	return err
 }

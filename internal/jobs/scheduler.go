@@ -39,11 +39,12 @@ type Options struct {
 	CheckPeriod time.Duration
 	// AcquireWait is how long one attempt waits for a job's lease. Short:
 	// a held lease means another replica is running or about to run the
-	// job, and skipping is correct. Default 100ms.
+	// job, and skipping is correct. Default 100ms. (0 while this replica
+	// only watches another's run.)
 	AcquireWait time.Duration
 	Logger      *slog.Logger
-	// Registerer receives the job and executor metrics; nil means a
-	// throwaway registry.
+	// Registerer receives the job and executor metrics and the gocron
+	// adapter's lock_unlock_errors_total; nil means a throwaway registry.
 	Registerer prometheus.Registerer
 }
 
@@ -52,8 +53,8 @@ const (
 	defaultLeaseTTL      = 30 * time.Second
 	defaultCheckPeriod   = 500 * time.Millisecond
 	defaultAcquireWait   = 100 * time.Millisecond
-	// stateTimeout bounds each bookkeeping call made after a run (state
-	// write, lease release); they run even when the run was cancelled.
+	// stateTimeout bounds the state write made after a run; it runs even
+	// when the run was cancelled. (The adapter bounds the release alike.)
 	stateTimeout = 5 * time.Second
 	// cancelGrace is how long Shutdown waits for cancelled runs to return.
 	cancelGrace = 500 * time.Millisecond
@@ -66,13 +67,15 @@ type Scheduler struct {
 	m       *metrics
 	st      store
 	entries []*entry
+	byName  map[string]*entry
+	gl      *lock.GocronLocker // takes job:<name> for gocron and hands it to the run
 	gs      gocron.Scheduler
 	sem     chan struct{} // one token per running job
 
 	mu       sync.Mutex
 	started  bool
 	stopping bool
-	inflight sync.WaitGroup // attempts in progress; Add only under mu while !stopping
+	inflight sync.WaitGroup // attempts from Lock to Unlock; Add only under mu while !stopping
 	stopCh   chan struct{}  // closed when Shutdown begins
 
 	// base parents every run; Shutdown cancels it (cause errShutdown) when
@@ -87,13 +90,14 @@ type Scheduler struct {
 type entry struct {
 	spec   Spec
 	name   string
-	key    string        // lease key
 	period time.Duration // how often this replica's timer fires
-	busy   atomic.Bool   // an attempt is in progress
+	busy   atomic.Bool   // an attempt is in progress (from Lock to Unlock)
 	run    atomic.Bool   // the job body is executing
 
-	// Touched only by the job's own attempt, which never overlaps itself.
-	nextCheck time.Time // before this, the job cannot be due: skip the database
+	// Touched only by the job's own attempt (Lock, the AfterLockError
+	// listener, the run), which never overlaps itself: gocron's singleton
+	// runner makes these calls one after another on one goroutine.
+	nextCheck time.Time // before this, the job cannot be due: skip the lock and the database
 	watching  bool      // another replica holds the lease; skipped_locked counted once
 }
 
@@ -134,7 +138,25 @@ func New(opts Options, specs ...Spec) (*Scheduler, error) {
 	}
 	s := &Scheduler{
 		opts: opts, log: opts.Logger, m: m, st: store{opts.Pool}, entries: entries,
-		sem: make(chan struct{}, opts.MaxConcurrent), stopCh: make(chan struct{}),
+		byName: make(map[string]*entry, len(entries)),
+		sem:    make(chan struct{}, opts.MaxConcurrent), stopCh: make(chan struct{}),
+	}
+	for _, e := range entries {
+		s.byName[e.name] = e
+	}
+	s.gl, err = lock.NewGocronLocker(opts.Locker, lock.GocronConfig{
+		// While watching another replica's run, waiting is pointless: the
+		// probe only looks for a holder that died.
+		Wait: func(name string) time.Duration {
+			if s.byName[name].watching {
+				return 0
+			}
+			return opts.AcquireWait
+		},
+		TTL: func(name string) time.Duration { return s.byName[name].spec.LeaseTTL },
+	}, opts.Registerer, opts.Logger)
+	if err != nil {
+		return nil, fmt.Errorf("jobs: gocron locker: %w", err)
 	}
 	s.gs, err = gocron.NewScheduler(gocron.WithMonitor(overlapMonitor{m}), gocron.WithStopTimeout(time.Second))
 	if err != nil {
@@ -146,12 +168,14 @@ func New(opts Options, specs ...Spec) (*Scheduler, error) {
 		// lease (see attempt). Interval-from-completion and singleton mode
 		// still matter: a replica never starts a second attempt of a job
 		// while one is in progress, and the tick after a run comes only
-		// after the run ended.
-		_, err := s.gs.NewJob(gocron.DurationJob(e.period), gocron.NewTask(s.tick, e),
+		// after the run ended. The name is the lock key, so it is required.
+		_, err := s.gs.NewJob(gocron.DurationJob(e.period), gocron.NewTask(s.attempt, e),
 			gocron.WithName(e.name),
 			gocron.WithIntervalFromCompletion(),
 			gocron.WithSingletonMode(gocron.LimitModeReschedule),
-			gocron.WithStartAt(gocron.WithStartImmediately()))
+			gocron.WithStartAt(gocron.WithStartImmediately()),
+			gocron.WithDistributedJobLocker(gate{s}),
+			gocron.WithEventListeners(gocron.AfterLockError(s.lockFailed)))
 		if err != nil {
 			_ = s.gs.Shutdown()
 			return nil, fmt.Errorf("jobs: schedule %q: %w", e.name, err)
@@ -192,7 +216,7 @@ func prepare(opts Options, specs []Spec) ([]*entry, error) {
 		if sp.LeaseTTL == 0 {
 			sp.LeaseTTL = opts.LeaseTTL
 		}
-		entries = append(entries, &entry{spec: sp, name: name, key: lock.JobKey(name), period: min(sp.Delay, opts.CheckPeriod)})
+		entries = append(entries, &entry{spec: sp, name: name, period: min(sp.Delay, opts.CheckPeriod)})
 	}
 	return entries, errors.Join(errs...)
 }
@@ -259,8 +283,8 @@ func (s *Scheduler) Shutdown(ctx context.Context) error {
 		}
 	}
 	s.cancelBase(errShutdown)
-	// Every attempt has returned (or is stuck in a job), so gocron only has
-	// timers left to stop.
+	// Every attempt has returned and released its lease (or is stuck in a
+	// job), so gocron only has timers left to stop.
 	gctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), time.Second)
 	defer cancel()
 	if gerr := s.gs.ShutdownWithContext(gctx); gerr != nil && err == nil {
@@ -288,4 +312,10 @@ func (s *Scheduler) enter() bool {
 	}
 	s.inflight.Add(1)
 	return true
+}
+
+// leave ends an attempt that enter registered.
+func (s *Scheduler) leave(e *entry) {
+	e.busy.Store(false)
+	s.inflight.Done()
 }

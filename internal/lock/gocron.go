@@ -23,21 +23,26 @@ func JobKey(job string) string { return "job:" + job }
 
 // GocronConfig configures the gocron adapter.
 type GocronConfig struct {
-	// Wait is how long a replica waits for a job's lease before it skips
-	// the run. 0 (a single attempt) suits scheduled jobs: another replica
-	// is running it, so this one has nothing to do.
-	Wait time.Duration
+	// Wait returns how long this attempt waits for a job's lease before
+	// gocron skips the run. nil means a single try, which suits scheduled
+	// jobs: another replica is running the job, so this one has nothing to
+	// do. A function, because the caller may know that a wait is pointless
+	// right now (it watches another replica's run only for a crash).
+	Wait func(job string) time.Duration
 	// TTL returns the lease ttl of a job (its lease_ttl). Required.
 	TTL func(job string) time.Duration
 }
 
 // GocronLocker adapts a Locker to gocron.Locker. gocron passes the job
 // name; the lease key is JobKey(name). Install it with
-// gocron.WithDistributedJobLocker (or WithDistributedLocker).
+// gocron.WithDistributedJobLocker (or WithDistributedLocker); internal/jobs
+// does, behind a gate of its own.
 //
 // gocron's job function does not receive the lock, so the adapter records
 // the lease of each running job: the job body calls Lease(name) to read the
-// fencing token and watch Lost (see WithLease).
+// fencing token and watch Lost (see WithLease). gocron calls the job
+// function only after Lock succeeded and Unlock only after it returned, so
+// the lease is recorded for the whole body.
 type GocronLocker struct {
 	locker       Locker
 	cfg          GocronConfig
@@ -69,18 +74,23 @@ func NewGocronLocker(l Locker, cfg GocronConfig, reg prometheus.Registerer, log 
 	return &GocronLocker{locker: l, cfg: cfg, log: log, unlockErrors: c, active: map[string]Lease{}}, nil
 }
 
-// Lock implements gocron.Locker. An error makes gocron skip the run.
+// Lock implements gocron.Locker. An error makes gocron skip the run and
+// call the job's AfterLockError listener with it.
 func (g *GocronLocker) Lock(ctx context.Context, job string) (gocron.Lock, error) {
 	key := JobKey(job)
-	lease, err := g.locker.TryAcquire(ctx, key, g.cfg.Wait, g.cfg.TTL(job))
+	var wait time.Duration
+	if g.cfg.Wait != nil {
+		wait = g.cfg.Wait(job)
+	}
+	lease, err := g.locker.TryAcquire(ctx, key, wait, g.cfg.TTL(job))
 	if err != nil {
-		// Another replica holding the job is the normal case, not a fault.
-		lvl := slog.LevelWarn
-		if IsTimeout(err) {
-			lvl = slog.LevelDebug
+		// A timeout (another replica holds the job) is the normal case, not
+		// a fault: it is not logged here, where it would repeat on every
+		// tick, but left to the caller's AfterLockError listener.
+		if !IsTimeout(err) {
+			g.log.Warn("job lease not acquired; skipping run", "job", job, "key", key,
+				"error", err, "error.code", obs.CodeOf(err))
 		}
-		g.log.Log(ctx, lvl, "job lease not acquired; skipping run", "job", job, "key", key,
-			"error", err, "error.code", obs.CodeOf(err))
 		return nil, err
 	}
 	g.mu.Lock()

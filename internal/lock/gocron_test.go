@@ -206,3 +206,61 @@ func TestGocronLockDirect(t *testing.T) {
 		t.Errorf("second Unlock = %v, want nil", err)
 	}
 }
+
+// Wait is asked on every Lock, so a caller can skip the wait on one
+// attempt (a probe) and wait on the next.
+func TestGocronWaitPerAttempt(t *testing.T) {
+	db := pgtest.New(t)
+	a, _ := newAdapter(t, newPostgres(t, db, nil), time.Minute)
+	parked := make(chan struct{}, 1)
+	pg := newPostgres(t, db, nil, withWaitHook(func(string) {
+		select {
+		case parked <- struct{}{}:
+		default:
+		}
+	}))
+	var wait atomic.Int64
+	b, err := NewGocronLocker(pg, GocronConfig{
+		Wait: func(job string) time.Duration {
+			if job != "j" {
+				t.Errorf("Wait asked for %q", job)
+			}
+			return time.Duration(wait.Load())
+		},
+		TTL: func(string) time.Duration { return time.Minute },
+	}, prometheus.NewRegistry(), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	held, err := a.Lock(testCtx(t), "j")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := b.Lock(testCtx(t), "j"); !IsTimeout(err) {
+		t.Fatalf("Lock with no wait on a held key = %v, want a timeout", err)
+	}
+	if len(parked) != 0 {
+		t.Fatal("Lock with no wait went to sleep")
+	}
+	wait.Store(int64(10 * time.Second))
+	got := make(chan error, 1)
+	go func() {
+		lk, err := b.Lock(testCtx(t), "j")
+		if err == nil {
+			err = lk.Unlock(context.Background())
+		}
+		got <- err
+	}()
+	waitClosed(t, parked, 10*time.Second, "the second Lock to wait")
+	if err := held.Unlock(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case err := <-got:
+		if err != nil {
+			t.Fatalf("Lock that waited for the release = %v", err)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("Lock still waiting after the release")
+	}
+}
