@@ -2,7 +2,10 @@
 // per-aggregate order, with several relays running at once.
 package outbox
 
-import "time"
+import (
+	"fmt"
+	"time"
+)
 
 // Config is the `outbox:` section of configs/worker.yaml (APP_OUTBOX_*).
 type Config struct {
@@ -17,6 +20,9 @@ type Config struct {
 	BackoffMax      time.Duration `koanf:"backoff_max" yaml:"backoff_max"`
 	BlockOnDead     bool          `koanf:"block_on_dead" yaml:"block_on_dead"`
 	Retention       time.Duration `koanf:"retention" yaml:"retention"`
+	// MetricsInterval is how often the relay refreshes outbox_pending_size
+	// and outbox_publisher_lag_seconds from the table.
+	MetricsInterval time.Duration `koanf:"metrics_interval" yaml:"metrics_interval"`
 	Webhook         WebhookConfig `koanf:"webhook" yaml:"webhook"`
 }
 
@@ -40,6 +46,56 @@ func DefaultConfig() Config {
 		BackoffBase:     time.Second,
 		BackoffMax:      5 * time.Minute,
 		Retention:       168 * time.Hour,
+		MetricsInterval: 5 * time.Second,
 		Webhook:         WebhookConfig{Timeout: 10 * time.Second},
 	}
+}
+
+// Validate reports the first invalid setting, naming its key, the bad value
+// and what is allowed.
+func (c Config) Validate() error {
+	between := func(key string, v, lo, hi int) error {
+		if v < lo || v > hi {
+			return fmt.Errorf("outbox.%s=%d: want %d to %d", key, v, lo, hi)
+		}
+		return nil
+	}
+	atLeast := func(key string, v, lo time.Duration) error {
+		if v < lo {
+			return fmt.Errorf("outbox.%s=%s: want at least %s", key, v, lo)
+		}
+		return nil
+	}
+	switch c.Sink {
+	case "log":
+	case "webhook":
+		if c.Webhook.URL == "" {
+			return fmt.Errorf("outbox.webhook.url is empty: sink webhook needs an http(s) URL")
+		}
+		if err := atLeast("webhook.timeout", c.Webhook.Timeout, time.Millisecond); err != nil {
+			return err
+		}
+	default:
+		return fmt.Errorf("outbox.sink=%q: want log or webhook", c.Sink)
+	}
+	for _, err := range []error{
+		between("relays", c.Relays, 1, 64),
+		between("batch_size", c.BatchSize, 1, 10000),
+		between("max_attempts", c.MaxAttempts, 1, 1000),
+		atLeast("poll_interval", c.PollInterval, 10*time.Millisecond),
+		// The claim transaction lives at most this long; a second leaves
+		// room for one publish and the final write.
+		atLeast("in_flight_timeout", c.InFlightTimeout, time.Second),
+		atLeast("backoff_base", c.BackoffBase, time.Millisecond),
+		atLeast("retention", c.Retention, time.Minute),
+		atLeast("metrics_interval", c.MetricsInterval, 100*time.Millisecond),
+	} {
+		if err != nil {
+			return err
+		}
+	}
+	if c.BackoffMax < c.BackoffBase {
+		return fmt.Errorf("outbox.backoff_max=%s: want at least outbox.backoff_base (%s)", c.BackoffMax, c.BackoffBase)
+	}
+	return nil
 }

@@ -1,12 +1,25 @@
 package startup
 
 import (
+	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
+	"log/slog"
+	"os"
+	"os/user"
 	"runtime/debug"
+	"strings"
+	"text/tabwriter"
+	"time"
 
 	"github.com/alecthomas/kong"
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"worker/internal/jobs"
+	"worker/internal/outbox"
 )
 
 // Version is set at build time with -ldflags "-X worker/internal/startup.Version=...".
@@ -28,6 +41,17 @@ type cli struct {
 	Cfg     struct {
 		Print configPrintCmd `cmd:"" help:"Print the effective configuration as YAML, secrets masked."`
 	} `cmd:"" name:"config" help:"Inspect configuration."`
+	Jobs struct {
+		List jobsListCmd `cmd:"" help:"List every job with its delay, last run, outcome, instance and next due time, cluster-wide."`
+	} `cmd:"" help:"Inspect scheduled jobs."`
+	Outbox struct {
+		Emit  outboxEmitCmd  `cmd:"" help:"Insert one event through the producer contract (for smoke tests)."`
+		Stats outboxStatsCmd `cmd:"" help:"Show event counts by status and the age of the oldest unpublished event."`
+		Dead  struct {
+			List  outboxDeadListCmd  `cmd:"" help:"List DEAD events, oldest first."`
+			Retry outboxDeadRetryCmd `cmd:"" help:"Requeue DEAD events as PENDING with attempts reset."`
+		} `cmd:"" help:"Inspect and requeue dead-lettered events."`
+	} `cmd:"" help:"Operate the transactional outbox."`
 	Version versionCmd `cmd:"" help:"Print the version and exit."`
 }
 
@@ -100,4 +124,108 @@ func (configPrintCmd) Run(e *cmdEnv) error {
 		return err
 	}
 	return PrintConfig(e.Stdout, cfg)
+}
+
+type jobsListCmd struct{}
+
+func (jobsListCmd) Run(e *cmdEnv) error {
+	return withPool(e, func(ctx context.Context, pool *pgxpool.Pool, _ *slog.Logger) error {
+		list, err := jobs.List(ctx, pool)
+		if err != nil {
+			return err
+		}
+		return jobs.PrintList(e.Stdout, list)
+	})
+}
+
+type outboxEmitCmd struct {
+	AggregateType string `required:"" help:"Aggregate type, e.g. order."`
+	AggregateID   string `required:"" help:"Aggregate id, e.g. 42."`
+	EventType     string `required:"" help:"Event type, e.g. order.paid."`
+	Payload       string `default:"{}" help:"JSON payload."`
+}
+
+func (c outboxEmitCmd) Run(e *cmdEnv) error {
+	if !json.Valid([]byte(c.Payload)) {
+		return &usageError{msg: "--payload is not valid JSON"}
+	}
+	return withPool(e, func(ctx context.Context, pool *pgxpool.Pool, _ *slog.Logger) error {
+		id, err := outbox.Emit(ctx, pool, outbox.NewEvent{AggregateType: c.AggregateType, AggregateID: c.AggregateID,
+			EventType: c.EventType, Payload: json.RawMessage(c.Payload)})
+		if err != nil {
+			return err
+		}
+		fmt.Fprintln(e.Stdout, id)
+		return nil
+	})
+}
+
+type outboxStatsCmd struct{}
+
+func (outboxStatsCmd) Run(e *cmdEnv) error {
+	return withPool(e, func(ctx context.Context, pool *pgxpool.Pool, _ *slog.Logger) error {
+		st, err := outbox.ReadStats(ctx, pool)
+		if err != nil {
+			return err
+		}
+		return outbox.PrintStats(e.Stdout, st)
+	})
+}
+
+type outboxDeadListCmd struct {
+	Limit int `default:"50" help:"Most events to list."`
+}
+
+func (c outboxDeadListCmd) Run(e *cmdEnv) error {
+	return withPool(e, func(ctx context.Context, pool *pgxpool.Pool, _ *slog.Logger) error {
+		list, err := outbox.ListDead(ctx, pool, c.Limit)
+		if err != nil {
+			return err
+		}
+		return printDead(e.Stdout, list)
+	})
+}
+
+type outboxDeadRetryCmd struct {
+	EventID string `arg:"" optional:"" help:"event_id to requeue."`
+	All     bool   `help:"Requeue every DEAD event."`
+}
+
+func (c outboxDeadRetryCmd) Run(e *cmdEnv) error {
+	if (c.EventID == "") == !c.All {
+		return &usageError{msg: "give exactly one of <event_id> or --all"}
+	}
+	if c.EventID != "" {
+		if _, err := uuid.Parse(c.EventID); err != nil {
+			return &usageError{msg: fmt.Sprintf("%q is not an event_id (uuid)", c.EventID)}
+		}
+	}
+	return withPool(e, func(ctx context.Context, pool *pgxpool.Pool, log *slog.Logger) error {
+		n, err := outbox.RetryDead(ctx, pool, c.EventID, operator(), log)
+		if err != nil {
+			return err
+		}
+		fmt.Fprintf(e.Stdout, "requeued %d event(s)\n", n)
+		return nil
+	})
+}
+
+// operator names who ran a command, for the audit line.
+func operator() string {
+	who := "unknown"
+	if u, err := user.Current(); err == nil {
+		who = u.Username
+	}
+	host, _ := os.Hostname()
+	return who + "@" + host
+}
+
+func printDead(w io.Writer, list []outbox.DeadEvent) error {
+	tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
+	fmt.Fprintln(tw, "EVENT ID\tAGGREGATE\tEVENT TYPE\tATTEMPTS\tDEAD AT\tLAST ERROR")
+	for _, d := range list {
+		fmt.Fprintf(tw, "%s\t%s/%s\t%s\t%d\t%s\t%s\n", d.EventID, d.AggregateType, d.AggregateID, d.EventType,
+			d.Attempts, d.DeadAt.UTC().Format(time.RFC3339), strings.Join(strings.Fields(d.LastError), " "))
+	}
+	return tw.Flush()
 }

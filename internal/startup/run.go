@@ -13,8 +13,8 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
-	"github.com/prometheus/client_golang/prometheus"
 
+	"worker/internal/lock"
 	"worker/internal/migrate"
 	"worker/internal/obs"
 )
@@ -97,10 +97,13 @@ func (runCmd) Run(e *cmdEnv) error {
 		}
 	}
 
-	parts, cleanup, err := wire(ctx, cfg, pool, log, reg)
+	if err := CheckLockStore(ctx, cfg, func(ctx context.Context) error { return lock.CheckStore(ctx, pool) }); err != nil {
+		log.Error("refusing to start", "error", err)
+		return err
+	}
+	parts, cleanup, err := wire(cfg, pool, log, reg, e.Stdout)
 	defer cleanup()
 	if err != nil {
-		log.Error("refusing to start", "error", err)
 		return err
 	}
 	for _, p := range parts {
@@ -131,11 +134,6 @@ func (runCmd) Run(e *cmdEnv) error {
 	return nil
 }
 
-// wire builds the worker's components. cleanup runs after they stopped.
-func wire(ctx context.Context, cfg *Config, pool *pgxpool.Pool, log *slog.Logger, reg prometheus.Registerer) (parts []component, cleanup func(), err error) {
-	return nil, func() {}, nil
-}
-
 func newLogger(e *cmdEnv, cfg *Config) (*slog.Logger, error) {
 	log, err := obs.NewLogger(e.Stderr, cfg.Log.Format, cfg.Log.Level, cfg.Instance.ID, cfg.Database.URL, cfg.Outbox.Webhook.Secret)
 	if err != nil {
@@ -159,6 +157,18 @@ func closeBounded(pool *pgxpool.Pool, limit time.Duration, log *slog.Logger) {
 type migrateCmd struct{}
 
 func (migrateCmd) Run(e *cmdEnv) error {
+	return withPool(e, func(ctx context.Context, pool *pgxpool.Pool, log *slog.Logger) error {
+		if err := migrate.Up(ctx, pool, log); err != nil {
+			return err
+		}
+		log.Info("migrations current")
+		return nil
+	})
+}
+
+// withPool runs an operator command that needs only the database: load the
+// configuration, connect (bounded, like run), call f, close.
+func withPool(e *cmdEnv, f func(ctx context.Context, pool *pgxpool.Pool, log *slog.Logger) error) error {
 	cfg, err := LoadConfig(e.ConfigPath, e.Environ)
 	if err != nil {
 		return err
@@ -174,9 +184,5 @@ func (migrateCmd) Run(e *cmdEnv) error {
 		return err
 	}
 	defer pool.Close()
-	if err := migrate.Up(ctx, pool, log); err != nil {
-		return err
-	}
-	log.Info("migrations current")
-	return nil
+	return f(ctx, pool, log)
 }

@@ -1,0 +1,74 @@
+package outbox
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+)
+
+// NewEvent is what a producer appends. Only the first four fields are
+// required; the zero value of the others picks the table default.
+type NewEvent struct {
+	AggregateType string
+	AggregateID   string
+	EventType     string
+	Payload       json.RawMessage // any JSON value
+
+	EventID    string            // uuid; default gen_random_uuid()
+	Headers    map[string]string // default {}
+	OccurredAt time.Time         // default now()
+}
+
+// appendSQL is the producer contract of docs/outbox.md with the optional
+// columns falling back to their defaults when the helper passes NULL.
+const appendSQL = `
+INSERT INTO outbox_event (aggregate_type, aggregate_id, event_type, payload, event_id, headers, occurred_at)
+VALUES ($1, $2, $3, $4::jsonb, COALESCE($5::uuid, gen_random_uuid()), COALESCE($6::jsonb, '{}'), COALESCE($7::timestamptz, now()))
+RETURNING event_id::text`
+
+// Append inserts e into the outbox inside the caller's transaction, so the
+// event exists exactly when the business change commits. It returns the
+// event_id consumers will dedupe on.
+//
+// Appending locks e's aggregate until tx ends (see the migration), so keep
+// the transaction short after appending, and append to several aggregates in
+// a consistent order.
+func Append(ctx context.Context, tx pgx.Tx, e NewEvent) (eventID string, err error) {
+	if err := e.validate(); err != nil {
+		return "", err
+	}
+	var id, headers, occurred any
+	if e.EventID != "" {
+		id = e.EventID
+	}
+	if len(e.Headers) > 0 {
+		b, err := json.Marshal(e.Headers)
+		if err != nil {
+			return "", err
+		}
+		headers = string(b)
+	}
+	if !e.OccurredAt.IsZero() {
+		occurred = e.OccurredAt
+	}
+	err = tx.QueryRow(ctx, appendSQL, e.AggregateType, e.AggregateID, e.EventType,
+		string(e.Payload), id, headers, occurred).Scan(&eventID)
+	return eventID, err
+}
+
+func (e NewEvent) validate() error {
+	switch {
+	case e.AggregateType == "":
+		return errors.New("outbox: aggregate_type is required")
+	case e.AggregateID == "":
+		return errors.New("outbox: aggregate_id is required")
+	case e.EventType == "":
+		return errors.New("outbox: event_type is required")
+	case !json.Valid(e.Payload):
+		return errors.New("outbox: payload must be valid JSON")
+	}
+	return nil
+}

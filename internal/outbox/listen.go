@@ -1,0 +1,128 @@
+package outbox
+
+import (
+	"context"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+)
+
+// listen keeps a dedicated connection LISTENing on NotifyChannel and wakes
+// the loops on every notification. It is only an accelerator: the loops poll
+// anyway, so while it reconnects events are late by at most poll_interval.
+// LISTEN needs a session, so behind a transaction-mode pooler point the
+// worker at PostgreSQL directly or accept polling latency.
+func (r *Relay) listen() {
+	defer r.background.Done()
+	ctx := r.claimCtx
+	failures := 0
+	for ctx.Err() == nil {
+		err := r.listenOnce(ctx, &failures)
+		if ctx.Err() != nil {
+			return
+		}
+		failures++
+		d := backoff(100*time.Millisecond, 5*time.Second, failures)
+		r.log.Warn("outbox listener disconnected; reconnecting", "error", err, "retry_in", d, "consecutive_failures", failures)
+		wait(ctx, d)
+	}
+}
+
+func (r *Relay) listenOnce(ctx context.Context, failures *int) error {
+	cfg := r.pool.Config().ConnConfig.Copy()
+	cfg.RuntimeParams["application_name"] = "outbox-listener"
+	conn, err := pgx.ConnectConfig(ctx, cfg)
+	if err != nil {
+		return err
+	}
+	defer func() {
+		cctx, cancel := context.WithTimeout(context.Background(), time.Second)
+		defer cancel()
+		_ = conn.Close(cctx)
+	}()
+	if _, err := conn.Exec(ctx, "LISTEN "+NotifyChannel); err != nil {
+		return err
+	}
+	if *failures > 0 {
+		r.log.Info("outbox listener reconnected")
+	}
+	*failures = 0
+	// Rows inserted while we were not listening woke nobody.
+	r.wakeAll()
+	for {
+		if _, err := conn.WaitForNotification(ctx); err != nil {
+			return err
+		}
+		r.wakeAll()
+	}
+}
+
+// refreshMetrics keeps the table-derived gauges current: one grouped query
+// over the unfinished rows per metrics_interval. The query's cost grows with
+// the backlog, so the pause after it is at least 50 times its duration:
+// the refresher never takes more than about 2% of a core, whatever the
+// backlog.
+func (r *Relay) refreshMetrics() {
+	defer r.background.Done()
+	for r.claimCtx.Err() == nil {
+		start := time.Now()
+		if err := r.updateGauges(r.claimCtx); err != nil && r.claimCtx.Err() == nil {
+			r.log.Warn("outbox metrics refresh failed", "error", err)
+		}
+		wait(r.claimCtx, max(r.cfg.MetricsInterval, 50*time.Since(start)))
+	}
+}
+
+const gaugesSQL = `
+SELECT status, event_type, count(*), extract(epoch FROM now() - min(occurred_at))::float8
+FROM outbox_event WHERE ` + unfinished + `
+GROUP BY status, event_type
+UNION ALL
+SELECT 'DEAD', NULL, count(*), NULL FROM outbox_event WHERE status = 'DEAD'`
+
+func (r *Relay) updateGauges(ctx context.Context) error {
+	counts := map[string]float64{}
+	lag := map[string]float64{}
+	err := pgx.BeginFunc(ctx, r.pool, func(tx pgx.Tx) error {
+		// A background metric must not grab every core for a parallel
+		// scan of a large backlog.
+		if _, err := tx.Exec(ctx, "SET LOCAL max_parallel_workers_per_gather = 0"); err != nil {
+			return err
+		}
+		rows, err := tx.Query(ctx, gaugesSQL)
+		if err != nil {
+			return err
+		}
+		return r.scanGauges(rows, counts, lag)
+	})
+	if err != nil {
+		return err
+	}
+	for _, s := range []string{StatusPending, StatusInFlight, StatusFailed, StatusDead} {
+		r.m.pending.WithLabelValues(s).Set(counts[s])
+	}
+	// Event types seen before and now drained report 0, not their last lag.
+	for _, t := range append(r.m.eventTypes.known(), otherEventType) {
+		r.m.lag.WithLabelValues(t).Set(lag[t])
+	}
+	return nil
+}
+
+func (r *Relay) scanGauges(rows pgx.Rows, counts, lag map[string]float64) error {
+	defer rows.Close()
+	for rows.Next() {
+		var status string
+		var eventType *string
+		var n int64
+		var age *float64
+		if err := rows.Scan(&status, &eventType, &n, &age); err != nil {
+			return err
+		}
+		counts[status] += float64(n)
+		if eventType != nil && age != nil {
+			t := r.m.eventType(*eventType)
+			lag[t] = max(lag[t], *age)
+		}
+	}
+	return rows.Err()
+}

@@ -1,0 +1,165 @@
+package outbox
+
+import (
+	"errors"
+	"sync"
+
+	"github.com/prometheus/client_golang/prometheus"
+)
+
+// Job names under which the outbox reports in the shared job_* metrics and
+// logs.
+const (
+	RelayJobName  = "outbox-relay"
+	ReaperJobName = "outbox-reaper"
+)
+
+// maxEventTypes bounds the event_type label: event types come from data, so
+// after this many distinct values the rest are reported as "other".
+const maxEventTypes = 100
+
+// otherEventType is the label value for event types past maxEventTypes.
+const otherEventType = "other"
+
+// Failure kinds (outbox_publish_failures_total{kind}).
+const (
+	kindTransient = "transient"
+	kindPermanent = "permanent"
+)
+
+type metrics struct {
+	pending    *prometheus.GaugeVec   // outbox_pending_size{status}
+	lag        *prometheus.GaugeVec   // outbox_publisher_lag_seconds{event_type}
+	published  *prometheus.CounterVec // outbox_published_total{event_type}
+	failures   *prometheus.CounterVec // outbox_publish_failures_total{event_type,kind}
+	latency    prometheus.Histogram   // outbox_publish_latency_seconds
+	batchSize  prometheus.Histogram   // outbox_batch_size
+	claimed    prometheus.Gauge       // outbox_claimed_events
+	retry      *prometheus.CounterVec // job_retry_total{job_name,outcome}
+	dlq        *prometheus.CounterVec // job_dlq_total{job_name}
+	eventTypes labelCap
+}
+
+func newMetrics(reg prometheus.Registerer) (*metrics, error) {
+	if reg == nil {
+		reg = prometheus.NewRegistry()
+	}
+	m := &metrics{eventTypes: labelCap{max: maxEventTypes, seen: map[string]bool{}}}
+	var err error
+	if m.pending, err = register(reg, prometheus.NewGaugeVec(prometheus.GaugeOpts{
+		Name: "outbox_pending_size",
+		Help: "Outbox events not yet published, by status (DEAD included), refreshed every outbox.metrics_interval.",
+	}, []string{"status"})); err != nil {
+		return nil, err
+	}
+	if m.lag, err = register(reg, prometheus.NewGaugeVec(prometheus.GaugeOpts{
+		Name: "outbox_publisher_lag_seconds",
+		Help: "Age (now - occurred_at) of the oldest unfinished event, by event type; 0 when none. At most 100 event types, then \"other\".",
+	}, []string{"event_type"})); err != nil {
+		return nil, err
+	}
+	if m.published, err = register(reg, prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "outbox_published_total",
+		Help: "Events handed to the sink and marked PUBLISHED.",
+	}, []string{"event_type"})); err != nil {
+		return nil, err
+	}
+	if m.failures, err = register(reg, prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "outbox_publish_failures_total",
+		Help: "Failed publish attempts, by event type and kind (transient: retried or DEAD after max_attempts; permanent: DEAD at once).",
+	}, []string{"event_type", "kind"})); err != nil {
+		return nil, err
+	}
+	if m.latency, err = register(reg, prometheus.NewHistogram(prometheus.HistogramOpts{
+		Name:    "outbox_publish_latency_seconds",
+		Help:    "Time from an event's occurred_at to its successful publish.",
+		Buckets: []float64{.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60, 300, 1800},
+	})); err != nil {
+		return nil, err
+	}
+	if m.batchSize, err = register(reg, prometheus.NewHistogram(prometheus.HistogramOpts{
+		Name:    "outbox_batch_size",
+		Help:    "Events claimed per relay batch.",
+		Buckets: []float64{1, 2, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000},
+	})); err != nil {
+		return nil, err
+	}
+	if m.claimed, err = register(reg, prometheus.NewGauge(prometheus.GaugeOpts{
+		Name: "outbox_claimed_events",
+		Help: "Events this process holds claimed (locked in a batch transaction) right now. The table shows them as PENDING or FAILED; this is their IN_FLIGHT count.",
+	})); err != nil {
+		return nil, err
+	}
+	// job_retry_total and job_dlq_total are shared with the job runtime;
+	// whoever registers first owns them and the other reuses them.
+	if m.retry, err = register(reg, prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "job_retry_total",
+		Help: "Retries, by job and outcome (scheduled: a retry was scheduled with backoff).",
+	}, []string{"job_name", "outcome"})); err != nil {
+		return nil, err
+	}
+	if m.dlq, err = register(reg, prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "job_dlq_total",
+		Help: "Work items moved to the dead letter state (JOB_DEAD_LETTER), by job.",
+	}, []string{"job_name"})); err != nil {
+		return nil, err
+	}
+
+	// Known label values start at zero so dashboards and alerts see every
+	// series before the first event.
+	for _, s := range []string{StatusPending, StatusInFlight, StatusFailed, StatusDead} {
+		m.pending.WithLabelValues(s)
+	}
+	m.retry.WithLabelValues(RelayJobName, "scheduled")
+	m.dlq.WithLabelValues(RelayJobName)
+	return m, nil
+}
+
+// eventType returns the label value for an event type, bounded by the cap.
+func (m *metrics) eventType(t string) string { return m.eventTypes.value(t) }
+
+// register adds c to reg, or returns the equal collector registered before.
+func register[T prometheus.Collector](reg prometheus.Registerer, c T) (T, error) {
+	if err := reg.Register(c); err != nil {
+		var are prometheus.AlreadyRegisteredError
+		if errors.As(err, &are) {
+			if existing, ok := are.ExistingCollector.(T); ok {
+				return existing, nil
+			}
+		}
+		return c, err
+	}
+	return c, nil
+}
+
+// labelCap admits the first max distinct values of a label and maps the
+// rest to otherEventType.
+type labelCap struct {
+	mu   sync.Mutex
+	max  int
+	seen map[string]bool
+}
+
+func (l *labelCap) value(v string) string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.seen[v] {
+		return v
+	}
+	if len(l.seen) >= l.max {
+		return otherEventType
+	}
+	l.seen[v] = true
+	return v
+}
+
+// known returns the admitted values.
+func (l *labelCap) known() []string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	out := make([]string, 0, len(l.seen))
+	for v := range l.seen {
+		out = append(out, v)
+	}
+	return out
+}

@@ -1,0 +1,526 @@
+package outbox
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgtype"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/prometheus/client_golang/prometheus"
+
+	"worker/internal/obs"
+)
+
+// NotifyChannel is the LISTEN/NOTIFY channel the insert trigger signals.
+const NotifyChannel = "outbox_event"
+
+// finishTimeout bounds the final write of a batch. It runs even after a
+// hard stop, because it is what hands unpublished claims back.
+const finishTimeout = 5 * time.Second
+
+// Relay publishes outbox events to a sink. It runs cfg.Relays loops; each
+// loop claims a batch by locking rows in a transaction, publishes them in
+// order, records every outcome and commits. The row locks are the claim:
+// other relays skip them, and if this process dies the database drops them
+// at once, so the rows are immediately claimable again.
+type Relay struct {
+	pool       *pgxpool.Pool
+	sink       Sink
+	cfg        Config
+	instanceID string
+	log        *slog.Logger
+	m          *metrics
+	headsSQL   string
+	runsSQL    string
+	gatedSQL   string
+
+	wake []chan struct{} // one per loop; a token means "look again"
+
+	mu           sync.Mutex
+	started      bool
+	hardCtx      context.Context // publishes; cancelled when the shutdown budget is gone
+	hardCancel   context.CancelFunc
+	claimCtx     context.Context // cancelled when claiming stops
+	stopClaiming context.CancelFunc
+	loops        sync.WaitGroup
+	background   sync.WaitGroup
+}
+
+// NewRelay builds a relay; Start runs it. reg receives the outbox metrics
+// (nil: a private registry). instanceID is recorded as claimed_by and in
+// logs.
+func NewRelay(pool *pgxpool.Pool, sink Sink, cfg Config, instanceID string, log *slog.Logger, reg prometheus.Registerer) (*Relay, error) {
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	if pool == nil || sink == nil {
+		return nil, errors.New("outbox: relay needs a pool and a sink")
+	}
+	if log == nil {
+		log = slog.New(slog.DiscardHandler)
+	}
+	m, err := newMetrics(reg)
+	if err != nil {
+		return nil, fmt.Errorf("outbox: register metrics: %w", err)
+	}
+	r := &Relay{
+		pool:       pool,
+		sink:       sink,
+		cfg:        cfg,
+		instanceID: instanceID,
+		log:        log.With("job", RelayJobName, "sink", sink.Name()),
+		m:          m,
+		headsSQL:   lockHeadsSQL(cfg.BlockOnDead),
+		runsSQL:    lockRunsSQL(cfg.BlockOnDead),
+		gatedSQL:   gatedHeadsSQL(cfg.BlockOnDead),
+		wake:       make([]chan struct{}, cfg.Relays),
+	}
+	for i := range r.wake {
+		r.wake[i] = make(chan struct{}, 1)
+	}
+	return r, nil
+}
+
+// Start runs the relay loops, the LISTEN connection and the metrics
+// refresher, and returns. Cancelling ctx is a hard stop: publishes in
+// progress are cancelled and their events handed back. Use Shutdown for a
+// graceful stop.
+func (r *Relay) Start(ctx context.Context) error {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.started {
+		return errors.New("outbox: relay already started")
+	}
+	r.started = true
+	r.hardCtx, r.hardCancel = context.WithCancel(ctx)
+	r.claimCtx, r.stopClaiming = context.WithCancel(r.hardCtx)
+	for i := range r.cfg.Relays {
+		r.loops.Add(1)
+		go r.loop(i)
+	}
+	r.background.Add(2)
+	go r.listen()
+	go r.refreshMetrics()
+	r.log.Info("outbox relay started", "relays", r.cfg.Relays, "batch_size", r.cfg.BatchSize, "block_on_dead", r.cfg.BlockOnDead)
+	return nil
+}
+
+// Shutdown stops claiming, lets the publish in progress in each loop finish
+// while ctx allows, hands every claimed but unpublished event back (as
+// PENDING, no attempt used) and waits for the relay to stop. It returns
+// ctx.Err() if publishes had to be cancelled.
+func (r *Relay) Shutdown(ctx context.Context) error {
+	r.mu.Lock()
+	started := r.started
+	r.mu.Unlock()
+	if !started {
+		return nil
+	}
+	r.stopClaiming()
+	defer r.hardCancel()
+	done := make(chan struct{})
+	go func() { r.loops.Wait(); close(done) }()
+	var err error
+	select {
+	case <-done:
+	case <-ctx.Done():
+		err = ctx.Err()
+		r.hardCancel()
+		<-done // bounded: the hand-back write has its own timeout
+	}
+	r.background.Wait()
+	r.log.Info("outbox relay stopped", "graceful", err == nil)
+	return err
+}
+
+// loop claims and publishes batches until claiming stops. While there is
+// backlog it goes straight on; otherwise it waits for a notification or the
+// poll interval.
+func (r *Relay) loop(i int) {
+	defer r.loops.Done()
+	poll := time.NewTimer(r.cfg.PollInterval)
+	defer poll.Stop()
+	failures := 0
+	var st loopState
+	for r.claimCtx.Err() == nil {
+		n, err := r.runBatch(r.claimCtx, &st)
+		if err != nil && r.claimCtx.Err() == nil {
+			failures++
+			r.log.Warn("outbox batch failed", "relay", i, "error", err, "consecutive_failures", failures)
+			// Back off (up to the poll interval) so a database outage is
+			// not hammered by every loop.
+			wait(r.claimCtx, backoff(50*time.Millisecond, r.cfg.PollInterval, failures))
+			continue
+		}
+		failures = 0
+		if n > 0 || st.widened {
+			continue
+		}
+		poll.Reset(r.cfg.PollInterval)
+		select {
+		case <-r.claimCtx.Done():
+		case <-r.wake[i]:
+		case <-poll.C:
+		}
+	}
+}
+
+// wakeAll tells every loop to look for work.
+func (r *Relay) wakeAll() {
+	for _, w := range r.wake {
+		select {
+		case w <- struct{}{}:
+		default: // a token is already waiting
+		}
+	}
+}
+
+// failure is the outcome of a failed publish.
+type failure struct {
+	ev     claimedRow
+	err    error
+	status string // FAILED or DEAD
+	delay  time.Duration
+}
+
+// runBatch claims one batch, publishes it and records the outcomes in the
+// same transaction. It returns the number of events claimed.
+func (r *Relay) runBatch(ctx context.Context, st *loopState) (int, error) {
+	conn, err := r.pool.Acquire(ctx)
+	if err != nil {
+		return 0, err
+	}
+	defer conn.Release()
+	runs, skew, err := r.claim(ctx, conn.Conn(), st)
+	if err != nil {
+		rollback(conn.Conn())
+		return 0, err
+	}
+	n := 0
+	for _, run := range runs {
+		n += len(run)
+	}
+	if n == 0 {
+		rollback(conn.Conn())
+		return 0, nil
+	}
+	claimedAt := time.Now()
+	r.m.batchSize.Observe(float64(n))
+	r.m.claimed.Add(float64(n))
+	defer r.m.claimed.Sub(float64(n))
+
+	out := r.publish(runs, claimedAt, skew)
+
+	fctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), finishTimeout)
+	defer cancel()
+	if err := r.finish(fctx, conn.Conn(), out); err != nil {
+		rollback(conn.Conn())
+		// The publishes happened; the rows stay as they were and will be
+		// published again (at least once).
+		return n, fmt.Errorf("outbox: record outcomes of %d events: %w", n, err)
+	}
+	r.record(out)
+	return n, nil
+}
+
+// claim opens the batch transaction and locks a batch: heads from the
+// window, then their runs, topped up by the gated claim when the window is
+// congested. It returns the runs to publish, oldest head first, and the
+// database clock minus ours.
+func (r *Relay) claim(ctx context.Context, conn *pgx.Conn, st *loopState) ([][]claimedRow, time.Duration, error) {
+	n := r.cfg.BatchSize
+	if st.window < n {
+		st.window = n
+	}
+	b := &pgx.Batch{}
+	b.Queue("BEGIN")
+	// If the relay stalls (process frozen, network gone) while holding its
+	// claims, the server ends the session after the visibility timeout,
+	// which releases them.
+	b.Queue(idleTimeoutSQL, strconv.FormatInt(r.cfg.InFlightTimeout.Milliseconds(), 10))
+	b.Queue(windowSQL, st.window)
+	b.Queue("SELECT clock_timestamp()")
+	res := conn.SendBatch(ctx, b)
+	defer res.Close()
+	for range 2 {
+		if _, err := res.Exec(); err != nil {
+			return nil, 0, err
+		}
+	}
+	win, err := readWindow(res.Query())
+	if err != nil {
+		return nil, 0, err
+	}
+	var dbNow time.Time
+	if err := res.QueryRow().Scan(&dbNow); err != nil {
+		return nil, 0, err
+	}
+	skew := time.Until(dbNow) // database clock minus ours
+	if err := res.Close(); err != nil {
+		return nil, 0, err
+	}
+
+	runs, err := r.lockWindow(ctx, conn, candidates(win), n)
+	if err != nil {
+		return nil, 0, err
+	}
+	got := 0
+	for _, run := range runs {
+		got += len(run)
+	}
+
+	// Size the next window. A window that yields less than half a batch is
+	// congested (other relays hold its aggregates, or they wait for a
+	// retry): widen it. At the widest, look past it with the gated claim so
+	// the aggregates behind it cannot starve.
+	congested := got < (n+1)/2 && len(win) >= st.window
+	st.widened = false
+	switch {
+	case congested && st.window < maxWindowFactor*n:
+		st.window *= 2
+		st.widened = true // look again at once
+	case congested:
+		heads, err := readEvents(conn.Query(ctx, r.gatedSQL, win[len(win)-1].id, n-got))
+		if err != nil {
+			return nil, 0, err
+		}
+		for _, h := range heads {
+			runs = append(runs, []claimedRow{h})
+		}
+	case got >= n && st.window > n:
+		st.window /= 2
+	}
+	return runs, skew, nil
+}
+
+// lockWindow locks heads, then their runs, up to n events. It returns one
+// run per locked head: the head, then as much of its run as came back
+// locked, in order.
+func (r *Relay) lockWindow(ctx context.Context, conn *pgx.Conn, cands []*candidate, n int) ([][]claimedRow, error) {
+	if len(cands) == 0 {
+		return nil, nil
+	}
+	// As many heads as a batch needs at the window's mean run length.
+	events := 0
+	tids := make([]pgtype.TID, len(cands))
+	for i, c := range cands {
+		tids[i] = c.head.tid
+		events += 1 + len(c.run)
+	}
+	want := min(len(cands), (n*len(cands)+events-1)/events)
+	heads, err := readEvents(conn.Query(ctx, r.headsSQL, tids, want))
+	if err != nil || len(heads) == 0 {
+		return nil, err
+	}
+	byTID := make(map[pgtype.TID]*candidate, len(cands))
+	for _, c := range cands {
+		byTID[c.head.tid] = c
+	}
+	// Heads came back oldest first. Take runs in that order until the
+	// batch is full.
+	runs := make([][]claimedRow, len(heads))
+	var runTIDs []pgtype.TID
+	total := len(heads)
+	for i, h := range heads {
+		runs[i] = []claimedRow{h}
+		for _, w := range byTID[h.tid].run {
+			if total >= n {
+				break
+			}
+			runTIDs = append(runTIDs, w.tid)
+			total++
+		}
+	}
+	if len(runTIDs) == 0 {
+		return runs, nil
+	}
+	rows, err := readEvents(conn.Query(ctx, r.runsSQL, runTIDs))
+	if err != nil {
+		return nil, err
+	}
+	locked := make(map[pgtype.TID]claimedRow, len(rows))
+	for _, row := range rows {
+		locked[row.tid] = row
+	}
+	for i, h := range heads {
+		for _, w := range byTID[h.tid].run {
+			row, ok := locked[w.tid]
+			if !ok || row.Seq != w.id {
+				break // the rest of this aggregate waits
+			}
+			runs[i] = append(runs[i], row)
+		}
+	}
+	return runs, nil
+}
+
+// maxWindowFactor bounds the window at this many batches.
+const maxWindowFactor = 8
+
+// loopState is what a relay loop carries from one batch to the next.
+type loopState struct {
+	window  int  // rows the next window claim reads
+	widened bool // the last claim widened the window: claim again at once
+}
+
+// outcomes of a batch.
+type outcomes struct {
+	published []*claimedRow
+	at        []time.Time // when each was accepted, on the database clock
+	failed    []failure
+	handBack  []*claimedRow
+}
+
+// publish hands the claimed events to the sink, run by run (aggregate by
+// aggregate, oldest head first), each run in order. After a failure the
+// rest of the run is left alone: it must not overtake the failed event.
+func (r *Relay) publish(runs [][]claimedRow, claimedAt time.Time, skew time.Duration) outcomes {
+	// The claim transaction must end before the server's idle timeout
+	// (in_flight_timeout) kills it. Publishes start only in the first half,
+	// so each gets at least the other half.
+	budget := r.cfg.InFlightTimeout - r.cfg.InFlightTimeout/10
+	lastStart := claimedAt.Add(budget / 2)
+	pctx, cancel := context.WithDeadline(r.hardCtx, claimedAt.Add(budget))
+	defer cancel()
+	var out outcomes
+	stopped := false
+	for _, run := range runs {
+		for i := range run {
+			ev := &run[i]
+			if !stopped && (r.claimCtx.Err() != nil || time.Now().After(lastStart)) {
+				stopped = true
+			}
+			if stopped {
+				out.handBack = append(out.handBack, ev)
+				continue
+			}
+			err := r.sink.Publish(pctx, ev.Event)
+			if err == nil {
+				out.published = append(out.published, ev)
+				out.at = append(out.at, time.Now().Add(skew))
+				continue
+			}
+			if r.hardCtx.Err() != nil {
+				// Cancelled by shutdown, not the sink's fault: no attempt used.
+				stopped = true
+				out.handBack = append(out.handBack, ev)
+				continue
+			}
+			out.failed = append(out.failed, r.classify(*ev, err))
+			break // the rest of this aggregate waits
+		}
+	}
+	return out
+}
+
+// classify turns a publish error into the event's next state.
+func (r *Relay) classify(ev claimedRow, err error) failure {
+	f := failure{ev: ev, err: err, status: StatusFailed}
+	attempts := ev.Attempts + 1
+	if IsPermanent(err) || attempts >= r.cfg.MaxAttempts {
+		f.status = StatusDead
+		return f
+	}
+	f.delay = retryDelay(r.cfg.BackoffBase, r.cfg.BackoffMax, attempts, err)
+	return f
+}
+
+// finish writes the outcomes and commits, in one round trip.
+func (r *Relay) finish(ctx context.Context, conn *pgx.Conn, out outcomes) error {
+	b := &pgx.Batch{}
+	if len(out.published) > 0 {
+		tids := make([]pgtype.TID, len(out.published))
+		for i, ev := range out.published {
+			tids[i] = ev.tid
+		}
+		b.Queue(markPublishedSQL, tids, r.instanceID)
+	}
+	if len(out.failed) > 0 {
+		tids := make([]pgtype.TID, len(out.failed))
+		statuses := make([]string, len(out.failed))
+		delays := make([]int64, len(out.failed))
+		errs := make([]string, len(out.failed))
+		for i, f := range out.failed {
+			tids[i], statuses[i], delays[i] = f.ev.tid, f.status, f.delay.Milliseconds()
+			errs[i] = errorText(f.err)
+		}
+		b.Queue(markFailedSQL, tids, statuses, delays, errs, r.instanceID)
+	}
+	var back []pgtype.TID
+	for _, ev := range out.handBack {
+		if ev.status != StatusPending {
+			back = append(back, ev.tid)
+		}
+	}
+	if len(back) > 0 {
+		b.Queue(handBackSQL, back)
+	}
+	b.Queue("COMMIT")
+	return conn.SendBatch(ctx, b).Close()
+}
+
+// record updates metrics and logs once the outcomes are committed.
+func (r *Relay) record(out outcomes) {
+	counts := map[string]int{}
+	for i, ev := range out.published {
+		counts[ev.EventType]++
+		r.m.latency.Observe(out.at[i].Sub(ev.OccurredAt).Seconds())
+	}
+	for t, n := range counts {
+		r.m.published.WithLabelValues(r.m.eventType(t)).Add(float64(n))
+	}
+	for _, f := range out.failed {
+		kind := kindTransient
+		if IsPermanent(f.err) {
+			kind = kindPermanent
+		}
+		r.m.failures.WithLabelValues(r.m.eventType(f.ev.EventType), kind).Inc()
+		attrs := []any{
+			"event_id", f.ev.EventID, "aggregate_type", f.ev.AggregateType, "aggregate_id", f.ev.AggregateID,
+			"event_type", f.ev.EventType, "attempts", f.ev.Attempts + 1, "error", f.err,
+		}
+		if f.status == StatusDead {
+			r.m.dlq.WithLabelValues(RelayJobName).Inc()
+			r.log.Error("outbox event dead-lettered", append(attrs, "error.code", obs.CodeJobDeadLetter, "permanent", kind == kindPermanent)...)
+			continue
+		}
+		r.m.retry.WithLabelValues(RelayJobName, "scheduled").Inc()
+		r.log.Warn("outbox publish failed; retry scheduled", append(attrs, "retry_in", f.delay)...)
+	}
+}
+
+func rollback(conn *pgx.Conn) {
+	// A connection left inside a transaction is destroyed by the pool on
+	// release, which also rolls back; this is the cheaper path.
+	ctx, cancel := context.WithTimeout(context.Background(), finishTimeout)
+	defer cancel()
+	if conn.PgConn().TxStatus() != 'I' {
+		_, _ = conn.Exec(ctx, "ROLLBACK")
+	}
+}
+
+func wait(ctx context.Context, d time.Duration) {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-ctx.Done():
+	case <-t.C:
+	}
+}
+
+// errorText is err's message as storable text: bounded, valid UTF-8 and
+// free of NUL bytes, which a text column rejects.
+func errorText(err error) string {
+	s := err.Error()
+	if len(s) > 2000 {
+		s = s[:2000]
+	}
+	return strings.ReplaceAll(strings.ToValidUTF8(s, ""), "\x00", "")
+}

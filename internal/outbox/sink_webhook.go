@@ -1,0 +1,347 @@
+package outbox
+
+import (
+	"bytes"
+	"context"
+	"crypto/hmac"
+	"crypto/sha256"
+	"encoding/base64"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"net/url"
+	"strconv"
+	"strings"
+	"time"
+
+	"worker/internal/obs"
+)
+
+const (
+	// webhookSecretPrefix marks a Standard Webhooks secret: the HMAC key is
+	// the base64-decoded rest, not the text itself.
+	webhookSecretPrefix = "whsec_"
+	// maxErrorBody bounds the response snippet quoted in errors, which end
+	// up in logs and in outbox_event.last_error.
+	maxErrorBody = 200
+	// maxDrain bounds how much of a response is read to let the connection
+	// be reused; a receiver that streams more is not worth waiting for.
+	maxDrain = 64 << 10
+	// maxRetryAfter caps a receiver's Retry-After: an absurd value must not
+	// park an event for days, and seconds*time.Second must not overflow.
+	maxRetryAfter = time.Hour
+)
+
+// WebhookSink POSTs each event to one URL as a CloudEvent in HTTP binary
+// mode, signed per Standard Webhooks when a secret is configured.
+type WebhookSink struct {
+	url     string
+	shown   string // url without password or query, for error messages
+	key     []byte // HMAC key; nil means unsigned
+	secrets []string
+	timeout time.Duration
+	client  *http.Client
+	now     func() time.Time // replaced in tests to pin webhook-timestamp and Retry-After dates
+}
+
+// NewWebhookSink validates cfg and returns the sink. client may be nil; the
+// sink never follows redirects, whatever client it is given, because a
+// redirected POST either loses its body or is sent somewhere nobody
+// configured.
+func NewWebhookSink(cfg WebhookConfig, client *http.Client) (*WebhookSink, error) {
+	u, err := parseWebhookURL(cfg.URL)
+	if err != nil {
+		return nil, err
+	}
+	if cfg.Timeout <= 0 {
+		return nil, fmt.Errorf("outbox.webhook.timeout (APP_OUTBOX_WEBHOOK_TIMEOUT) %s: want a positive duration such as 10s", cfg.Timeout)
+	}
+	key, err := webhookKey(cfg.Secret)
+	if err != nil {
+		return nil, err
+	}
+	c := &http.Client{}
+	if client != nil {
+		cp := *client // a shallow copy shares the transport but leaves the caller's redirect policy alone
+		c = &cp
+	}
+	c.CheckRedirect = func(*http.Request, []*http.Request) error { return http.ErrUseLastResponse }
+
+	s := &WebhookSink{
+		url:     u.String(),
+		shown:   shownURL(u),
+		key:     key,
+		timeout: cfg.Timeout,
+		client:  c,
+		now:     time.Now,
+	}
+	if key != nil {
+		// Every form a receiver could echo back: as configured, its base64
+		// part, and the key bytes themselves.
+		s.secrets = []string{cfg.Secret, strings.TrimPrefix(cfg.Secret, webhookSecretPrefix), string(key)}
+	}
+	return s, nil
+}
+
+func parseWebhookURL(raw string) (*url.URL, error) {
+	const key = "outbox.webhook.url (APP_OUTBOX_WEBHOOK_URL)"
+	if raw == "" {
+		return nil, fmt.Errorf("%s is empty: the webhook sink needs an absolute http:// or https:// URL", key)
+	}
+	u, err := url.Parse(raw)
+	if err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
+		// MaskDSN: the value may carry basic-auth credentials.
+		return nil, fmt.Errorf("%s %q: want an absolute http:// or https:// URL, such as https://hooks.example.com/outbox", key, obs.MaskDSN(raw))
+	}
+	return u, nil
+}
+
+// shownURL is u as errors and logs may show it: receivers often put a
+// token in the query string, or basic-auth credentials in the URL.
+func shownURL(u *url.URL) string {
+	c := *u
+	c.User = nil
+	if c.RawQuery != "" {
+		c.RawQuery = "xxxxx"
+	}
+	c.Fragment = ""
+	return c.String()
+}
+
+// webhookKey returns the HMAC key for secret. A "whsec_" secret is base64,
+// as Standard Webhooks issues them; any other secret is used as raw bytes.
+func webhookKey(secret string) ([]byte, error) {
+	if secret == "" {
+		return nil, nil
+	}
+	b64, ok := strings.CutPrefix(secret, webhookSecretPrefix)
+	if !ok {
+		return []byte(secret), nil
+	}
+	key, err := base64.StdEncoding.DecodeString(b64)
+	if err != nil || len(key) == 0 {
+		// Never quote the value: it is the secret.
+		return nil, errors.New("outbox.webhook.secret (APP_OUTBOX_WEBHOOK_SECRET): a secret starting with whsec_ must continue with standard base64 of the key bytes; drop the prefix to use the text itself as the key")
+	}
+	return key, nil
+}
+
+// Name implements Sink.
+func (s *WebhookSink) Name() string { return "webhook" }
+
+// String keeps the key out of anything that formats the sink.
+func (s *WebhookSink) String() string { return "webhook(" + s.shown + ")" }
+
+// Publish implements Sink: one POST per event. A 2xx answer is success;
+// 408, 429, 5xx and network errors are transient (with the receiver's
+// Retry-After when it gives one); any other answer is permanent.
+func (s *WebhookSink) Publish(ctx context.Context, e Event) error {
+	if e.EventID == "" || e.EventType == "" || e.AggregateType == "" {
+		// ce-id, ce-type and ce-source are required CloudEvents attributes.
+		return Permanent(fmt.Errorf("webhook: event seq %d lacks event_id, event_type or aggregate_type", e.Seq))
+	}
+	body := []byte(e.Payload)
+	if len(body) == 0 {
+		body = []byte("null")
+	}
+
+	ctx, cancel := context.WithTimeout(ctx, s.timeout)
+	defer cancel()
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, s.url, bytes.NewReader(body))
+	if err != nil {
+		return Permanent(fmt.Errorf("webhook: build request: %w", err))
+	}
+	req.Header = s.headers(e, body)
+
+	resp, err := s.client.Do(req)
+	if err != nil {
+		// Refused, reset, DNS, TLS, timeout: the receiver may be back later.
+		var ue *url.Error
+		if errors.As(err, &ue) {
+			ue.URL = s.shown
+		}
+		return fmt.Errorf("webhook: event %s: %w", e.EventID, err)
+	}
+	defer func() {
+		// Drain a little so the keep-alive connection can be reused.
+		_, _ = io.Copy(io.Discard, io.LimitReader(resp.Body, maxDrain))
+		resp.Body.Close()
+	}()
+
+	code := resp.StatusCode
+	if code >= 200 && code < 300 {
+		return nil
+	}
+	snippet, _ := io.ReadAll(io.LimitReader(resp.Body, maxErrorBody))
+	err = fmt.Errorf("webhook: event %s: POST %s: %s: %s", e.EventID, s.shown, resp.Status, s.mask(snippet))
+	switch {
+	case code == http.StatusRequestTimeout, code == http.StatusTooManyRequests, code >= 500:
+		if d, ok := retryAfter(resp.Header.Get("Retry-After"), s.now()); ok {
+			return &RetryAfterError{Err: err, After: d}
+		}
+		return err
+	case code >= 300 && code < 400:
+		return Permanent(fmt.Errorf("%w (redirect to %q is not followed; configure the final URL)", err, resp.Header.Get("Location")))
+	default:
+		return Permanent(err)
+	}
+}
+
+// headers builds the request headers for e. Stored event headers go
+// first, so the ones the protocol owns (ce-*, webhook-*, Content-Type)
+// always overwrite them. Keys are written in canonical form directly, and
+// all single values share one backing array: this runs once per event.
+func (s *WebhookSink) headers(e Event, body []byte) http.Header {
+	h := make(http.Header, len(e.Headers)+11)
+	vals := make([]string, 0, 11)
+	set := func(k, v string) {
+		vals = append(vals, v)
+		h[k] = vals[len(vals)-1 : len(vals) : len(vals)]
+	}
+	for k, v := range e.Headers {
+		if passThrough(k, v) {
+			h.Set(k, v)
+		}
+	}
+	set("Content-Type", "application/json")
+	set("User-Agent", "worker-outbox")
+	set("Ce-Specversion", "1.0")
+	set("Ce-Id", ceEncode(e.EventID))
+	set("Ce-Type", ceEncode(e.EventType))
+	set("Ce-Source", ceEncode(e.AggregateType))
+	if e.AggregateID != "" {
+		set("Ce-Subject", ceEncode(e.AggregateID))
+	}
+	if !e.OccurredAt.IsZero() {
+		set("Ce-Time", e.OccurredAt.UTC().Format(time.RFC3339Nano))
+	}
+	if s.key != nil {
+		id, ts := e.EventID, strconv.FormatInt(s.now().Unix(), 10)
+		set("Webhook-Id", id)
+		set("Webhook-Timestamp", ts)
+		set("Webhook-Signature", "v1,"+sign(s.key, id, ts, body))
+	}
+	return h
+}
+
+// sign is the Standard Webhooks v1 signature: HMAC-SHA256 over
+// "id.timestamp.body", base64.
+func sign(key []byte, id, ts string, body []byte) string {
+	m := hmac.New(sha256.New, key)
+	m.Write([]byte(id))
+	m.Write([]byte{'.'})
+	m.Write([]byte(ts))
+	m.Write([]byte{'.'})
+	m.Write(body)
+	return base64.StdEncoding.EncodeToString(m.Sum(nil))
+}
+
+// passThrough reports whether a stored event header may be sent. Headers
+// the protocol owns are reserved, framing headers would corrupt the
+// request, and a name or value HTTP cannot carry would fail every attempt
+// and turn a good event DEAD, so those are dropped.
+func passThrough(name, value string) bool {
+	n := strings.ToLower(name)
+	if strings.HasPrefix(n, "ce-") || strings.HasPrefix(n, "webhook-") || strings.HasPrefix(n, "proxy-") {
+		return false
+	}
+	switch n {
+	case "content-type", "content-length", "content-encoding", "transfer-encoding",
+		"host", "connection", "keep-alive", "te", "trailer", "upgrade", "user-agent":
+		return false
+	}
+	return validHeaderName(name) && validHeaderValue(value)
+}
+
+// validHeaderName reports whether s is an RFC 9110 token.
+func validHeaderName(s string) bool {
+	if s == "" {
+		return false
+	}
+	for i := 0; i < len(s); i++ {
+		c := s[i]
+		if c >= '0' && c <= '9' || c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z' {
+			continue
+		}
+		if !strings.ContainsRune("!#$%&'*+-.^_`|~", rune(c)) {
+			return false
+		}
+	}
+	return true
+}
+
+// validHeaderValue rejects control characters other than tab, as net/http
+// does before sending.
+func validHeaderValue(s string) bool {
+	for i := 0; i < len(s); i++ {
+		if c := s[i]; (c < ' ' && c != '\t') || c == 0x7f {
+			return false
+		}
+	}
+	return true
+}
+
+// ceEncode percent-encodes a CloudEvents attribute for an HTTP header
+// (HTTP binding 3.1.3.2): space, '"', '%' and every byte outside printable
+// ASCII become %XY, so any UTF-8 aggregate id survives the trip.
+func ceEncode(s string) string {
+	i := 0
+	for i < len(s) && ceSafe(s[i]) {
+		i++
+	}
+	if i == len(s) {
+		return s // the common case: nothing to encode, no allocation
+	}
+	const hex = "0123456789ABCDEF"
+	var b strings.Builder
+	b.Grow(len(s) + 16)
+	b.WriteString(s[:i])
+	for ; i < len(s); i++ {
+		if c := s[i]; ceSafe(c) {
+			b.WriteByte(c)
+		} else {
+			b.WriteByte('%')
+			b.WriteByte(hex[c>>4])
+			b.WriteByte(hex[c&0xf])
+		}
+	}
+	return b.String()
+}
+
+func ceSafe(c byte) bool { return c > ' ' && c < 0x7f && c != '"' && c != '%' }
+
+// retryAfter parses a Retry-After value: delay-seconds or an HTTP date.
+func retryAfter(v string, now time.Time) (time.Duration, bool) {
+	v = strings.TrimSpace(v)
+	if v == "" {
+		return 0, false
+	}
+	var d time.Duration
+	if secs, err := strconv.ParseInt(v, 10, 64); err == nil {
+		if secs < 0 {
+			return 0, false
+		}
+		d = maxRetryAfter
+		if secs < int64(maxRetryAfter/time.Second) {
+			d = time.Duration(secs) * time.Second
+		}
+	} else if t, err := http.ParseTime(v); err == nil {
+		d = max(t.Sub(now), 0)
+	} else {
+		return 0, false
+	}
+	return min(d, maxRetryAfter), true
+}
+
+// mask quotes a response snippet for an error message, without the secret
+// (a receiver that knows it could echo it back).
+func (s *WebhookSink) mask(b []byte) string {
+	t := string(b)
+	for _, sec := range s.secrets {
+		if sec != "" {
+			t = strings.ReplaceAll(t, sec, "xxxxx")
+		}
+	}
+	return strconv.Quote(t)
+}

@@ -1,0 +1,339 @@
+package outbox
+
+import (
+	"encoding/json"
+	"fmt"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgtype"
+)
+
+// Event states (outbox_event.status).
+const (
+	StatusPending   = "PENDING"
+	StatusInFlight  = "IN_FLIGHT"
+	StatusPublished = "PUBLISHED"
+	StatusFailed    = "FAILED"
+	StatusDead      = "DEAD"
+)
+
+var allStatuses = []string{StatusPending, StatusInFlight, StatusFailed, StatusDead, StatusPublished}
+
+// unfinished matches the partial indexes of the migration word for word, so
+// the planner can prove it may use them.
+const unfinished = `status IN ('PENDING', 'FAILED', 'IN_FLIGHT')`
+
+// eventColumns are what a claim returns per event (see scanEvent).
+const eventColumns = `e.ctid, e.id, e.event_id::text, e.aggregate_type, e.aggregate_id, e.event_type, e.payload,
+       e.headers, e.occurred_at, e.attempts, e.status`
+
+// claimable is rechecked on the newest version of a row when it changed
+// since the statement's snapshot, so a row another relay finished or
+// rescheduled meanwhile is not claimed.
+const claimable = `e.` + unfinished + ` AND e.next_attempt_at <= now()`
+
+// deadGate holds back the events behind a DEAD event of their aggregate
+// (block_on_dead). The dead index is small, so the probe is cheap.
+const deadGate = `
+  AND NOT EXISTS (SELECT 1 FROM outbox_event d
+                  WHERE d.aggregate_type = e.aggregate_type AND d.aggregate_id = e.aggregate_id
+                    AND d.id < e.id AND d.status = 'DEAD')`
+
+// The claim reads a window: the oldest unfinished events, without locking
+// them. Because the window starts at the oldest unfinished event, an
+// aggregate's first event in it IS the aggregate's head: nothing earlier of
+// that aggregate is unfinished (and, thanks to the insert trigger, no
+// earlier event can be hiding in an uncommitted transaction). So the
+// ordering gate costs a pass over the window in the relay instead of a NOT
+// EXISTS probe per row, and the claim reads the table where it is hot: the
+// oldest rows, in id order.
+//
+// The relay then locks, by ctid, the heads it wants (SKIP LOCKED: an
+// aggregate whose head another relay holds is skipped whole), and then the
+// runs of the heads it got: each aggregate's later events in the window,
+// up to its first event that is not due. Nobody else takes run rows, since
+// a relay claims an aggregate's later events only while it holds the head.
+// Locking heads first means a relay never locks events it cannot publish,
+// which would block the relay that holds their head.
+//
+// Window and locks are separate statements, so separate snapshots. That is
+// safe: an aggregate gains no earlier unfinished event in between (new
+// events get larger ids), and the lock statements recheck each row's
+// newest version, so a head another relay finished meanwhile is not claimed
+// again.
+
+// windowSQL reads the window ($1 rows).
+const windowSQL = `
+SELECT ctid, id, aggregate_type, aggregate_id, next_attempt_at <= now()
+FROM outbox_event WHERE ` + unfinished + `
+ORDER BY id LIMIT $1`
+
+// lockHeadsSQL locks up to $2 of the candidate heads ($1), oldest first.
+// The lazy LIMIT counts only heads actually locked, so heads held by other
+// relays do not use up the batch.
+func lockHeadsSQL(blockOnDead bool) string {
+	return `
+SELECT ` + eventColumns + `
+FROM outbox_event e
+WHERE e.ctid = ANY($1::tid[]) AND ` + claimable + deadGateIf(blockOnDead) + `
+ORDER BY e.id
+LIMIT $2
+FOR UPDATE SKIP LOCKED`
+}
+
+// lockRunsSQL locks the runs ($1) of the heads just claimed. SKIP LOCKED
+// only guards against an operator's session holding a row; the relay
+// accepts a run only up to its first row that did not come back, or came
+// back with another id (its slot was reused since the window was read).
+func lockRunsSQL(blockOnDead bool) string {
+	return `
+SELECT ` + eventColumns + `
+FROM outbox_event e
+WHERE e.ctid = ANY($1::tid[]) AND ` + claimable + deadGateIf(blockOnDead) + `
+FOR UPDATE SKIP LOCKED`
+}
+
+// gatedHeadsSQL is the fallback when even the widest window is congested:
+// held by other relays, or full of events waiting for a retry, so the
+// aggregates behind it would starve. It scans past the window (id > $1)
+// with the classic gate, a NOT EXISTS probe per row, and claims up to $2
+// heads. The gate counts every unfinished row, locked or not: while
+// another relay holds an aggregate's head, or this transaction holds part
+// of the aggregate, the later events stay put.
+func gatedHeadsSQL(blockOnDead bool) string {
+	return `
+SELECT ` + eventColumns + `
+FROM outbox_event e
+WHERE ` + claimable + ` AND e.id > $1
+  AND NOT EXISTS (SELECT 1 FROM outbox_event p
+                  WHERE p.aggregate_type = e.aggregate_type AND p.aggregate_id = e.aggregate_id
+                    AND p.id < e.id AND p.` + unfinished + `)` + deadGateIf(blockOnDead) + `
+ORDER BY e.id
+LIMIT $2
+FOR UPDATE SKIP LOCKED`
+}
+
+func deadGateIf(blockOnDead bool) string {
+	if blockOnDead {
+		return deadGate
+	}
+	return ""
+}
+
+// The finishing statements run in the claim transaction, right before
+// COMMIT: one write per event. They address rows by ctid, which cannot
+// change while we hold the row locks, to skip the primary-key lookup.
+// clock_timestamp(), not now(): now() is the start of a transaction that
+// may have lasted the whole publish.
+const (
+	markPublishedSQL = `
+UPDATE outbox_event
+SET status = 'PUBLISHED', published_at = clock_timestamp(), attempts = attempts + 1, claimed_by = $2
+WHERE ctid = ANY($1::tid[])`
+
+	// One row per failed event: its new status (FAILED or DEAD), the retry
+	// delay and the error.
+	markFailedSQL = `
+UPDATE outbox_event e
+SET status = f.status, attempts = e.attempts + 1,
+    next_attempt_at = clock_timestamp() + f.delay_ms * interval '1 millisecond',
+    last_error = f.err, claimed_by = $5
+FROM unnest($1::tid[], $2::text[], $3::bigint[], $4::text[]) AS f(tid, status, delay_ms, err)
+WHERE e.ctid = f.tid`
+
+	// Claimed but not attempted: back to PENDING, attempts untouched. Rows
+	// that were PENDING already need no write at all; releasing the lock
+	// hands them back.
+	idleTimeoutSQL = `SELECT set_config('idle_in_transaction_session_timeout', $1, true)`
+
+	handBackSQL = `
+UPDATE outbox_event SET status = 'PENDING', next_attempt_at = clock_timestamp()
+WHERE ctid = ANY($1::tid[])`
+)
+
+// claimedRow is one locked event.
+type claimedRow struct {
+	Event
+	tid    pgtype.TID
+	status string
+}
+
+// windowRow is one row of the window.
+type windowRow struct {
+	tid pgtype.TID
+	id  int64
+	key aggregateKey
+	due bool
+}
+
+type aggregateKey struct{ typ, id string }
+
+// candidate is an aggregate found in the window: its head and the rest of
+// its due events there, in order.
+type candidate struct {
+	head windowRow
+	run  []windowRow
+}
+
+// readWindow scans the window rows.
+func readWindow(rows pgx.Rows, err error) ([]windowRow, error) {
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	var out []windowRow
+	for rows.Next() {
+		var w windowRow
+		if err := rows.Scan(&w.tid, &w.id, &w.key.typ, &w.key.id, &w.due); err != nil {
+			return nil, err
+		}
+		out = append(out, w)
+	}
+	return out, rows.Err()
+}
+
+// candidates groups the window by aggregate, oldest head first. An
+// aggregate whose head is not due (a FAILED event waiting for its retry) is
+// left out; a run stops at the first event that is not due.
+func candidates(win []windowRow) []*candidate {
+	byKey := make(map[aggregateKey]*candidate)
+	var out []*candidate
+	stopped := make(map[aggregateKey]bool)
+	for _, w := range win {
+		if stopped[w.key] {
+			continue
+		}
+		c := byKey[w.key]
+		switch {
+		case !w.due:
+			stopped[w.key] = true
+		case c == nil:
+			c = &candidate{head: w}
+			byKey[w.key] = c
+			out = append(out, c)
+		default:
+			c.run = append(c.run, w)
+		}
+	}
+	return out
+}
+
+// readEvents scans locked events.
+func readEvents(rows pgx.Rows, err error) ([]claimedRow, error) {
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	var out []claimedRow
+	for rows.Next() {
+		var c claimedRow
+		var payload, headers []byte
+		if err := rows.Scan(&c.tid, &c.Seq, &c.EventID, &c.AggregateType, &c.AggregateID, &c.EventType, &payload,
+			&headers, &c.OccurredAt, &c.Attempts, &c.status); err != nil {
+			return nil, err
+		}
+		c.Payload = payload
+		if c.Headers, err = decodeHeaders(headers); err != nil {
+			return nil, err
+		}
+		out = append(out, c)
+	}
+	return out, rows.Err()
+}
+
+// parseStringObject parses a flat JSON object whose keys and values are
+// strings without escapes, as jsonb prints string headers: {"k": "v"}. It
+// reports false for anything else, which the caller then hands to
+// encoding/json.
+func parseStringObject(b []byte) (map[string]string, bool) {
+	i := 0
+	space := func() {
+		for i < len(b) && (b[i] == ' ' || b[i] == '\t' || b[i] == '\n' || b[i] == '\r') {
+			i++
+		}
+	}
+	str := func() (string, bool) {
+		if i >= len(b) || b[i] != '"' {
+			return "", false
+		}
+		j := i + 1
+		for j < len(b) && b[j] != '"' {
+			if b[j] == '\\' || b[j] < 0x20 {
+				return "", false
+			}
+			j++
+		}
+		if j >= len(b) {
+			return "", false
+		}
+		s := string(b[i+1 : j])
+		i = j + 1
+		return s, true
+	}
+	space()
+	if i >= len(b) || b[i] != '{' {
+		return nil, false
+	}
+	i++
+	h := map[string]string{}
+	space()
+	if i < len(b) && b[i] == '}' {
+		i++
+		space()
+		return h, i == len(b)
+	}
+	for {
+		space()
+		k, ok := str()
+		if !ok {
+			return nil, false
+		}
+		space()
+		if i >= len(b) || b[i] != ':' {
+			return nil, false
+		}
+		i++
+		space()
+		v, ok := str()
+		if !ok {
+			return nil, false
+		}
+		h[k] = v
+		space()
+		switch {
+		case i < len(b) && b[i] == ',':
+			i++
+		case i < len(b) && b[i] == '}':
+			i++
+			space()
+			return h, i == len(b)
+		default:
+			return nil, false
+		}
+	}
+}
+
+// decodeHeaders turns the headers object into the sink's string map.
+// Non-string values keep their JSON text, so nothing is dropped.
+func decodeHeaders(b []byte) (map[string]string, error) {
+	if len(b) == 0 || string(b) == "{}" {
+		return nil, nil
+	}
+	if h, ok := parseStringObject(b); ok {
+		return h, nil // the usual case, without reflection
+	}
+	var raw map[string]json.RawMessage
+	if err := json.Unmarshal(b, &raw); err != nil {
+		return nil, fmt.Errorf("outbox: headers: %w", err)
+	}
+	h := make(map[string]string, len(raw))
+	for k, v := range raw {
+		var s string
+		if err := json.Unmarshal(v, &s); err == nil {
+			h[k] = s
+		} else {
+			h[k] = string(v)
+		}
+	}
+	return h, nil
+}

@@ -1,0 +1,248 @@
+package outbox
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"log/slog"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+
+	"worker/internal/pgtest"
+)
+
+// TestStoreClaimPlansUsePartialIndexes: with 300,000 finished (PUBLISHED and
+// DEAD) rows and a handful of unfinished ones, the statements that search
+// read the partial index of unfinished rows, the ones that lock go straight
+// to the rows by ctid, and none scans the table.
+func TestStoreClaimPlansUsePartialIndexes(t *testing.T) {
+	db := pgtest.New(t)
+	ctx := context.Background()
+	// Finished history, loaded in bulk with the user triggers off (the rows
+	// get their ids from the sequence as the trigger would), then a few
+	// live events through the trigger.
+	for _, q := range []string{
+		"ALTER TABLE outbox_event DISABLE TRIGGER USER",
+		`INSERT INTO outbox_event (id, aggregate_type, aggregate_id, event_type, payload, status, attempts, published_at)
+		 SELECT nextval('outbox_event_id_seq'), 'order', 'agg-' || g % 1000, 'order.updated', '{"n": 1}',
+		        CASE WHEN g % 100 = 0 THEN 'DEAD' ELSE 'PUBLISHED' END, 1,
+		        CASE WHEN g % 100 = 0 THEN NULL ELSE now() END
+		 FROM generate_series(1, 300000) g`,
+		"ALTER TABLE outbox_event ENABLE TRIGGER USER",
+		`INSERT INTO outbox_event (aggregate_type, aggregate_id, event_type, payload)
+		 SELECT 'order', 'agg-' || g % 10, 'order.updated', '{}' FROM generate_series(1, 50) g`,
+		"VACUUM ANALYZE outbox_event",
+	} {
+		exec(t, db.Pool, q)
+	}
+	lock := strings.NewReplacer("$1", `'{"(0,1)","(0,2)"}'`, "$2", "10")
+	gated := strings.NewReplacer("$1", "0", "$2", "100")
+	for name, c := range map[string]struct {
+		sql  string
+		uses string
+	}{
+		"window":                      {strings.ReplaceAll(windowSQL, "$1", "800"), "outbox_event_unfinished_idx"},
+		"gated claim":                 {gated.Replace(gatedHeadsSQL(false)), "outbox_event_unfinished_idx"},
+		"gated claim (block_on_dead)": {gated.Replace(gatedHeadsSQL(true)), "outbox_event_unfinished_idx"},
+		"gauges":                      {gaugesSQL, "outbox_event_unfinished_idx"},
+		"lock heads":                  {lock.Replace(lockHeadsSQL(false)), "Tid Scan"},
+		"lock heads (block_on_dead)":  {lock.Replace(lockHeadsSQL(true)), "Tid Scan"},
+		"lock runs":                   {lock.Replace(lockRunsSQL(false)), "Tid Scan"},
+	} {
+		tx, err := db.Pool.Begin(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var plan string
+		if err := tx.QueryRow(ctx, "EXPLAIN (FORMAT JSON) "+c.sql).Scan(&plan); err != nil {
+			t.Fatalf("%s: %v", name, err)
+		}
+		_ = tx.Rollback(ctx)
+		scans := planScans(t, plan)
+		if scans["Seq Scan"] > 0 {
+			t.Errorf("%s: sequential scan of outbox_event\n%s", name, plan)
+		}
+		if scans[c.uses] == 0 {
+			t.Errorf("%s: does not use %s\n%s", name, c.uses, plan)
+		}
+	}
+	// The reaper reads the PUBLISHED index.
+	var plan string
+	if err := db.Pool.QueryRow(ctx, "EXPLAIN (FORMAT JSON) "+
+		strings.NewReplacer("$1", "now()", "$2", "1000").Replace(reapSQL)).Scan(&plan); err != nil {
+		t.Fatal(err)
+	}
+	if scans := planScans(t, plan); scans["outbox_event_published_idx"] == 0 || scans["Seq Scan"] > 0 {
+		t.Errorf("reaper plan does not read outbox_event_published_idx\n%s", plan)
+	}
+}
+
+// planScans counts, in an EXPLAIN (FORMAT JSON) plan, the sequential scans
+// of outbox_event and the uses of each index.
+func planScans(t *testing.T, plan string) map[string]int {
+	t.Helper()
+	var doc []struct{ Plan map[string]any }
+	if err := json.Unmarshal([]byte(plan), &doc); err != nil {
+		t.Fatal(err)
+	}
+	out := map[string]int{}
+	var walk func(n map[string]any)
+	walk = func(n map[string]any) {
+		if n["Node Type"] == "Seq Scan" && n["Relation Name"] == "outbox_event" {
+			out["Seq Scan"]++
+		}
+		if n["Node Type"] == "Tid Scan" {
+			out["Tid Scan"]++
+		}
+		if idx, ok := n["Index Name"].(string); ok {
+			out[idx]++
+		}
+		for _, key := range []string{"Plans"} {
+			children, _ := n[key].([]any)
+			for _, c := range children {
+				walk(c.(map[string]any))
+			}
+		}
+	}
+	for _, d := range doc {
+		walk(d.Plan)
+	}
+	return out
+}
+
+// TestStoreInsertTriggerOwnsRelayColumns: whatever a producer writes into
+// the relay's columns, a new row starts PENDING with no attempts, and its id
+// comes from the sequence.
+func TestStoreInsertTriggerOwnsRelayColumns(t *testing.T) {
+	db := pgtest.New(t)
+	ctx := context.Background()
+	var id, attempts int64
+	var status string
+	var publishedAt *time.Time
+	err := db.Pool.QueryRow(ctx, `
+INSERT INTO outbox_event (id, aggregate_type, aggregate_id, event_type, payload, status, attempts, published_at, last_error)
+VALUES (424242, 'order', '1', 'x', '{}', 'PUBLISHED', 7, now(), 'nope')
+RETURNING id, status, attempts, published_at`).Scan(&id, &status, &attempts, &publishedAt)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if id == 424242 || status != StatusPending || attempts != 0 || publishedAt != nil {
+		t.Errorf("new row: id %d status %s attempts %d published_at %v", id, status, attempts, publishedAt)
+	}
+	// Headers must be a JSON object.
+	if _, err := db.Pool.Exec(ctx, `INSERT INTO outbox_event (aggregate_type, aggregate_id, event_type, payload, headers)
+		VALUES ('order', '1', 'x', '{}', '[1]')`); err == nil {
+		t.Error("headers that are not an object were accepted")
+	}
+}
+
+// TestStoreAppend: the helper's defaults and explicit values.
+func TestStoreAppend(t *testing.T) {
+	db := pgtest.New(t)
+	ctx := context.Background()
+	occurred := time.Date(2025, 5, 6, 7, 8, 9, 0, time.UTC)
+	var ids [2]string
+	err := pgx.BeginFunc(ctx, db.Pool, func(tx pgx.Tx) error {
+		var err error
+		if ids[0], err = Append(ctx, tx, NewEvent{AggregateType: "order", AggregateID: "1", EventType: "created",
+			Payload: json.RawMessage(`{"a":1}`)}); err != nil {
+			return err
+		}
+		ids[1], err = Append(ctx, tx, NewEvent{AggregateType: "order", AggregateID: "1", EventType: "paid",
+			Payload: json.RawMessage(`[]`), EventID: "0b7d7b36-0d6e-4c59-9b54-8f7f4c35d0c1",
+			Headers: map[string]string{"traceparent": "00-x-y-01"}, OccurredAt: occurred})
+		return err
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(ids[0]) != 36 || ids[1] != "0b7d7b36-0d6e-4c59-9b54-8f7f4c35d0c1" {
+		t.Fatalf("event ids %v", ids)
+	}
+	var headers string
+	var at time.Time
+	if err := db.Pool.QueryRow(ctx, `SELECT headers::text, occurred_at FROM outbox_event WHERE event_id = $1`, ids[1]).
+		Scan(&headers, &at); err != nil {
+		t.Fatal(err)
+	}
+	if headers != `{"traceparent": "00-x-y-01"}` || !at.Equal(occurred) {
+		t.Errorf("explicit event: headers %s occurred_at %s", headers, at)
+	}
+	if err := db.Pool.QueryRow(ctx, `SELECT headers::text FROM outbox_event WHERE event_id = $1`, ids[0]).Scan(&headers); err != nil || headers != "{}" {
+		t.Errorf("default headers %q (%v)", headers, err)
+	}
+	for _, bad := range []NewEvent{
+		{AggregateID: "1", EventType: "x", Payload: json.RawMessage(`{}`)},
+		{AggregateType: "order", EventType: "x", Payload: json.RawMessage(`{}`)},
+		{AggregateType: "order", AggregateID: "1", Payload: json.RawMessage(`{}`)},
+		{AggregateType: "order", AggregateID: "1", EventType: "x"},
+	} {
+		err := pgx.BeginFunc(ctx, db.Pool, func(tx pgx.Tx) error { _, err := Append(ctx, tx, bad); return err })
+		if err == nil {
+			t.Errorf("Append(%+v) accepted", bad)
+		}
+	}
+}
+
+// TestAdminPurgeAndMisuse: purging, and the errors an operator can hit.
+func TestAdminPurgeAndMisuse(t *testing.T) {
+	db := pgtest.New(t)
+	ctx := context.Background()
+	a := appendEvent(t, db.Pool, "a", "x")
+	b := appendEvent(t, db.Pool, "b", "x")
+	live := appendEvent(t, db.Pool, "c", "x")
+	exec(t, db.Pool, `UPDATE outbox_event SET status = 'DEAD' WHERE event_id = ANY($1::uuid[])`, []string{a, b})
+	log := slog.New(slog.DiscardHandler)
+
+	if _, err := PurgeDead(ctx, db.Pool, a, "", log); err == nil {
+		t.Error("purge without an actor accepted")
+	}
+	if _, err := RetryDead(ctx, db.Pool, "not-a-uuid", "ops", log); err == nil || !strings.Contains(err.Error(), "not a uuid") {
+		t.Errorf("retry of a malformed id: %v", err)
+	}
+	if _, err := RetryDead(ctx, db.Pool, live, "ops", log); !errors.Is(err, ErrNotDead) {
+		t.Errorf("retry of a live event: %v, want ErrNotDead", err)
+	}
+	if n, err := PurgeDead(ctx, db.Pool, a, "ops", log); err != nil || n != 1 {
+		t.Fatalf("purge one: %d %v", n, err)
+	}
+	if n, err := PurgeDead(ctx, db.Pool, "", "ops", log); err != nil || n != 1 {
+		t.Fatalf("purge all: %d %v", n, err)
+	}
+	st, err := ReadStats(ctx, db.Pool)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if st.ByStatus[StatusDead] != 0 || st.ByStatus[StatusPending] != 1 || len(st.ByStatus) != 5 {
+		t.Errorf("after purging: %v", st.ByStatus)
+	}
+	if dead, err := ListDead(ctx, db.Pool, 0); err == nil {
+		t.Errorf("ListDead with limit 0: %v", dead)
+	}
+}
+
+// TestReaperChunks: Reap deletes in statements of Chunk rows each.
+func TestReaperChunks(t *testing.T) {
+	db := pgtest.New(t)
+	ctx := context.Background()
+	exec(t, db.Pool, `INSERT INTO outbox_event (aggregate_type, aggregate_id, event_type, payload)
+		SELECT 'order', 'a', 'x', '{}' FROM generate_series(1, 13)`)
+	exec(t, db.Pool, `UPDATE outbox_event SET status = 'PUBLISHED', published_at = now() - interval '2 hours'`)
+	r := NewReaper(db.Pool, time.Hour, nil)
+	r.Chunk = 5
+	deleted, chunks, err := r.Reap(ctx)
+	if err != nil || deleted != 13 || chunks != 3 {
+		t.Errorf("Reap = %d rows in %d chunks (%v), want 13 in 3", deleted, chunks, err)
+	}
+	if r.Name() != ReaperJobName {
+		t.Errorf("name %q", r.Name())
+	}
+	ctx2, cancel := context.WithCancel(ctx)
+	cancel()
+	if err := r.Run(ctx2); err == nil {
+		t.Error("Run with a cancelled context succeeded")
+	}
+}

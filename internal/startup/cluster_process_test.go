@@ -1,0 +1,118 @@
+package startup_test
+
+import (
+	"context"
+	"fmt"
+	"syscall"
+	"testing"
+	"time"
+
+	"worker/internal/pgtest"
+)
+
+// Three real worker processes, started at different offsets, share one job.
+// A kind: sql job records its own start and end on the database clock. Runs
+// must never overlap, every gap from one run's end to the next start must lie
+// in [delay, delay+1s], and after SIGKILL of the replica in the middle of a
+// run another replica must take over within lease_ttl + delay + 1s.
+func TestClusterCadenceAcrossThreeProcesses(t *testing.T) {
+	const (
+		delay    = time.Second
+		leaseTTL = 3 * time.Second
+		window   = 30 * time.Second
+	)
+	db := pgtest.New(t)
+	ctx := context.Background()
+	if _, err := db.Pool.Exec(ctx, `CREATE TABLE tick (started_at timestamptz, finished_at timestamptz, app text)`); err != nil {
+		t.Fatal(err)
+	}
+	cfg := configFile(t, fmt.Sprintf(`
+jobs:
+  - name: tick
+    kind: sql
+    delay: %s
+    lease_ttl: %s
+    timeout: 10s
+    sql: |
+      DO $$
+      DECLARE t timestamptz := clock_timestamp();
+      BEGIN
+        PERFORM pg_sleep(0.3);
+        INSERT INTO tick VALUES (t, clock_timestamp(), current_setting('application_name'));
+      END $$
+`, delay, leaseTTL))
+	procs := map[string]*proc{}
+	for i := range 3 {
+		id := fmt.Sprintf("replica-%d", i)
+		procs["worker "+id] = startWorker(t, []string{
+			"APP_DATABASE_URL=" + db.URL, "APP_CONFIG_FILE=" + cfg, "APP_INSTANCE_ID=" + id,
+			"APP_MULTI_INSTANCE_ENABLED=true", "APP_LOCK_PROVIDER=postgres", "APP_LOG_LEVEL=info",
+		})
+		time.Sleep(time.Duration(i) * 370 * time.Millisecond) // unsynchronized timers
+	}
+	time.Sleep(window)
+
+	type run struct {
+		start, end time.Time
+		app        string
+	}
+	runs := func() []run {
+		rows, err := db.Pool.Query(ctx, `SELECT started_at, finished_at, app FROM tick ORDER BY started_at`)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer rows.Close()
+		var out []run
+		for rows.Next() {
+			var r run
+			if err := rows.Scan(&r.start, &r.end, &r.app); err != nil {
+				t.Fatal(err)
+			}
+			out = append(out, r)
+		}
+		return out
+	}
+	got := runs()
+	if len(got) < int(window/(delay+time.Second))-2 {
+		t.Fatalf("only %d runs in %s", len(got), window)
+	}
+	apps := map[string]int{}
+	for i, r := range got {
+		apps[r.app]++
+		if i == 0 {
+			continue
+		}
+		gap := r.start.Sub(got[i-1].end)
+		if gap < delay {
+			t.Errorf("run %d started %s after the previous finished: overlap or early start (min %s)", i, gap, delay)
+		}
+		if gap > delay+time.Second {
+			t.Errorf("run %d started %s after the previous finished (max %s)", i, gap, delay+time.Second)
+		}
+	}
+	t.Logf("%d runs in %s; runs per replica: %v", len(got), window, apps)
+
+	// SIGKILL the replica while it runs the job.
+	var victim string
+	waitFor(t, 10*time.Second, "a run in progress", func() bool {
+		return db.Pool.QueryRow(ctx, `SELECT application_name FROM pg_stat_activity
+			WHERE datname = current_database() AND state = 'active' AND query LIKE '%pg_sleep%'
+			AND pid <> pg_backend_pid() LIMIT 1`).Scan(&victim) == nil
+	})
+	killed := time.Now()
+	if err := procs[victim].cmd.Process.Signal(syscall.SIGKILL); err != nil {
+		t.Fatal(err)
+	}
+	limit := leaseTTL + delay + time.Second
+	var resumed time.Time
+	var by string
+	waitFor(t, limit+5*time.Second, "another replica to resume the job", func() bool {
+		err := db.Pool.QueryRow(ctx, `SELECT started_at, app FROM tick WHERE started_at > $1 AND app <> $2
+			ORDER BY started_at LIMIT 1`, killed, victim).Scan(&resumed, &by)
+		return err == nil
+	})
+	t.Logf("killed %s; %s resumed the job %s later (limit %s)", victim, by, resumed.Sub(killed), limit)
+	if resumed.Sub(killed) > limit {
+		t.Errorf("resumed %s after the kill, limit %s", resumed.Sub(killed), limit)
+	}
+}

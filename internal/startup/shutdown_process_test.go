@@ -1,0 +1,163 @@
+package startup_test
+
+import (
+	"context"
+	"net/http"
+	"os"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"worker/internal/pgtest"
+)
+
+// configFile writes a YAML config for one test.
+func configFile(t *testing.T, body string) string {
+	t.Helper()
+	p := filepath.Join(t.TempDir(), "worker.yaml")
+	if err := os.WriteFile(p, []byte(body), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	return p
+}
+
+// waitFor polls cond every 20ms until it holds or limit passes.
+func waitFor(t *testing.T, limit time.Duration, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(limit)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out after %s waiting for %s", limit, what)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+// sleeping reports whether a backend of db runs pg_sleep right now.
+func sleeping(t *testing.T, db *pgtest.DB) bool {
+	var n int
+	err := db.Pool.QueryRow(context.Background(), `SELECT count(*) FROM pg_stat_activity
+		WHERE datname = current_database() AND state = 'active' AND query LIKE '%pg_sleep%' AND pid <> pg_backend_pid()`).Scan(&n)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return n > 0
+}
+
+func TestShutdownLetsRunningJobFinish(t *testing.T) {
+	db := pgtest.New(t)
+	if _, err := db.Pool.Exec(context.Background(), "CREATE TABLE probe (what text)"); err != nil {
+		t.Fatal(err)
+	}
+	cfg := configFile(t, `
+jobs:
+  - name: slow
+    kind: sql
+    delay: 1h
+    sql: INSERT INTO probe SELECT 'finished' FROM pg_sleep(1.5)
+`)
+	p := startWorker(t, []string{"APP_DATABASE_URL=" + db.URL, "APP_CONFIG_FILE=" + cfg, "APP_SHUTDOWN_TIMEOUT=10s"})
+	waitFor(t, 15*time.Second, "the job to run", func() bool { return sleeping(t, db) })
+
+	if err := p.cmd.Process.Signal(syscall.SIGTERM); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, 2*time.Second, "/readyz to turn 503 while draining", func() bool {
+		code, _ := p.get("/readyz")
+		return code == http.StatusServiceUnavailable || code == 0 // 0: already gone
+	})
+	if code := p.exitCode(t, 10*time.Second); code != 0 {
+		t.Fatalf("exit %d, want 0", code)
+	}
+	var n int
+	if err := db.Pool.QueryRow(context.Background(), "SELECT count(*) FROM probe WHERE what = 'finished'").Scan(&n); err != nil {
+		t.Fatal(err)
+	}
+	if n != 1 {
+		t.Fatalf("the running job did not finish before exit (%d rows)", n)
+	}
+
+	// The run is visible cluster-wide through `worker jobs list`.
+	list := startWorker(t, []string{"APP_DATABASE_URL=" + db.URL}, "jobs", "list")
+	if code := list.exitCode(t, 10*time.Second); code != 0 {
+		t.Fatalf("jobs list exit %d", code)
+	}
+	out := list.out.String()
+	for _, want := range []string{"JOB", "NEXT DUE", "slow", "1h0m0s", "success"} {
+		if !strings.Contains(out, want) {
+			t.Errorf("jobs list lacks %q:\n%s", want, out)
+		}
+	}
+}
+
+func TestShutdownCancelsOverlongJobWithinBudget(t *testing.T) {
+	db := pgtest.New(t)
+	cfg := configFile(t, `
+jobs:
+  - name: endless
+    kind: sql
+    delay: 1h
+    timeout: 5m
+    sql: SELECT pg_sleep(600)
+`)
+	p := startWorker(t, []string{"APP_DATABASE_URL=" + db.URL, "APP_CONFIG_FILE=" + cfg, "APP_SHUTDOWN_TIMEOUT=3s"})
+	waitFor(t, 15*time.Second, "the job to run", func() bool { return sleeping(t, db) })
+
+	sent := time.Now()
+	if err := p.cmd.Process.Signal(syscall.SIGTERM); err != nil {
+		t.Fatal(err)
+	}
+	if code := p.exitCode(t, 10*time.Second); code != 0 {
+		t.Fatalf("exit %d, want 0", code)
+	}
+	took := p.exitAt.Sub(sent)
+	t.Logf("exited %s after SIGTERM with a 3s budget", took)
+	if took > 3*time.Second+500*time.Millisecond {
+		t.Errorf("exit took %s, past the 3s budget", took)
+	}
+	if took < 2*time.Second {
+		t.Errorf("exit after %s: the job should have had the budget minus 1s before cancellation", took)
+	}
+	waitFor(t, 5*time.Second, "the cancelled query to stop", func() bool { return !sleeping(t, db) })
+}
+
+func TestSecondSignalExitsAtOnce(t *testing.T) {
+	db := pgtest.New(t)
+	cfg := configFile(t, `
+jobs:
+  - name: endless
+    kind: sql
+    delay: 1h
+    sql: SELECT pg_sleep(600)
+`)
+	p := startWorker(t, []string{"APP_DATABASE_URL=" + db.URL, "APP_CONFIG_FILE=" + cfg, "APP_SHUTDOWN_TIMEOUT=30s"})
+	waitFor(t, 15*time.Second, "the job to run", func() bool { return sleeping(t, db) })
+	if err := p.cmd.Process.Signal(syscall.SIGTERM); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, 2*time.Second, "draining", func() bool { code, _ := p.get("/readyz"); return code == http.StatusServiceUnavailable })
+	if err := p.cmd.Process.Signal(syscall.SIGINT); err != nil {
+		t.Fatal(err)
+	}
+	if code := p.exitCode(t, 3*time.Second); code != 1 {
+		t.Fatalf("exit %d after a second signal, want 1", code)
+	}
+}
+
+func TestPostgresProviderWithoutTableExits72(t *testing.T) {
+	db := pgtest.NewEmpty(t)
+	p := startWorker(t, []string{
+		"APP_DATABASE_URL=" + db.URL,
+		"APP_MULTI_INSTANCE_ENABLED=true",
+		"APP_LOCK_PROVIDER=postgres",
+		"APP_DATABASE_MIGRATE_ON_START=false",
+	})
+	if code := p.exitCode(t, 15*time.Second); code != 72 {
+		t.Fatalf("exit %d, want 72", code)
+	}
+	if out := p.out.String(); !strings.Contains(out, "APP_DATABASE_MIGRATE_ON_START") {
+		t.Errorf("message should say how to fix it:\n%s", out)
+	}
+}

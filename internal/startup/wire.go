@@ -1,0 +1,103 @@
+package startup
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"log/slog"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/prometheus/client_golang/prometheus"
+
+	"worker/internal/jobs"
+	"worker/internal/lock"
+	"worker/internal/outbox"
+)
+
+// Housekeeping cadence. Both jobs delete in bounded chunks.
+const (
+	lockReapDelay   = time.Hour
+	lockReapAfter   = 24 * time.Hour // lease rows expired this long ago
+	outboxReapDelay = 10 * time.Minute
+)
+
+// wire builds the worker's components: the job scheduler and, when enabled,
+// the outbox relay. cleanup runs after they have stopped.
+func wire(cfg *Config, pool *pgxpool.Pool, log *slog.Logger, reg prometheus.Registerer, stdout io.Writer) (parts []component, cleanup func(), err error) {
+	cleanup = func() {}
+	var (
+		locker lock.Locker
+		specs  = jobs.Builtin(pool)
+	)
+	switch cfg.Lock.Provider {
+	case ProviderPostgres:
+		pg, err := lock.NewPostgres(pool, cfg.Instance.ID, log)
+		if err != nil {
+			return nil, cleanup, err
+		}
+		cleanup = pg.Close
+		locker = pg
+		specs = append(specs, jobs.Spec{
+			Job: jobs.Func("lock-reaper", func(ctx context.Context) error {
+				_, err := pg.Reap(ctx, lockReapAfter)
+				return err
+			}),
+			Delay: lockReapDelay,
+		})
+	default:
+		locker = lock.NewInProcess(cfg.Instance.ID, log)
+	}
+	if locker, err = lock.WithMetrics(locker, reg); err != nil {
+		return nil, cleanup, err
+	}
+
+	if cfg.Outbox.Enabled {
+		sink, err := newSink(cfg, stdout)
+		if err != nil {
+			return nil, cleanup, err
+		}
+		relay, err := outbox.NewRelay(pool, sink, cfg.Outbox, cfg.Instance.ID, log, reg)
+		if err != nil {
+			return nil, cleanup, err
+		}
+		parts = append(parts, relay)
+	}
+	// The outbox reaper runs even where the relay is off: retention is a
+	// property of the table, not of this replica.
+	specs = append(specs, jobs.Spec{
+		Job:   outbox.NewReaper(pool, cfg.Outbox.Retention, log),
+		Delay: outboxReapDelay,
+	})
+
+	configured, err := jobs.FromDefinitions(cfg.Jobs, pool, nil)
+	if err != nil {
+		return nil, cleanup, configErrorf("%v", err)
+	}
+	sched, err := jobs.New(jobs.Options{
+		Pool:          pool,
+		Locker:        locker,
+		InstanceID:    cfg.Instance.ID,
+		MaxConcurrent: cfg.AsyncExecutor.MaxSize,
+		LeaseTTL:      cfg.Lock.LeaseTTL,
+		Logger:        log,
+		Registerer:    reg,
+	}, append(specs, configured...)...)
+	if err != nil {
+		return nil, cleanup, fmt.Errorf("jobs: %w", err)
+	}
+	return append(parts, sched), cleanup, nil
+}
+
+func newSink(cfg *Config, stdout io.Writer) (outbox.Sink, error) {
+	switch cfg.Outbox.Sink {
+	case "webhook":
+		s, err := outbox.NewWebhookSink(cfg.Outbox.Webhook, nil)
+		if err != nil {
+			return nil, configErrorf("%v", err)
+		}
+		return s, nil
+	default:
+		return outbox.NewLogSink(stdout), nil
+	}
+}
