@@ -6,42 +6,174 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5/pgxpool"
+
 	"worker/internal/pgtest"
 )
 
-// Run with: go test -run '^$' -bench . -benchtime 2000x -count 5 ./internal/lock
-// and compare AcquireRelease with BaselineUpdateReturning from the same run.
+// Run with
+//
+//	go test -run '^$' -bench 'PostgresAcquireRelease|BaselineUpdateReturning' -benchtime 2000x -count 5 ./internal/lock
+//
+// (add |TryHeld|Handover for the other two).
+//
+// The floor of an acquire + release is two commits, so the yardstick is one
+// single-row UPDATE ... RETURNING commit, the baseline, measured on the same
+// server in the same run and on the same kind of pool (pgtest's NewPool,
+// default pgx settings, so the same prepared-statement mode), with its
+// statement prepared before the timer starts, on a table shaped like
+// worker_lock's use of it (text primary key, one hot row, fillfactor 50).
+//
+// Compare the pair with the baseline through
+// BenchmarkPostgresAcquireReleaseVsBaseline: it alternates the two within
+// every iteration, on one pool, so that load elsewhere on the machine (which
+// moves fsync times a lot) hits both alike, and reports pair/baseline, the
+// ratio of their mean latencies. Means, not medians: under load a commit
+// is sometimes slow (it waits for another flush), and the median of a sum
+// of two commits then overstates twice the median of one; means add up.
+// BenchmarkPostgresAcquireRelease and BenchmarkBaselineUpdateReturning time
+// each alone; their ns/op are comparable only on an otherwise idle machine.
 
-// One uncontended acquire + release: two single statements.
-func BenchmarkPostgresAcquireRelease(b *testing.B) {
-	ctx := context.Background()
-	p := newPostgres(b, pgtest.New(b), nil)
-	for b.Loop() {
-		l, err := p.TryAcquire(ctx, "bench", 0, 30*time.Second)
-		if err != nil {
-			b.Fatal(err)
-		}
-		if err := l.Release(ctx); err != nil {
-			b.Fatal(err)
-		}
-	}
-}
+// benchKey is the single key the benchmarks take and give back.
+const benchKey = "bench"
 
-// The floor: one single-row UPDATE ... RETURNING commit on an equal pool.
-func BenchmarkBaselineUpdateReturning(b *testing.B) {
-	ctx := context.Background()
-	pool := pgtest.New(b).NewPool(b, 0)
-	_, err := pool.Exec(ctx, `CREATE TABLE bench_counter (key text PRIMARY KEY, n bigint NOT NULL) WITH (fillfactor = 50);
-	                          INSERT INTO bench_counter VALUES ('bench', 0)`)
+// baselineSQL is the yardstick: one single-row UPDATE ... RETURNING.
+const baselineSQL = `UPDATE bench_counter SET n = n + 1 WHERE key = $1 RETURNING n`
+
+// newBenchBaselineTable creates the baseline's table and row in db.
+func newBenchBaselineTable(b *testing.B, db *pgtest.DB) {
+	b.Helper()
+	_, err := db.Pool.Exec(context.Background(), `
+CREATE TABLE bench_counter (key text PRIMARY KEY, n bigint NOT NULL) WITH (fillfactor = 50);
+INSERT INTO bench_counter VALUES ('`+benchKey+`', 0)`)
 	if err != nil {
 		b.Fatal(err)
 	}
+}
+
+func benchBaselineUpdate(b *testing.B, pool *pgxpool.Pool) {
 	var n int64
+	if err := pool.QueryRow(context.Background(), baselineSQL, benchKey).Scan(&n); err != nil {
+		b.Fatal(err)
+	}
+}
+
+func benchAcquireRelease(b *testing.B, p *Postgres) {
+	ctx := context.Background()
+	l, err := p.TryAcquire(ctx, benchKey, 0, 30*time.Second)
+	if err != nil {
+		b.Fatal(err)
+	}
+	if err := l.Release(ctx); err != nil {
+		b.Fatal(err)
+	}
+}
+
+// One uncontended acquire + release: two single statements, two commits.
+// The first pair, outside the timer, creates the key's row and prepares
+// the statements; every timed acquire takes over a released row.
+func BenchmarkPostgresAcquireRelease(b *testing.B) {
+	p := newPostgres(b, pgtest.New(b), nil)
+	benchAcquireRelease(b, p)
 	for b.Loop() {
-		if err := pool.QueryRow(ctx, `UPDATE bench_counter SET n = n + 1 WHERE key = $1 RETURNING n`, "bench").Scan(&n); err != nil {
-			b.Fatal(err)
+		benchAcquireRelease(b, p)
+	}
+}
+
+// The floor: one single-row UPDATE ... RETURNING commit, on a pool made the
+// same way as the provider's (newPostgres uses pgtest's NewPool too).
+func BenchmarkBaselineUpdateReturning(b *testing.B) {
+	db := pgtest.New(b)
+	newBenchBaselineTable(b, db)
+	pool := db.NewPool(b, 0)
+	benchBaselineUpdate(b, pool)
+	for b.Loop() {
+		benchBaselineUpdate(b, pool)
+	}
+}
+
+// Each iteration runs one acquire + release and one baseline UPDATE, in
+// alternating order, both on the provider's own pool, and times each. It
+// reports their mean and median latencies and pair/baseline, the ratio of
+// the means: 2 is the floor. ns/op is the sum of both.
+func BenchmarkPostgresAcquireReleaseVsBaseline(b *testing.B) {
+	db := pgtest.New(b)
+	newBenchBaselineTable(b, db)
+	p := newPostgres(b, db, nil)
+	benchAcquireRelease(b, p)
+	benchBaselineUpdate(b, p.pool)
+	var pair, base []time.Duration
+	for i := 0; b.Loop(); i++ {
+		for j := range 2 {
+			start := time.Now()
+			if (i+j)%2 == 0 {
+				benchAcquireRelease(b, p)
+				pair = append(pair, time.Since(start))
+			} else {
+				benchBaselineUpdate(b, p.pool)
+				base = append(base, time.Since(start))
+			}
 		}
 	}
+	mp, mb := benchMeanUS(pair), benchMeanUS(base)
+	b.ReportMetric(mp, "pair-mean-us")
+	b.ReportMetric(mb, "baseline-mean-us")
+	b.ReportMetric(benchMedianUS(pair), "pair-median-us")
+	b.ReportMetric(benchMedianUS(base), "baseline-median-us")
+	b.ReportMetric(mp/mb, "pair/baseline")
+}
+
+// A single try on a key another replica holds, alternated with the
+// baseline UPDATE on the trying provider's pool. It writes nothing, so it
+// should cost well under one commit: held/baseline is the ratio of the
+// mean latencies.
+func BenchmarkPostgresTryHeldVsBaseline(b *testing.B) {
+	ctx := context.Background()
+	db := pgtest.New(b)
+	newBenchBaselineTable(b, db)
+	holder := newPostgres(b, db, nil)
+	if _, err := holder.TryAcquire(ctx, benchKey, 0, time.Hour); err != nil {
+		b.Fatal(err)
+	}
+	p := newPostgres(b, db, nil)
+	try := func() {
+		if _, err := p.TryAcquire(ctx, benchKey, 0, time.Minute); !IsTimeout(err) {
+			b.Fatalf("TryAcquire of a held key = %v, want a timeout", err)
+		}
+	}
+	try()
+	benchBaselineUpdate(b, p.pool)
+	var held, base []time.Duration
+	for i := 0; b.Loop(); i++ {
+		for j := range 2 {
+			start := time.Now()
+			if (i+j)%2 == 0 {
+				try()
+				held = append(held, time.Since(start))
+			} else {
+				benchBaselineUpdate(b, p.pool)
+				base = append(base, time.Since(start))
+			}
+		}
+	}
+	mh, mb := benchMeanUS(held), benchMeanUS(base)
+	b.ReportMetric(mh, "held-mean-us")
+	b.ReportMetric(mb, "baseline-mean-us")
+	b.ReportMetric(mh/mb, "held/baseline")
+}
+
+// benchMeanUS and benchMedianUS return microseconds.
+func benchMeanUS(d []time.Duration) float64 {
+	var sum time.Duration
+	for _, x := range d {
+		sum += x
+	}
+	return float64(sum.Nanoseconds()) / 1000 / float64(len(d))
+}
+
+func benchMedianUS(d []time.Duration) float64 {
+	slices.Sort(d)
+	return float64(d[len(d)/2].Nanoseconds()) / 1000
 }
 
 // Handover: from holder A's Release returning to waiter B's TryAcquire
