@@ -120,7 +120,10 @@ SELECT 'order', 'blocked-' || g % 40, 'blocked', '{}' FROM generate_series(0, 11
 	cfg.BatchSize = 2 // widest window: 16 rows, all blocked
 	rec := &recorder{}
 	startRelay(t, db.Pool, rec, cfg, nil)
-	waitFor(t, 10*time.Second, "the event behind the blocked window published", func() bool { return rec.has(free) })
+	// The sink sees the event before its batch commits: wait for the row.
+	waitFor(t, 10*time.Second, "the event behind the blocked window published", func() bool {
+		return rec.has(free) && statusOf(t, db.Pool, free) == StatusPublished
+	})
 	for _, e := range rec.delivered() {
 		if e.EventType == "blocked" {
 			t.Fatalf("event %d of a blocked aggregate was published", e.Seq)
