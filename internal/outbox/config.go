@@ -94,6 +94,12 @@ func (c Config) Validate() error {
 			return err
 		}
 	}
+	// A claim transaction starts publishes only in the first 45% of
+	// in_flight_timeout and cancels them at 90%: a webhook publish must fit.
+	if c.Sink == "webhook" && c.InFlightTimeout < c.Webhook.Timeout*5/2 {
+		return fmt.Errorf("outbox.in_flight_timeout=%s: want at least 2.5 x outbox.webhook.timeout (%s), so a publish always has its full timeout",
+			c.InFlightTimeout, c.Webhook.Timeout)
+	}
 	if c.BackoffMax < c.BackoffBase {
 		return fmt.Errorf("outbox.backoff_max=%s: want at least outbox.backoff_base (%s)", c.BackoffMax, c.BackoffBase)
 	}

@@ -2,6 +2,7 @@ package outbox
 
 import (
 	"context"
+	"math/rand/v2"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -64,6 +65,10 @@ func (r *Relay) listenOnce(ctx context.Context, failures *int) error {
 // backlog.
 func (r *Relay) refreshMetrics() {
 	defer r.background.Done()
+	// The first refresh comes after a random part of the interval, so
+	// replicas restarted together do not all scan a large backlog at once.
+	// Until then the gauges read zero.
+	wait(r.claimCtx, r.cfg.MetricsInterval/2+rand.N(r.cfg.MetricsInterval/2+1))
 	for r.claimCtx.Err() == nil {
 		start := time.Now()
 		if err := r.updateGauges(r.claimCtx); err != nil && r.claimCtx.Err() == nil {

@@ -37,8 +37,7 @@ type Relay struct {
 	instanceID string
 	log        *slog.Logger
 	m          *metrics
-	headsSQL   string
-	runsSQL    string
+	lockSQL    string
 	gatedSQL   string
 
 	wake []chan struct{} // one per loop; a token means "look again"
@@ -77,8 +76,7 @@ func NewRelay(pool *pgxpool.Pool, sink Sink, cfg Config, instanceID string, log 
 		instanceID: instanceID,
 		log:        log.With("job", RelayJobName, "sink", sink.Name()),
 		m:          m,
-		headsSQL:   lockHeadsSQL(cfg.BlockOnDead),
-		runsSQL:    lockRunsSQL(cfg.BlockOnDead),
+		lockSQL:    lockSQL(cfg.BlockOnDead),
 		gatedSQL:   gatedHeadsSQL(cfg.BlockOnDead),
 		wake:       make([]chan struct{}, cfg.Relays),
 	}
@@ -141,14 +139,16 @@ func (r *Relay) Shutdown(ctx context.Context) error {
 }
 
 // loop claims and publishes batches until claiming stops. While there is
-// backlog it goes straight on; otherwise it waits for a notification or the
-// poll interval.
+// backlog it goes straight on, holding its connection, and each batch's
+// outcomes are committed in the same round trip that opens the next batch;
+// otherwise it waits for a notification or the poll interval.
 func (r *Relay) loop(i int) {
 	defer r.loops.Done()
 	poll := time.NewTimer(r.cfg.PollInterval)
 	defer poll.Stop()
 	failures := 0
 	var st loopState
+	defer r.settle(&st)
 	for r.claimCtx.Err() == nil {
 		n, err := r.runBatch(r.claimCtx, &st)
 		if err != nil && r.claimCtx.Err() == nil {
@@ -163,6 +163,7 @@ func (r *Relay) loop(i int) {
 		if n > 0 || st.widened {
 			continue
 		}
+		r.settle(&st)
 		poll.Reset(r.cfg.PollInterval)
 		select {
 		case <-r.claimCtx.Done():
@@ -182,6 +183,34 @@ func (r *Relay) wakeAll() {
 	}
 }
 
+// loopState is what a relay loop carries from one batch to the next.
+type loopState struct {
+	window  int           // rows the next window claim reads
+	widened bool          // the last claim widened the window: claim again at once
+	conn    *pgxpool.Conn // held while batches follow each other
+	pending *outcomes     // the last batch's outcomes, not yet committed
+	gated   time.Time     // when the loop last ran the gated claim
+}
+
+// settle commits the pending outcomes, if any, and gives the connection
+// back to the pool.
+func (r *Relay) settle(st *loopState) {
+	if st.conn == nil {
+		return
+	}
+	if st.pending != nil {
+		ctx, cancel := context.WithTimeout(context.Background(), finishTimeout)
+		b := &pgx.Batch{}
+		r.queueFinish(b, st.pending)
+		err := st.conn.Conn().SendBatch(ctx, b).Close()
+		cancel()
+		r.finished(st.conn.Conn(), st.pending, err)
+		st.pending = nil
+	}
+	st.conn.Release()
+	st.conn = nil
+}
+
 // failure is the outcome of a failed publish.
 type failure struct {
 	ev     claimedRow
@@ -190,17 +219,31 @@ type failure struct {
 	delay  time.Duration
 }
 
-// runBatch claims one batch, publishes it and records the outcomes in the
-// same transaction. It returns the number of events claimed.
+// outcomes of a batch.
+type outcomes struct {
+	claimed   int
+	published []*claimedRow
+	at        []time.Time // when each was accepted, on the database clock
+	failed    []failure
+	handBack  []*claimedRow
+}
+
+// runBatch claims one batch and publishes it. It returns the number of
+// events claimed. The outcomes are committed with the next claim, or by
+// settle.
 func (r *Relay) runBatch(ctx context.Context, st *loopState) (int, error) {
-	conn, err := r.pool.Acquire(ctx)
-	if err != nil {
-		return 0, err
+	if st.conn == nil {
+		conn, err := r.pool.Acquire(ctx)
+		if err != nil {
+			return 0, err
+		}
+		st.conn = conn
 	}
-	defer conn.Release()
-	runs, skew, err := r.claim(ctx, conn.Conn(), st)
+	runs, skew, err := r.claim(ctx, st)
 	if err != nil {
-		rollback(conn.Conn())
+		rollback(st.conn.Conn())
+		st.conn.Release()
+		st.conn = nil
 		return 0, err
 	}
 	n := 0
@@ -208,61 +251,78 @@ func (r *Relay) runBatch(ctx context.Context, st *loopState) (int, error) {
 		n += len(run)
 	}
 	if n == 0 {
-		rollback(conn.Conn())
+		rollback(st.conn.Conn())
 		return 0, nil
 	}
 	claimedAt := time.Now()
 	r.m.batchSize.Observe(float64(n))
 	r.m.claimed.Add(float64(n))
-	defer r.m.claimed.Sub(float64(n))
 
 	out := r.publish(runs, claimedAt, skew)
-
-	fctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), finishTimeout)
-	defer cancel()
-	if err := r.finish(fctx, conn.Conn(), out); err != nil {
-		rollback(conn.Conn())
-		// The publishes happened; the rows stay as they were and will be
-		// published again (at least once).
-		return n, fmt.Errorf("outbox: record outcomes of %d events: %w", n, err)
+	out.claimed = n
+	st.pending = &out
+	if r.claimCtx.Err() != nil {
+		r.settle(st) // stopping: commit now, there is no next claim
 	}
-	r.record(out)
 	return n, nil
 }
 
-// claim opens the batch transaction and locks a batch: heads from the
-// window, then their runs, topped up by the gated claim when the window is
-// congested. It returns the runs to publish, oldest head first, and the
-// database clock minus ours.
-func (r *Relay) claim(ctx context.Context, conn *pgx.Conn, st *loopState) ([][]claimedRow, time.Duration, error) {
+// claim commits the previous batch's outcomes, opens the batch transaction
+// and locks a batch: heads from the window and their runs, topped up by the
+// gated claim when the window is congested. It returns the runs to
+// publish, oldest head first, and the database clock minus ours.
+func (r *Relay) claim(ctx context.Context, st *loopState) ([][]claimedRow, time.Duration, error) {
 	n := r.cfg.BatchSize
 	if st.window < n {
 		st.window = n
 	}
+	conn := st.conn.Conn()
 	b := &pgx.Batch{}
+	fin := st.pending
+	st.pending = nil
+	finishing := 0
+	if fin != nil {
+		finishing = r.queueFinish(b, fin)
+		// The previous batch's outcomes must be written even if claiming
+		// stops meanwhile.
+		var cancel context.CancelFunc
+		ctx, cancel = context.WithTimeout(context.WithoutCancel(ctx), finishTimeout)
+		defer cancel()
+	}
 	b.Queue("BEGIN")
 	// If the relay stalls (process frozen, network gone) while holding its
 	// claims, the server ends the session after the visibility timeout,
 	// which releases them.
-	b.Queue(idleTimeoutSQL, strconv.FormatInt(r.cfg.InFlightTimeout.Milliseconds(), 10))
+	b.Queue(beginClaimSQL, strconv.FormatInt(r.cfg.InFlightTimeout.Milliseconds(), 10))
 	b.Queue(windowSQL, st.window)
-	b.Queue("SELECT clock_timestamp()")
 	res := conn.SendBatch(ctx, b)
 	defer res.Close()
-	for range 2 {
-		if _, err := res.Exec(); err != nil {
-			return nil, 0, err
+	var err error
+	for range finishing {
+		if _, err = res.Exec(); err != nil {
+			break
 		}
 	}
+	if fin != nil {
+		if err != nil {
+			_ = res.Close() // the connection must be idle before the rollback
+			r.finished(conn, fin, err)
+			return nil, 0, err
+		}
+		r.finished(conn, fin, nil)
+	}
+	if _, err := res.Exec(); err != nil {
+		return nil, 0, err
+	}
+	var dbNow time.Time
+	if err := res.QueryRow().Scan(nil, nil, &dbNow); err != nil {
+		return nil, 0, err
+	}
+	skew := time.Until(dbNow) // database clock minus ours
 	win, err := readWindow(res.Query())
 	if err != nil {
 		return nil, 0, err
 	}
-	var dbNow time.Time
-	if err := res.QueryRow().Scan(&dbNow); err != nil {
-		return nil, 0, err
-	}
-	skew := time.Until(dbNow) // database clock minus ours
 	if err := res.Close(); err != nil {
 		return nil, 0, err
 	}
@@ -279,15 +339,19 @@ func (r *Relay) claim(ctx context.Context, conn *pgx.Conn, st *loopState) ([][]c
 	// Size the next window. A window that yields less than half a batch is
 	// congested (other relays hold its aggregates, or they wait for a
 	// retry): widen it. At the widest, look past it with the gated claim so
-	// the aggregates behind it cannot starve.
+	// the aggregates behind it cannot starve. The gated claim scans the
+	// whole backlog behind the window in the worst case (say a sink outage
+	// with a large backlog, where every head waits for a retry), so a loop
+	// runs it at most once per poll interval.
 	congested := got < (n+1)/2 && len(win) >= st.window
 	st.widened = false
 	switch {
 	case congested && st.window < maxWindowFactor*n:
 		st.window *= 2
 		st.widened = true // look again at once
-	case congested:
-		heads, err := readEvents(conn.Query(ctx, r.gatedSQL, win[len(win)-1].id, n-got))
+	case congested && time.Since(st.gated) >= r.cfg.PollInterval:
+		st.gated = time.Now()
+		heads, _, err := readEvents(conn.Query(ctx, r.gatedSQL, win[len(win)-1].id, n-got))
 		if err != nil {
 			return nil, 0, err
 		}
@@ -300,56 +364,45 @@ func (r *Relay) claim(ctx context.Context, conn *pgx.Conn, st *loopState) ([][]c
 	return runs, skew, nil
 }
 
-// lockWindow locks heads, then their runs, up to n events. It returns one
-// run per locked head: the head, then as much of its run as came back
-// locked, in order.
+// maxWindowFactor bounds the window at this many batches.
+const maxWindowFactor = 8
+
+// lockWindow locks heads and their runs, up to n events, in one statement.
+// It returns one run per locked head: the head, then as much of its run as
+// came back locked, in order.
 func (r *Relay) lockWindow(ctx context.Context, conn *pgx.Conn, cands []*candidate, n int) ([][]claimedRow, error) {
 	if len(cands) == 0 {
 		return nil, nil
 	}
 	// As many heads as a batch needs at the window's mean run length.
 	events := 0
-	tids := make([]pgtype.TID, len(cands))
+	heads := make([]pgtype.TID, len(cands))
+	var runTIDs, runHeads []pgtype.TID
 	for i, c := range cands {
-		tids[i] = c.head.tid
+		heads[i] = c.head.tid
 		events += 1 + len(c.run)
+		for _, w := range c.run {
+			runTIDs = append(runTIDs, w.tid)
+			runHeads = append(runHeads, c.head.tid)
+		}
 	}
 	want := min(len(cands), (n*len(cands)+events-1)/events)
-	heads, err := readEvents(conn.Query(ctx, r.headsSQL, tids, want))
-	if err != nil || len(heads) == 0 {
+	lockedHeads, lockedRuns, err := readEvents(conn.Query(ctx, r.lockSQL, heads, want, runTIDs, runHeads, n))
+	if err != nil || len(lockedHeads) == 0 {
 		return nil, err
 	}
 	byTID := make(map[pgtype.TID]*candidate, len(cands))
 	for _, c := range cands {
 		byTID[c.head.tid] = c
 	}
-	// Heads came back oldest first. Take runs in that order until the
-	// batch is full.
-	runs := make([][]claimedRow, len(heads))
-	var runTIDs []pgtype.TID
-	total := len(heads)
-	for i, h := range heads {
-		runs[i] = []claimedRow{h}
-		for _, w := range byTID[h.tid].run {
-			if total >= n {
-				break
-			}
-			runTIDs = append(runTIDs, w.tid)
-			total++
-		}
-	}
-	if len(runTIDs) == 0 {
-		return runs, nil
-	}
-	rows, err := readEvents(conn.Query(ctx, r.runsSQL, runTIDs))
-	if err != nil {
-		return nil, err
-	}
-	locked := make(map[pgtype.TID]claimedRow, len(rows))
-	for _, row := range rows {
+	locked := make(map[pgtype.TID]claimedRow, len(lockedRuns))
+	for _, row := range lockedRuns {
 		locked[row.tid] = row
 	}
-	for i, h := range heads {
+	// Heads came back oldest first.
+	runs := make([][]claimedRow, len(lockedHeads))
+	for i, h := range lockedHeads {
+		runs[i] = []claimedRow{h}
 		for _, w := range byTID[h.tid].run {
 			row, ok := locked[w.tid]
 			if !ok || row.Seq != w.id {
@@ -359,23 +412,6 @@ func (r *Relay) lockWindow(ctx context.Context, conn *pgx.Conn, cands []*candida
 		}
 	}
 	return runs, nil
-}
-
-// maxWindowFactor bounds the window at this many batches.
-const maxWindowFactor = 8
-
-// loopState is what a relay loop carries from one batch to the next.
-type loopState struct {
-	window  int  // rows the next window claim reads
-	widened bool // the last claim widened the window: claim again at once
-}
-
-// outcomes of a batch.
-type outcomes struct {
-	published []*claimedRow
-	at        []time.Time // when each was accepted, on the database clock
-	failed    []failure
-	handBack  []*claimedRow
 }
 
 // publish hands the claimed events to the sink, run by run (aggregate by
@@ -432,9 +468,9 @@ func (r *Relay) classify(ev claimedRow, err error) failure {
 	return f
 }
 
-// finish writes the outcomes and commits, in one round trip.
-func (r *Relay) finish(ctx context.Context, conn *pgx.Conn, out outcomes) error {
-	b := &pgx.Batch{}
+// queueFinish queues the writes of a batch's outcomes and its COMMIT, and
+// returns how many statements it queued.
+func (r *Relay) queueFinish(b *pgx.Batch, out *outcomes) int {
 	if len(out.published) > 0 {
 		tids := make([]pgtype.TID, len(out.published))
 		for i, ev := range out.published {
@@ -463,11 +499,27 @@ func (r *Relay) finish(ctx context.Context, conn *pgx.Conn, out outcomes) error 
 		b.Queue(handBackSQL, back)
 	}
 	b.Queue("COMMIT")
-	return conn.SendBatch(ctx, b).Close()
+	return b.Len()
+}
+
+// finished accounts for a batch whose outcomes were written (err == nil)
+// or lost (the transaction rolled back: the rows stay as they were and the
+// published events will be published again, at least once).
+func (r *Relay) finished(conn *pgx.Conn, out *outcomes, err error) {
+	r.m.claimed.Sub(float64(out.claimed))
+	if err != nil {
+		rollback(conn)
+		if r.hardCtx.Err() == nil {
+			r.log.Warn("outbox batch outcomes not recorded; its events will be published again",
+				"events", out.claimed, "error", err)
+		}
+		return
+	}
+	r.record(out)
 }
 
 // record updates metrics and logs once the outcomes are committed.
-func (r *Relay) record(out outcomes) {
+func (r *Relay) record(out *outcomes) {
 	counts := map[string]int{}
 	for i, ev := range out.published {
 		counts[ev.EventType]++

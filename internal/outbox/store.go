@@ -17,13 +17,14 @@ const (
 	StatusDead      = "DEAD"
 )
 
+// allStatuses in display order.
 var allStatuses = []string{StatusPending, StatusInFlight, StatusFailed, StatusDead, StatusPublished}
 
 // unfinished matches the partial indexes of the migration word for word, so
 // the planner can prove it may use them.
 const unfinished = `status IN ('PENDING', 'FAILED', 'IN_FLIGHT')`
 
-// eventColumns are what a claim returns per event (see scanEvent).
+// eventColumns are what a claim returns per event (see readEvents).
 const eventColumns = `e.ctid, e.id, e.event_id::text, e.aggregate_type, e.aggregate_id, e.event_type, e.payload,
        e.headers, e.occurred_at, e.attempts, e.status`
 
@@ -54,7 +55,9 @@ const deadGate = `
 // up to its first event that is not due. Nobody else takes run rows, since
 // a relay claims an aggregate's later events only while it holds the head.
 // Locking heads first means a relay never locks events it cannot publish,
-// which would block the relay that holds their head.
+// which would block the relay that holds their head. (The gating happens in
+// the relay: the same logic as one SQL statement, with GROUP BY and
+// array_agg, cost three times as much server time.)
 //
 // Window and locks are separate statements, so separate snapshots. That is
 // safe: an aggregate gains no earlier unfinished event in between (new
@@ -68,29 +71,37 @@ SELECT ctid, id, aggregate_type, aggregate_id, next_attempt_at <= now()
 FROM outbox_event WHERE ` + unfinished + `
 ORDER BY id LIMIT $1`
 
-// lockHeadsSQL locks up to $2 of the candidate heads ($1), oldest first.
-// The lazy LIMIT counts only heads actually locked, so heads held by other
-// relays do not use up the batch.
-func lockHeadsSQL(blockOnDead bool) string {
-	return `
-SELECT ` + eventColumns + `
-FROM outbox_event e
-WHERE e.ctid = ANY($1::tid[]) AND ` + claimable + deadGateIf(blockOnDead) + `
-ORDER BY e.id
-LIMIT $2
-FOR UPDATE SKIP LOCKED`
-}
-
-// lockRunsSQL locks the runs ($1) of the heads just claimed. SKIP LOCKED
-// only guards against an operator's session holding a row; the relay
+// lockSQL locks a batch from the window in one statement. First up to $2
+// of the candidate heads ($1), oldest first: the lazy LIMIT counts only
+// heads actually locked, so heads other relays hold do not use up the
+// batch. Then the runs of the heads it got: run rows ($3) are paired with
+// their head ($4), and locked in id order up to $5 events in all (cutting
+// by id keeps each run a prefix). Nobody else takes run rows; SKIP LOCKED
+// there only guards against an operator's session holding one. The relay
 // accepts a run only up to its first row that did not come back, or came
 // back with another id (its slot was reused since the window was read).
-func lockRunsSQL(blockOnDead bool) string {
+// Rows come back with is_head set for heads.
+func lockSQL(blockOnDead bool) string {
 	return `
-SELECT ` + eventColumns + `
-FROM outbox_event e
-WHERE e.ctid = ANY($1::tid[]) AND ` + claimable + deadGateIf(blockOnDead) + `
-FOR UPDATE SKIP LOCKED`
+WITH h AS MATERIALIZED (
+    SELECT ` + eventColumns + `
+    FROM outbox_event e
+    WHERE e.ctid = ANY($1::tid[]) AND ` + claimable + deadGateIf(blockOnDead) + `
+    ORDER BY e.id
+    LIMIT $2
+    FOR UPDATE SKIP LOCKED
+), r AS (
+    SELECT ` + eventColumns + `
+    FROM outbox_event e
+    JOIN unnest($3::tid[], $4::tid[]) AS u(tid, head) ON e.ctid = u.tid
+    WHERE u.head IN (SELECT ctid FROM h) AND ` + claimable + deadGateIf(blockOnDead) + `
+    ORDER BY e.id
+    LIMIT greatest($5 - (SELECT count(*) FROM h), 0)
+    FOR UPDATE OF e SKIP LOCKED
+)
+SELECT true, h.* FROM h
+UNION ALL
+SELECT false, r.* FROM r`
 }
 
 // gatedHeadsSQL is the fallback when even the widest window is congested:
@@ -141,14 +152,23 @@ SET status = f.status, attempts = e.attempts + 1,
 FROM unnest($1::tid[], $2::text[], $3::bigint[], $4::text[]) AS f(tid, status, delay_ms, err)
 WHERE e.ctid = f.tid`
 
-	// Claimed but not attempted: back to PENDING, attempts untouched. Rows
-	// that were PENDING already need no write at all; releasing the lock
-	// hands them back.
-	idleTimeoutSQL = `SELECT set_config('idle_in_transaction_session_timeout', $1, true)`
-
+	// Claimed but not attempted: back to PENDING, attempts untouched. The
+	// relay sends only rows that are not PENDING already; for those,
+	// releasing the lock is the whole hand-back.
 	handBackSQL = `
 UPDATE outbox_event SET status = 'PENDING', next_attempt_at = clock_timestamp()
 WHERE ctid = ANY($1::tid[])`
+
+	// Sets up the claim transaction and reads the database clock, which
+	// latency is measured on. The idle timeout is the server side of the
+	// visibility timeout (see Relay.claim). Generic plans: the claim
+	// statements take their sizes and ctids as parameters, and PostgreSQL
+	// would otherwise keep planning them afresh on every call (their generic
+	// plans cost more on paper than a custom plan for one call), which costs
+	// more server time than running them. Their generic plans are the right
+	// ones (TestStoreClaimPlansUsePartialIndexes).
+	beginClaimSQL = `SELECT set_config('idle_in_transaction_session_timeout', $1, true),
+       set_config('plan_cache_mode', 'force_generic_plan', true), clock_timestamp()`
 )
 
 // claimedRow is one locked event.
@@ -218,27 +238,38 @@ func candidates(win []windowRow) []*candidate {
 	return out
 }
 
-// readEvents scans locked events.
-func readEvents(rows pgx.Rows, err error) ([]claimedRow, error) {
+// readEvents scans locked events into heads and run rows. lockSQL tags each
+// row with a leading is_head column; rows of untagged statements (the gated
+// claim) are all heads.
+func readEvents(rows pgx.Rows, err error) (heads, others []claimedRow, _ error) {
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
 	defer rows.Close()
-	var out []claimedRow
+	tagged := len(rows.FieldDescriptions()) > 11
 	for rows.Next() {
 		var c claimedRow
 		var payload, headers []byte
-		if err := rows.Scan(&c.tid, &c.Seq, &c.EventID, &c.AggregateType, &c.AggregateID, &c.EventType, &payload,
-			&headers, &c.OccurredAt, &c.Attempts, &c.status); err != nil {
-			return nil, err
+		isHead := true
+		dest := []any{&c.tid, &c.Seq, &c.EventID, &c.AggregateType, &c.AggregateID, &c.EventType, &payload,
+			&headers, &c.OccurredAt, &c.Attempts, &c.status}
+		if tagged {
+			dest = append([]any{&isHead}, dest...)
+		}
+		if err := rows.Scan(dest...); err != nil {
+			return nil, nil, err
 		}
 		c.Payload = payload
 		if c.Headers, err = decodeHeaders(headers); err != nil {
-			return nil, err
+			return nil, nil, err
 		}
-		out = append(out, c)
+		if isHead {
+			heads = append(heads, c)
+		} else {
+			others = append(others, c)
+		}
 	}
-	return out, rows.Err()
+	return heads, others, rows.Err()
 }
 
 // parseStringObject parses a flat JSON object whose keys and values are
