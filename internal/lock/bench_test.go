@@ -17,8 +17,9 @@ import (
 //
 // (add |TryHeld|Handover for the other two).
 //
-// The floor of an acquire + release is two commits, so the yardstick is one
-// single-row UPDATE ... RETURNING commit, the baseline, measured on the same
+// An acquire + release is two commits (the release's without waiting for
+// its WAL flush), so the yardstick is one single-row UPDATE ... RETURNING
+// commit, the baseline, measured on the same
 // server in the same run and on the same kind of pool (pgtest's NewPool,
 // default pgx settings, so the same prepared-statement mode), with its
 // statement prepared before the timer starts, on a table shaped like
@@ -95,7 +96,7 @@ func BenchmarkBaselineUpdateReturning(b *testing.B) {
 // Each iteration runs one acquire + release and one baseline UPDATE, in
 // alternating order, both on the provider's own pool, and times each. It
 // reports their mean and median latencies and pair/baseline, the ratio of
-// the means: 2 is the floor. ns/op is the sum of both.
+// the means (the goal is at most 2). ns/op is the sum of both.
 func BenchmarkPostgresAcquireReleaseVsBaseline(b *testing.B) {
 	db := pgtest.New(b)
 	newBenchBaselineTable(b, db)

@@ -95,10 +95,22 @@ UPDATE worker_lock SET expires_at = clock_timestamp() + $4 * interval '1 microse
 	// releaseSQL expires the grant now (keeping the row and its token) and,
 	// if a waiter marked it, notifies; the notification is delivered when
 	// the statement commits. CASE evaluates pg_notify only when awaited.
+	//
+	// The release commits without waiting for its WAL flush
+	// (synchronous_commit off for this statement's transaction only, so
+	// nothing is left in the session). Safety never depends on a release
+	// being durable: if the server crashes before the flush, the grant
+	// merely stays until its ttl, as if the holder had crashed. A later
+	// acquire of the key commits synchronously, and WAL is flushed in
+	// order, so once anyone has taken the key over, the release is durable
+	// too. Acquire and renew must stay synchronous: a lost acquire could
+	// hand out its token again, and a lost renewal would end a grant
+	// earlier than its holder believes.
 	releaseSQL = `
 UPDATE worker_lock SET expires_at = clock_timestamp()
  WHERE key = $1 AND token = $2 AND owner = $3 AND expires_at > clock_timestamp()
-RETURNING CASE WHEN awaited THEN pg_notify('` + notifyChannel + `', key) END`
+RETURNING CASE WHEN awaited THEN pg_notify('` + notifyChannel + `', key) END,
+          set_config('synchronous_commit', 'off', true)`
 
 	// reapSQL deletes one bounded batch of long-expired rows. SKIP LOCKED
 	// keeps it out of the way of acquires; the repeated expiry test makes

@@ -341,3 +341,62 @@ func TestPostgresClose(t *testing.T) {
 		t.Error("NewPostgres(nil pool) succeeded")
 	}
 }
+
+// A release commits without waiting for its WAL flush, and that setting
+// must not outlive the release's own transaction: behind a pooler (or on
+// the next use of a pooled connection) a leaked synchronous_commit=off
+// would make acquires and renewals non-durable, and a crash could then hand
+// out a token twice.
+func TestPostgresReleaseIsAsyncForItsTransactionOnly(t *testing.T) {
+	ctx := testCtx(t)
+	db := pgtest.New(t)
+	var serverDefault string
+	if err := db.Pool.QueryRow(ctx, `SHOW synchronous_commit`).Scan(&serverDefault); err != nil {
+		t.Fatal(err)
+	}
+	if serverDefault == "off" {
+		t.Fatal("the test server runs with synchronous_commit=off; this test needs it on")
+	}
+
+	// One connection, so the check below runs on the session that released.
+	p, err := NewPostgres(db.NewPool(t, 1), "replica", nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(p.Close)
+	lease, err := p.TryAcquire(ctx, "k", 0, time.Minute)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := lease.Release(ctx); err != nil {
+		t.Fatal(err)
+	}
+	var after string
+	if err := p.pool.QueryRow(ctx, `SHOW synchronous_commit`).Scan(&after); err != nil {
+		t.Fatal(err)
+	}
+	if after != serverDefault {
+		t.Fatalf("synchronous_commit after a release = %q, want the server default %q", after, serverDefault)
+	}
+
+	// Inside the release's transaction the commit is asynchronous.
+	lease, err = p.TryAcquire(ctx, "k", 0, time.Minute)
+	if err != nil {
+		t.Fatal(err)
+	}
+	tx, err := db.Pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tx.Rollback(ctx)
+	if _, err := tx.Exec(ctx, releaseSQL, "k", lease.Token(), p.Owner()); err != nil {
+		t.Fatal(err)
+	}
+	var during string
+	if err := tx.QueryRow(ctx, `SHOW synchronous_commit`).Scan(&during); err != nil {
+		t.Fatal(err)
+	}
+	if during != "off" {
+		t.Fatalf("synchronous_commit in the release's transaction = %q, want off", during)
+	}
+}
