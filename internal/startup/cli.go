@@ -50,7 +50,8 @@ type cli struct {
 		Dead  struct {
 			List  outboxDeadListCmd  `cmd:"" help:"List DEAD events, oldest first."`
 			Retry outboxDeadRetryCmd `cmd:"" help:"Requeue DEAD events as PENDING with attempts reset."`
-		} `cmd:"" help:"Inspect and requeue dead-lettered events."`
+			Purge outboxDeadPurgeCmd `cmd:"" help:"Delete DEAD events for good."`
+		} `cmd:"" help:"Inspect, requeue or delete dead-lettered events."`
 	} `cmd:"" help:"Operate the transactional outbox."`
 	Version versionCmd `cmd:"" help:"Print the version and exit."`
 }
@@ -186,28 +187,52 @@ func (c outboxDeadListCmd) Run(e *cmdEnv) error {
 	})
 }
 
-type outboxDeadRetryCmd struct {
-	EventID string `arg:"" optional:"" help:"event_id to requeue."`
-	All     bool   `help:"Requeue every DEAD event."`
+// deadSelection names the DEAD events an operator command acts on: one
+// event, or every one.
+type deadSelection struct {
+	EventID string `arg:"" optional:"" help:"event_id of the DEAD event."`
+	All     bool   `help:"Every DEAD event."`
 }
 
-func (c outboxDeadRetryCmd) Run(e *cmdEnv) error {
-	if (c.EventID == "") == !c.All {
+func (d deadSelection) validate() error {
+	if (d.EventID == "") == !d.All {
 		return &usageError{msg: "give exactly one of <event_id> or --all"}
 	}
-	if c.EventID != "" {
-		if _, err := uuid.Parse(c.EventID); err != nil {
-			return &usageError{msg: fmt.Sprintf("%q is not an event_id (uuid)", c.EventID)}
+	if d.EventID != "" {
+		if _, err := uuid.Parse(d.EventID); err != nil {
+			return &usageError{msg: fmt.Sprintf("%q is not an event_id (uuid)", d.EventID)}
 		}
 	}
+	return nil
+}
+
+// deadAction runs one of outbox's DEAD-event admin functions on sel and
+// reports the count with verb.
+func deadAction(e *cmdEnv, sel deadSelection, verb string,
+	act func(context.Context, *pgxpool.Pool, string, string, *slog.Logger) (int64, error)) error {
+	if err := sel.validate(); err != nil {
+		return err
+	}
 	return withPool(e, func(ctx context.Context, pool *pgxpool.Pool, log *slog.Logger) error {
-		n, err := outbox.RetryDead(ctx, pool, c.EventID, operator(), log)
+		n, err := act(ctx, pool, sel.EventID, operator(), log)
 		if err != nil {
 			return err
 		}
-		fmt.Fprintf(e.Stdout, "requeued %d event(s)\n", n)
+		fmt.Fprintf(e.Stdout, "%s %d event(s)\n", verb, n)
 		return nil
 	})
+}
+
+type outboxDeadRetryCmd struct{ deadSelection }
+
+func (c outboxDeadRetryCmd) Run(e *cmdEnv) error {
+	return deadAction(e, c.deadSelection, "requeued", outbox.RetryDead)
+}
+
+type outboxDeadPurgeCmd struct{ deadSelection }
+
+func (c outboxDeadPurgeCmd) Run(e *cmdEnv) error {
+	return deadAction(e, c.deadSelection, "purged", outbox.PurgeDead)
 }
 
 // operator names who ran a command, for the audit line.

@@ -10,8 +10,8 @@ import (
 )
 
 // The quick-start path: a running worker with the log sink publishes what
-// `worker outbox emit` inserts, and the operator verbs see and requeue DEAD
-// events.
+// `worker outbox emit` inserts, and the operator verbs see, requeue and
+// purge DEAD events.
 func TestOutboxCommandsEndToEnd(t *testing.T) {
 	db := pgtest.New(t)
 	env := []string{"APP_DATABASE_URL=" + db.URL}
@@ -51,4 +51,23 @@ func TestOutboxCommandsEndToEnd(t *testing.T) {
 	waitFor(t, 10*time.Second, "the requeued event to be published again", func() bool {
 		return strings.Count(w.out.String(), `"event_id":"`+id) >= 2
 	})
+
+	// Purge deletes only DEAD events: first the event is published (not
+	// DEAD), so nothing goes; once DEAD, --all deletes it.
+	if out := cli("outbox", "dead", "purge", "--all"); !strings.Contains(out, "purged 0") {
+		t.Errorf("dead purge of a published event:\n%s", out)
+	}
+	if _, err := db.Pool.Exec(context.Background(), `UPDATE outbox_event SET status = 'DEAD' WHERE event_id = $1`, id); err != nil {
+		t.Fatal(err)
+	}
+	if out := cli("outbox", "dead", "purge", "--all"); !strings.Contains(out, "purged 1") {
+		t.Errorf("dead purge --all:\n%s", out)
+	}
+	var left int
+	if err := db.Pool.QueryRow(context.Background(), `SELECT count(*) FROM outbox_event WHERE event_id = $1`, id).Scan(&left); err != nil {
+		t.Fatal(err)
+	}
+	if left != 0 {
+		t.Errorf("purged event still has %d row(s)", left)
+	}
 }
