@@ -12,6 +12,7 @@ import (
 
 	"worker/internal/lock"
 	"worker/internal/pgtest"
+	"worker/internal/testkit"
 )
 
 // run is one row of the cluster test's runs table: database-clock times
@@ -66,7 +67,7 @@ UPDATE runs SET finished_at = clock_timestamp() WHERE token = current_setting('w
 		replicas[name] = startReplica(t, Options{Pool: pool, Locker: locker, InstanceID: name}, specs...)
 	}
 
-	eventually(t, 20*time.Second, "5 finished runs", func() bool { return len(finishedRuns(t, db.Pool)) >= 5 })
+	testkit.Eventually(t, 20*time.Second, "5 finished runs", func() bool { return len(finishedRuns(t, db.Pool)) >= 5 })
 	// What the lock store pays for the cadence: per run, the winner's
 	// acquisition, each other replica's look at the due time after the run
 	// ended and its attempt at the due time, and probes while the run lasts.
@@ -82,7 +83,7 @@ UPDATE runs SET finished_at = clock_timestamp() WHERE token = current_setting('w
 	// the run within its budget, and another replica keeps the cadence.
 	running := func() string {
 		var name string
-		eventually(t, 10*time.Second, "a run in progress", func() bool {
+		testkit.Eventually(t, 10*time.Second, "a run in progress", func() bool {
 			// The job's own rows are invisible until it commits; job_state
 			// shows the run from its start.
 			err := db.Pool.QueryRow(ctx, `SELECT last_instance FROM job_state WHERE name = 'tick' AND last_outcome = 'running'`).Scan(&name)
@@ -97,7 +98,7 @@ UPDATE runs SET finished_at = clock_timestamp() WHERE token = current_setting('w
 		t.Fatal(err)
 	}
 	n := len(finishedRuns(t, db.Pool))
-	eventually(t, 10*time.Second, "two more runs", func() bool { return len(finishedRuns(t, db.Pool)) >= n+2 })
+	testkit.Eventually(t, 10*time.Second, "two more runs", func() bool { return len(finishedRuns(t, db.Pool)) >= n+2 })
 	all := finishedRuns(t, db.Pool)
 	checkCadence(t, all, delay)
 	if last := all[len(all)-1]; last.instance == stopped {
@@ -119,7 +120,7 @@ UPDATE runs SET finished_at = clock_timestamp() WHERE token = current_setting('w
 	<-closed
 
 	var resumed clusterRun
-	eventually(t, ttl+delay+5*time.Second, "another replica to resume the job", func() bool {
+	testkit.Eventually(t, ttl+delay+5*time.Second, "another replica to resume the job", func() bool {
 		err := db.Pool.QueryRow(ctx, `SELECT instance, started_at FROM runs WHERE started_at > $1 ORDER BY started_at LIMIT 1`,
 			crashAt).Scan(&resumed.instance, &resumed.started)
 		return err == nil
@@ -133,7 +134,7 @@ UPDATE runs SET finished_at = clock_timestamp() WHERE token = current_setting('w
 		t.Errorf("job resumed %s after the crash; want at most lease_ttl+delay+1s = %s", lag, ttl+delay+time.Second)
 	}
 	// The survivors keep the cadence among themselves.
-	eventually(t, 10*time.Second, "two runs after the crash", func() bool {
+	testkit.Eventually(t, 10*time.Second, "two runs after the crash", func() bool {
 		n := 0
 		for _, r := range finishedRuns(t, db.Pool) {
 			if r.started.After(crashAt) {
@@ -158,7 +159,7 @@ UPDATE runs SET finished_at = clock_timestamp() WHERE token = current_setting('w
 		if name == victim {
 			continue
 		}
-		for _, l := range r.log.lines(t, "") {
+		for _, l := range r.log.Lines(t, "") {
 			if l["level"] == "ERROR" {
 				t.Errorf("%s logged an error: %v", name, l)
 			}

@@ -1,12 +1,8 @@
 package jobs
 
 import (
-	"bytes"
 	"context"
 	"encoding/json"
-	"log/slog"
-	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -14,64 +10,14 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"worker/internal/lock"
+	"worker/internal/testkit"
 )
-
-// logBuf collects JSON log lines from several goroutines.
-type logBuf struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (l *logBuf) Write(p []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.Write(p)
-}
-
-// lines returns the parsed log lines whose msg is msg ("" for all).
-func (l *logBuf) lines(t *testing.T, msg string) []map[string]any {
-	t.Helper()
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	var out []map[string]any
-	for _, line := range strings.Split(strings.TrimSpace(l.b.String()), "\n") {
-		if line == "" {
-			continue
-		}
-		var m map[string]any
-		dec := json.NewDecoder(strings.NewReader(line))
-		dec.UseNumber() // fencing tokens do not fit a float64
-		if err := dec.Decode(&m); err != nil {
-			t.Fatalf("log line is not JSON: %q: %v", line, err)
-		}
-		if msg == "" || m["msg"] == msg {
-			out = append(out, m)
-		}
-	}
-	return out
-}
 
 // num reads a number from a parsed log line (0 if absent).
 func num(v any) int64 {
 	n, _ := v.(json.Number)
 	i, _ := n.Int64()
 	return i
-}
-
-func newLogger(buf *logBuf) *slog.Logger {
-	return slog.New(slog.NewJSONHandler(buf, &slog.HandlerOptions{Level: slog.LevelDebug}))
-}
-
-// eventually polls cond until it holds or the deadline passes.
-func eventually(t *testing.T, within time.Duration, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(within)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out after %s waiting for %s", within, what)
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
 }
 
 // metric returns the value of the series name{labels} in reg, or -1 if
@@ -120,14 +66,14 @@ func runs(t *testing.T, reg *prometheus.Registry, job, outcome string) float64 {
 type replica struct {
 	s   *Scheduler
 	reg *prometheus.Registry
-	log *logBuf
+	log *testkit.LogBuffer
 }
 
 func startReplica(t *testing.T, opts Options, specs ...Spec) *replica {
 	t.Helper()
-	r := &replica{reg: prometheus.NewRegistry(), log: &logBuf{}}
+	r := &replica{reg: prometheus.NewRegistry(), log: &testkit.LogBuffer{}}
 	opts.Registerer = r.reg
-	opts.Logger = newLogger(r.log)
+	opts.Logger = r.log.Logger()
 	if opts.InstanceID == "" {
 		opts.InstanceID = "test"
 	}

@@ -15,6 +15,7 @@ import (
 	"worker/internal/lock"
 	"worker/internal/obs"
 	"worker/internal/pgtest"
+	"worker/internal/testkit"
 )
 
 func TestFixedDelayNoOverlap(t *testing.T) {
@@ -46,7 +47,7 @@ func TestFixedDelayNoOverlap(t *testing.T) {
 		return nil
 	})
 	r := startReplica(t, Options{Pool: db.Pool, Locker: inProcess(), InstanceID: "replica-a"}, Spec{Job: job, Delay: delay})
-	eventually(t, 20*time.Second, "5 runs", func() bool {
+	testkit.Eventually(t, 20*time.Second, "5 runs", func() bool {
 		mu.Lock()
 		defer mu.Unlock()
 		return len(spans) >= 5
@@ -84,7 +85,7 @@ func TestFixedDelayNoOverlap(t *testing.T) {
 		t.Errorf("job_last_success_timestamp_seconds = %v", got)
 	}
 
-	lines := r.log.lines(t, "job run finished")
+	lines := r.log.Lines(t, "job run finished")
 	if len(lines) != len(spans) {
 		t.Fatalf("%d run-end log lines for %d runs", len(lines), len(spans))
 	}
@@ -112,10 +113,10 @@ func TestTimeoutAndPanic(t *testing.T) {
 	r := startReplica(t, Options{Pool: db.Pool, Locker: inProcess()},
 		Spec{Job: slow, Delay: time.Hour, Timeout: 200 * time.Millisecond},
 		Spec{Job: boom, Delay: time.Hour})
-	eventually(t, 10*time.Second, "a timeout and a failure", func() bool {
+	testkit.Eventually(t, 10*time.Second, "a timeout and a failure", func() bool {
 		return runs(t, r.reg, "slow", OutcomeTimeout) == 1 && runs(t, r.reg, "boom", OutcomeFailure) == 1
 	})
-	for _, l := range r.log.lines(t, "job run finished") {
+	for _, l := range r.log.Lines(t, "job run finished") {
 		switch l["job"] {
 		case "slow":
 			if l["outcome"] != OutcomeTimeout || l["error.code"] != obs.CodeJobTimeout || l["level"] != "ERROR" {
@@ -128,7 +129,7 @@ func TestTimeoutAndPanic(t *testing.T) {
 			}
 		}
 	}
-	eventually(t, 5*time.Second, "both ends recorded", func() bool {
+	testkit.Eventually(t, 5*time.Second, "both ends recorded", func() bool {
 		return state(t, db.Pool, "slow").LastOutcome == OutcomeTimeout && state(t, db.Pool, "boom").LastOutcome == OutcomeFailure
 	})
 	if st := state(t, db.Pool, "boom"); st.LastError != "panic: kaboom" {
@@ -145,7 +146,7 @@ func TestRejectedWhenExecutorFull(t *testing.T) {
 		Spec{Job: hog, Delay: time.Hour},
 		Spec{Job: quick, Delay: 100 * time.Millisecond})
 	<-hog.started
-	eventually(t, 10*time.Second, "a rejected run", func() bool { return runs(t, r.reg, "quick", OutcomeRejected) >= 1 })
+	testkit.Eventually(t, 10*time.Second, "a rejected run", func() bool { return runs(t, r.reg, "quick", OutcomeRejected) >= 1 })
 	if got := metric(t, r.reg, "executor_rejected_total", nil); got < 1 {
 		t.Errorf("executor_rejected_total = %v", got)
 	}
@@ -153,9 +154,9 @@ func TestRejectedWhenExecutorFull(t *testing.T) {
 		t.Errorf("executor_saturation = %v while the only slot is taken, want 1", got)
 	}
 	// The metric is counted just before the line is written: poll for it.
-	eventually(t, 5*time.Second, "a rejection log line for quick", func() bool {
+	testkit.Eventually(t, 5*time.Second, "a rejection log line for quick", func() bool {
 		found := false
-		for _, l := range r.log.lines(t, "job run rejected: executor at capacity") {
+		for _, l := range r.log.Lines(t, "job run rejected: executor at capacity") {
 			// hog itself may have been refused once if quick held the slot
 			// when both started.
 			found = found || l["job"] == "quick"
@@ -168,8 +169,8 @@ func TestRejectedWhenExecutorFull(t *testing.T) {
 
 	before := quickRuns.Load()
 	close(hog.release)
-	eventually(t, 10*time.Second, "quick to run once the slot is free", func() bool { return quickRuns.Load() > before })
-	eventually(t, 5*time.Second, "saturation back to 0", func() bool { return metric(t, r.reg, "executor_saturation", nil) == 0 })
+	testkit.Eventually(t, 10*time.Second, "quick to run once the slot is free", func() bool { return quickRuns.Load() > before })
+	testkit.Eventually(t, 5*time.Second, "saturation back to 0", func() bool { return metric(t, r.reg, "executor_saturation", nil) == 0 })
 }
 
 func TestLeaseLostCancelsRun(t *testing.T) {
@@ -197,12 +198,12 @@ UPDATE worker_lock SET owner = 'thief', token = nextval('worker_lock_token_seq')
 	if err != nil || tag.RowsAffected() != 1 {
 		t.Fatalf("steal lease: %v, %d rows", err, tag.RowsAffected())
 	}
-	eventually(t, 10*time.Second, "lease_lost", func() bool { return runs(t, r.reg, "hold", OutcomeLeaseLost) == 1 })
-	eventually(t, 5*time.Second, "the end recorded", func() bool { return state(t, db.Pool, "hold").LastOutcome == OutcomeLeaseLost })
+	testkit.Eventually(t, 10*time.Second, "lease_lost", func() bool { return runs(t, r.reg, "hold", OutcomeLeaseLost) == 1 })
+	testkit.Eventually(t, 5*time.Second, "the end recorded", func() bool { return state(t, db.Pool, "hold").LastOutcome == OutcomeLeaseLost })
 	if st := state(t, db.Pool, "hold"); st.LastToken != tok {
 		t.Errorf("job_state token %d, want %d", st.LastToken, tok)
 	}
-	lines := r.log.lines(t, "job run finished")
+	lines := r.log.Lines(t, "job run finished")
 	if len(lines) != 1 || lines[0]["outcome"] != OutcomeLeaseLost || num(lines[0]["fencing_token"]) != tok {
 		t.Errorf("run-end lines %v", lines)
 	}
@@ -211,7 +212,7 @@ UPDATE worker_lock SET owner = 'thief', token = nextval('worker_lock_token_seq')
 	}
 	// gocron drops the error of the release that follows (the lease is
 	// gone); the adapter counts it.
-	eventually(t, 5*time.Second, "the failed release counted", func() bool {
+	testkit.Eventually(t, 5*time.Second, "the failed release counted", func() bool {
 		return metric(t, r.reg, "lock_unlock_errors_total", nil) == 1
 	})
 }
@@ -229,7 +230,7 @@ func TestNotDueCostsNoLockStatement(t *testing.T) {
 	var n atomic.Int32
 	r := startReplica(t, Options{Pool: db.Pool, Locker: locker},
 		Spec{Job: Func("rests", func(context.Context) error { n.Add(1); return nil }), Delay: delay})
-	eventually(t, 20*time.Second, "3 runs", func() bool { return n.Load() >= 3 })
+	testkit.Eventually(t, 20*time.Second, "3 runs", func() bool { return n.Load() >= 3 })
 	if err := r.s.Shutdown(context.Background()); err != nil {
 		t.Fatal(err)
 	}
@@ -291,7 +292,7 @@ func TestShutdownStopsNewRuns(t *testing.T) {
 	var n atomic.Int32
 	job := Func("often", func(context.Context) error { n.Add(1); return nil })
 	r := startReplica(t, Options{Pool: db.Pool, Locker: inProcess()}, Spec{Job: job, Delay: 50 * time.Millisecond})
-	eventually(t, 10*time.Second, "a few runs", func() bool { return n.Load() >= 2 })
+	testkit.Eventually(t, 10*time.Second, "a few runs", func() bool { return n.Load() >= 2 })
 	if err := r.s.Shutdown(context.Background()); err != nil {
 		t.Fatal(err)
 	}

@@ -2,10 +2,12 @@ package lock
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"log/slog"
 	"runtime"
 	"slices"
+	"strconv"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -13,6 +15,7 @@ import (
 
 	"worker/internal/obs"
 	"worker/internal/pgtest"
+	"worker/internal/testkit"
 )
 
 // env is one store shared by several replicas, as worker processes share a
@@ -22,11 +25,12 @@ type env struct {
 	replica func(t *testing.T, opts ...Option) Locker
 	// forceExpire ends key's current grant now, behind the holder's back.
 	forceExpire func(t *testing.T, key string)
-	logs        *logBuffer
+	logs        *testkit.LogBuffer
 }
 
 func inProcessEnv(t *testing.T) *env {
-	log, logs := newTestLogger()
+	logs := &testkit.LogBuffer{}
+	log := logs.Logger()
 	base := NewInProcess("base", log)
 	return &env{
 		replica: func(t *testing.T, opts ...Option) Locker {
@@ -39,7 +43,8 @@ func inProcessEnv(t *testing.T) *env {
 
 func postgresEnv(t *testing.T) *env {
 	db := pgtest.New(t)
-	log, logs := newTestLogger()
+	logs := &testkit.LogBuffer{}
+	log := logs.Logger()
 	return &env{
 		replica: func(t *testing.T, opts ...Option) Locker {
 			return newPostgres(t, db, log, opts...)
@@ -225,11 +230,11 @@ func testReleaseAfterExpiryNoTaker(t *testing.T, e *env) {
 	if got := metricValue(t, reg, "lock_held"); got != 0 {
 		t.Errorf("lock_held = %v after release, want 0", got)
 	}
-	recs := e.logs.records(t, "lock lease released after it expired; the protected work may have overlapped another holder")
+	recs := e.logs.Lines(t, "lock lease released after it expired; the protected work may have overlapped another holder")
 	if len(recs) != 1 {
 		t.Fatalf("%d release-after-expiry log lines, want 1", len(recs))
 	}
-	if recs[0]["level"] != "WARN" || recs[0]["key"] != "k" || recs[0]["token"] != float64(lease.Token()) || recs[0]["owner"] == "" {
+	if recs[0]["level"] != "WARN" || recs[0]["key"] != "k" || recs[0]["token"] != json.Number(strconv.FormatInt(lease.Token(), 10)) || recs[0]["owner"] == "" {
 		t.Errorf("log line lacks level/key/token/owner: %v", recs[0])
 	}
 	// The key is free again.
@@ -369,7 +374,7 @@ func testLostWhenTakenOver(t *testing.T, e *env) {
 	if cause := context.Cause(work); !errors.Is(cause, ErrLeaseLost) {
 		t.Errorf("protected context cause = %v, want ErrLeaseLost", cause)
 	}
-	eventually(t, 5*time.Second, "lock_lease_lost_total = 1", func() bool {
+	testkit.Eventually(t, 5*time.Second, "lock_lease_lost_total = 1", func() bool {
 		return metricValue(t, reg, "lock_lease_lost_total") == 1
 	})
 	if err := lease.Release(ctx); !errors.Is(err, ErrLeaseExpired) {
@@ -381,7 +386,7 @@ func testLostWhenTakenOver(t *testing.T, e *env) {
 	if got := metricValue(t, reg, "lock_held"); got != 0 {
 		t.Errorf("lock_held = %v, want 0", got)
 	}
-	if len(e.logs.records(t, "lock lease lost")) == 0 {
+	if len(e.logs.Lines(t, "lock lease lost")) == 0 {
 		t.Error("lease loss was not logged")
 	}
 }

@@ -11,6 +11,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"worker/internal/pgtest"
+	"worker/internal/testkit"
 )
 
 func newAdapter(t *testing.T, l Locker, ttl time.Duration) (*GocronLocker, *prometheus.Registry) {
@@ -20,7 +21,7 @@ func newAdapter(t *testing.T, l Locker, ttl time.Duration) (*GocronLocker, *prom
 	if err != nil {
 		t.Fatal(err)
 	}
-	log, _ := newTestLogger()
+	log := new(testkit.LogBuffer).Logger()
 	g, err := NewGocronLocker(m, GocronConfig{TTL: func(string) time.Duration { return ttl }}, reg, log)
 	if err != nil {
 		t.Fatal(err)
@@ -80,7 +81,7 @@ func TestGocronTwoSchedulers(t *testing.T) {
 	for _, s := range scheds {
 		s.Start()
 	}
-	eventually(t, 30*time.Second, "20 runs", func() bool {
+	testkit.Eventually(t, 30*time.Second, "20 runs", func() bool {
 		mu.Lock()
 		defer mu.Unlock()
 		return len(tokens) >= 20
@@ -127,7 +128,7 @@ func TestGocronUnlockErrorsCounted(t *testing.T) {
 	}
 	s.Start()
 	defer s.Shutdown()
-	eventually(t, 15*time.Second, "lock_unlock_errors_total = 1", func() bool {
+	testkit.Eventually(t, 15*time.Second, "lock_unlock_errors_total = 1", func() bool {
 		return metricValue(t, reg, "lock_unlock_errors_total") == 1
 	})
 	if got := metricValue(t, reg, "lock_lease_expired_total"); got != 1 {
@@ -158,7 +159,7 @@ func TestGocronUnlockAfterShutdownCancel(t *testing.T) {
 		t.Fatal(err)
 	}
 	other := newPostgres(t, db, nil)
-	eventually(t, 10*time.Second, "lease released after shutdown", func() bool {
+	testkit.Eventually(t, 10*time.Second, "lease released after shutdown", func() bool {
 		l, err := other.TryAcquire(testCtx(t), JobKey("long"), 0, time.Second)
 		if err != nil {
 			return false

@@ -1,56 +1,13 @@
 package lock
 
 import (
-	"bufio"
-	"bytes"
 	"context"
-	"encoding/json"
-	"log/slog"
-	"sync"
 	"testing"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 	dto "github.com/prometheus/client_model/go"
 )
-
-// logBuffer collects JSON log lines from several goroutines.
-type logBuffer struct {
-	mu  sync.Mutex
-	buf bytes.Buffer
-}
-
-func (b *logBuffer) Write(p []byte) (int, error) {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.Write(p)
-}
-
-// records returns the logged lines whose msg is msg.
-func (b *logBuffer) records(t *testing.T, msg string) []map[string]any {
-	t.Helper()
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	var out []map[string]any
-	sc := bufio.NewScanner(bytes.NewReader(b.buf.Bytes()))
-	for sc.Scan() {
-		var rec map[string]any
-		if err := json.Unmarshal(sc.Bytes(), &rec); err != nil {
-			t.Fatalf("log line is not JSON: %q", sc.Text())
-		}
-		if rec["msg"] == msg {
-			out = append(out, rec)
-		}
-	}
-	return out
-}
-
-// newTestLogger logs JSON into a buffer rather than t.Log: heartbeats may
-// still log for a moment after a test returns.
-func newTestLogger() (*slog.Logger, *logBuffer) {
-	b := &logBuffer{}
-	return slog.New(slog.NewJSONHandler(b, &slog.HandlerOptions{Level: slog.LevelDebug})), b
-}
 
 // metered wraps l with metrics on a fresh registry.
 func metered(t *testing.T, l Locker) (Locker, *prometheus.Registry) {
@@ -107,18 +64,6 @@ func waitClosed(t *testing.T, ch <-chan struct{}, d time.Duration, what string) 
 	case <-ch:
 	case <-time.After(d):
 		t.Fatalf("%s did not happen within %s", what, d)
-	}
-}
-
-// eventually polls cond until it holds or d passes.
-func eventually(t *testing.T, d time.Duration, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(d)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("%s: not true within %s", what, d)
-		}
-		time.Sleep(10 * time.Millisecond)
 	}
 }
 

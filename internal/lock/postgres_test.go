@@ -9,6 +9,7 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"worker/internal/pgtest"
+	"worker/internal/testkit"
 )
 
 type row struct {
@@ -64,7 +65,7 @@ func acquireBracketed(t *testing.T, db *pgtest.DB, l Locker, key string, wait, t
 func TestPostgresDatabaseClock(t *testing.T) {
 	ctx := testCtx(t)
 	db := pgtest.New(t)
-	log, _ := newTestLogger()
+	log := new(testkit.LogBuffer).Logger()
 	ahead := newPostgres(t, db, log, WithClock(func() time.Time { return time.Now().Add(time.Hour) }))
 	behind := newPostgres(t, db, log, WithClock(func() time.Time { return time.Now().Add(-time.Hour) }), WithoutHeartbeat())
 	const ttl = 2 * time.Second
@@ -100,7 +101,8 @@ func TestPostgresDatabaseClock(t *testing.T) {
 func TestPostgresConnectionLoss(t *testing.T) {
 	ctx := testCtx(t)
 	db := pgtest.New(t)
-	log, logs := newTestLogger()
+	logs := &testkit.LogBuffer{}
+	log := logs.Logger()
 	holder := newPostgres(t, db, log)
 	// other polls hourly, so below only its (reconnected) listener can wake
 	// it early.
@@ -111,7 +113,7 @@ func TestPostgresConnectionLoss(t *testing.T) {
 		default:
 		}
 	}))
-	eventually(t, 10*time.Second, "listeners connected", func() bool {
+	testkit.Eventually(t, 10*time.Second, "listeners connected", func() bool {
 		return holder.connects.Load() == 1 && other.connects.Load() == 1
 	})
 	const ttl = 3 * time.Second
@@ -126,17 +128,17 @@ func TestPostgresConnectionLoss(t *testing.T) {
 	if _, err := other.TryAcquire(ctx, "k", time.Second, ttl); !IsTimeout(err) {
 		t.Fatalf("another replica got the lease after the connections died: %v", err)
 	}
-	eventually(t, 2*ttl, "heartbeat renews on a new connection", func() bool {
+	testkit.Eventually(t, 2*ttl, "heartbeat renews on a new connection", func() bool {
 		r, _ := readRow(t, db, "k")
 		return r.token == lease.Token() && r.expires.After(atKill.expires)
 	})
 	if isClosed(lease.Lost()) {
 		t.Fatal("lease lost after a connection drop")
 	}
-	eventually(t, 10*time.Second, "listeners reconnected", func() bool {
+	testkit.Eventually(t, 10*time.Second, "listeners reconnected", func() bool {
 		return holder.connects.Load() >= 2 && other.connects.Load() >= 2
 	})
-	if len(logs.records(t, "lock listener disconnected; waiters fall back to polling until it reconnects")) == 0 {
+	if len(logs.Lines(t, "lock listener disconnected; waiters fall back to polling until it reconnects")) == 0 {
 		t.Error("listener loss not logged")
 	}
 
@@ -206,7 +208,8 @@ func terminateBackends(t *testing.T, db *pgtest.DB) {
 func TestPostgresRenewalFailsUntilTTL(t *testing.T) {
 	ctx := testCtx(t)
 	db := pgtest.New(t)
-	log, logs := newTestLogger()
+	logs := &testkit.LogBuffer{}
+	log := logs.Logger()
 	pool := db.NewPool(t, 0)
 	p, err := NewPostgres(pool, "replica", log)
 	if err != nil {
@@ -220,10 +223,10 @@ func TestPostgresRenewalFailsUntilTTL(t *testing.T) {
 	}
 	pool.Close()
 	waitClosed(t, lease.Lost(), 5*time.Second, "Lost after failing renewals")
-	if len(logs.records(t, "lock lease renewal failed; retrying within the ttl")) == 0 {
+	if len(logs.Lines(t, "lock lease renewal failed; retrying within the ttl")) == 0 {
 		t.Error("failed renewals were not logged")
 	}
-	eventually(t, 5*time.Second, "lock_lease_lost_total = 1", func() bool {
+	testkit.Eventually(t, 5*time.Second, "lock_lease_lost_total = 1", func() bool {
 		return metricValue(t, reg, "lock_lease_lost_total") == 1
 	})
 	if err := lease.Renew(ctx); !errors.Is(err, ErrLeaseLost) {

@@ -11,6 +11,7 @@ import (
 
 	"worker/internal/outbox"
 	"worker/internal/pgtest"
+	"worker/internal/testkit"
 )
 
 // TestContractOutOfOrderCommit: a producer appends event k of aggregate X
@@ -29,7 +30,7 @@ func TestContractOutOfOrderCommit(t *testing.T) {
 	for i := range 3 {
 		history = append(history, contractAppend(t, db.Pool, "X", fmt.Sprintf("x.%d", i)))
 	}
-	contractWaitFor(t, 10*time.Second, "X's earlier events published", func() bool {
+	testkit.Eventually(t, 10*time.Second, "X's earlier events published", func() bool {
 		return rec.deliveredCount(history[len(history)-1]) == 1
 	})
 
@@ -69,7 +70,7 @@ func TestContractOutOfOrderCommit(t *testing.T) {
 		_ = conn1.Close(context.Background())
 		<-tx2Exited
 	})
-	contractWaitFor(t, 10*time.Second, "tx2 to block on X's aggregate lock", func() bool {
+	testkit.Eventually(t, 10*time.Second, "tx2 to block on X's aggregate lock", func() bool {
 		return contractBackendWaitingOnLock(t, db.Pool, pid2)
 	})
 
@@ -78,7 +79,7 @@ func TestContractOutOfOrderCommit(t *testing.T) {
 	for i := range 20 {
 		others = append(others, contractAppend(t, db.Pool, fmt.Sprintf("other-%d", i%5), "other"))
 	}
-	contractWaitFor(t, 10*time.Second, "other aggregates published while tx1 is open", func() bool {
+	testkit.Eventually(t, 10*time.Second, "other aggregates published while tx1 is open", func() bool {
 		for _, id := range others {
 			if rec.deliveredCount(id) == 0 {
 				return false
@@ -111,7 +112,7 @@ func TestContractOutOfOrderCommit(t *testing.T) {
 	case <-time.After(10 * time.Second):
 		t.Fatal("tx2 still blocked 10s after tx1 committed")
 	}
-	contractWaitFor(t, 10*time.Second, "k and k+1 published", func() bool {
+	testkit.Eventually(t, 10*time.Second, "k and k+1 published", func() bool {
 		return contractStatusOf(t, db.Pool, k) == outbox.StatusPublished &&
 			contractStatusOf(t, db.Pool, k1) == outbox.StatusPublished &&
 			rec.deliveredCount(k1) == 1

@@ -19,6 +19,7 @@ import (
 
 	"worker/internal/outbox"
 	"worker/internal/pgtest"
+	"worker/internal/testkit"
 )
 
 // contractHelperEnv carries the database URL to the relay child process of
@@ -144,7 +145,7 @@ FROM generate_series(1, $2) g ORDER BY g`, contractAggregateType, events); err !
 	}
 
 	// One full batch committed, and a few events into the next one.
-	contractWaitFor(t, 30*time.Second, "the child relay to be a few events into its second batch", func() bool {
+	testkit.Eventually(t, 30*time.Second, "the child relay to be a few events into its second batch", func() bool {
 		return childCount() >= cfg.BatchSize+3
 	})
 	if err := cmd.Process.Kill(); err != nil { // SIGKILL
@@ -172,7 +173,7 @@ FROM generate_series(1, $2) g ORDER BY g`, contractAggregateType, events); err !
 
 	rec := newContractRecordingSink(nil)
 	contractStartRelay(t, db.Pool, rec, cfg, "survivor", nil, prometheus.NewRegistry())
-	contractWaitFor(t, cfg.InFlightTimeout+30*time.Second, "every event PUBLISHED", func() bool {
+	testkit.Eventually(t, cfg.InFlightTimeout+30*time.Second, "every event PUBLISHED", func() bool {
 		return contractCountStatus(t, db.Pool, outbox.StatusPublished) == events
 	})
 

@@ -14,6 +14,7 @@ import (
 	"worker/internal/obs"
 	"worker/internal/outbox"
 	"worker/internal/pgtest"
+	"worker/internal/testkit"
 )
 
 // Event types the failing sink reacts to.
@@ -70,7 +71,7 @@ func TestContractFailureRetryAndDeadLetter(t *testing.T) {
 	}
 
 	contractStartRelay(t, db.Pool, rec, contractFailureConfig(false), "relay", log, reg)
-	contractWaitFor(t, 20*time.Second, "every event finished", func() bool {
+	testkit.Eventually(t, 20*time.Second, "every event finished", func() bool {
 		return contractCountStatus(t, db.Pool, outbox.StatusPublished)+contractCountStatus(t, db.Pool, outbox.StatusDead) == 304
 	})
 
@@ -149,7 +150,7 @@ func TestContractFailureRetryAndDeadLetter(t *testing.T) {
 	t.Logf("%d healthy events published between the poison event's first and last attempt", during)
 
 	// Metrics: two dead letters, four scheduled retries (flaky 2 + poison 2).
-	contractWaitFor(t, 5*time.Second, "job_dlq_total to count both dead letters", func() bool {
+	testkit.Eventually(t, 5*time.Second, "job_dlq_total to count both dead letters", func() bool {
 		return contractMetric(t, reg, "job_dlq_total", map[string]string{"job_name": outbox.RelayJobName}) == 2
 	})
 	if got := contractMetric(t, reg, "job_retry_total", map[string]string{"job_name": outbox.RelayJobName, "outcome": "scheduled"}); got != 4 {
@@ -159,7 +160,7 @@ func TestContractFailureRetryAndDeadLetter(t *testing.T) {
 	// Each dead letter is logged with its code and event_id.
 	for _, id := range []string{poison, perm} {
 		found := false
-		for _, l := range logs.lines(t) {
+		for _, l := range logs.Lines(t, "") {
 			if l["error.code"] == obs.CodeJobDeadLetter && l["event_id"] == id {
 				found = true
 				if l["job"] != outbox.RelayJobName {
@@ -192,7 +193,7 @@ func TestContractFailureBlockOnDead(t *testing.T) {
 	for range blockedEvents {
 		blocked = append(blocked, contractAppend(t, db.Pool, "poison", "order.after-poison"))
 	}
-	contractWaitFor(t, 10*time.Second, "the poison event DEAD", func() bool {
+	testkit.Eventually(t, 10*time.Second, "the poison event DEAD", func() bool {
 		return contractStatusOf(t, db.Pool, poison) == outbox.StatusDead
 	})
 
@@ -203,7 +204,7 @@ func TestContractFailureBlockOnDead(t *testing.T) {
 	for i := range 20 {
 		later = append(later, contractAppend(t, db.Pool, fmt.Sprintf("ok-%d", i%4), "order.ok"))
 	}
-	contractWaitFor(t, 10*time.Second, "other aggregates published past the blocked ones", func() bool {
+	testkit.Eventually(t, 10*time.Second, "other aggregates published past the blocked ones", func() bool {
 		for _, id := range later {
 			if rec.deliveredCount(id) != 1 {
 				return false
@@ -220,7 +221,7 @@ func TestContractFailureBlockOnDead(t *testing.T) {
 		}
 	}
 	// Only the poison event failed; nothing else may be reported.
-	for _, l := range logs.lines(t) {
+	for _, l := range logs.Lines(t, "") {
 		if (l["level"] == "WARN" || l["level"] == "ERROR") && l["event_id"] != poison {
 			t.Errorf("unexpected %v log line %q (error: %v)", l["level"], l["msg"], l["error"])
 		}

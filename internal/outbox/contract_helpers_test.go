@@ -5,7 +5,6 @@ package outbox_test
 // through the real insert trigger, and read outbox_event with plain SQL.
 
 import (
-	"bytes"
 	"context"
 	"encoding/json"
 	"fmt"
@@ -21,24 +20,12 @@ import (
 
 	"worker/internal/obs"
 	"worker/internal/outbox"
+	"worker/internal/testkit"
 )
 
 // contractAggregateType is the aggregate_type of every event the contract
 // tests produce.
 const contractAggregateType = "order"
-
-// contractWaitFor polls cond until it holds or timeout passes. Polling, not
-// sleeping, is how the tests synchronize with the relay.
-func contractWaitFor(t testing.TB, timeout time.Duration, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(timeout)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out after %s waiting for %s", timeout, what)
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
-}
 
 // contractConfig is DefaultConfig with test-friendly timings: fast retries,
 // and a poll interval long enough that a test proving NOTIFY wake-ups is not
@@ -269,43 +256,10 @@ func (s *contractRecordingSink) deliveredAt(eventID string) (time.Time, bool) {
 	return time.Time{}, false
 }
 
-// contractLogBuffer collects the relay's JSON log lines; slog handlers may
-// write from several goroutines.
-type contractLogBuffer struct {
-	mu  sync.Mutex
-	buf bytes.Buffer
-}
-
-func (b *contractLogBuffer) Write(p []byte) (int, error) {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.Write(p)
-}
-
-// lines returns the decoded JSON log lines.
-func (b *contractLogBuffer) lines(t testing.TB) []map[string]any {
-	t.Helper()
-	b.mu.Lock()
-	text := b.buf.String()
-	b.mu.Unlock()
-	var out []map[string]any
-	for line := range strings.SplitSeq(text, "\n") {
-		if strings.TrimSpace(line) == "" {
-			continue
-		}
-		var m map[string]any
-		if err := json.Unmarshal([]byte(line), &m); err != nil {
-			t.Fatalf("log line is not JSON: %q: %v", line, err)
-		}
-		out = append(out, m)
-	}
-	return out
-}
-
 // contractJSONLogger is the production JSON logger writing into a buffer.
-func contractJSONLogger(t testing.TB) (*slog.Logger, *contractLogBuffer) {
+func contractJSONLogger(t testing.TB) (*slog.Logger, *testkit.LogBuffer) {
 	t.Helper()
-	buf := &contractLogBuffer{}
+	buf := &testkit.LogBuffer{}
 	log, err := obs.NewLogger(buf, "json", "debug", "contract-test")
 	if err != nil {
 		t.Fatal(err)

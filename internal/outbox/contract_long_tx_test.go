@@ -9,6 +9,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"worker/internal/pgtest"
+	"worker/internal/testkit"
 )
 
 // TestContractLongUnrelatedTransaction: a long transaction holding an xid
@@ -53,7 +54,7 @@ func TestContractLongUnrelatedTransaction(t *testing.T) {
 	for time.Since(opened) < hold-maxDelay {
 		id := contractAppend(t, db.Pool, fmt.Sprintf("agg-%d", n%7), "order.updated")
 		inserted := time.Now()
-		contractWaitFor(t, maxDelay, fmt.Sprintf("event %d published during the long transaction", n), func() bool {
+		testkit.Eventually(t, maxDelay, fmt.Sprintf("event %d published during the long transaction", n), func() bool {
 			return rec.deliveredCount(id) == 1
 		})
 		at, _ := rec.deliveredAt(id)

@@ -16,6 +16,7 @@ import (
 
 	"worker/internal/outbox"
 	"worker/internal/pgtest"
+	"worker/internal/testkit"
 )
 
 // contractCountingSink counts what one relay delivered and forwards to the
@@ -121,10 +122,10 @@ FROM generate_series(1, $2) g ORDER BY g`, contractAggregateType, backlog, aggre
 		t.Fatalf("produced %d events, want %d", got, total)
 	}
 
-	contractWaitFor(t, 90*time.Second, "every event PUBLISHED", func() bool {
+	testkit.Eventually(t, 90*time.Second, "every event PUBLISHED", func() bool {
 		return contractCountStatus(t, db.Pool, outbox.StatusPublished) == total
 	})
-	contractWaitFor(t, 10*time.Second, "the sink to see every event", func() bool {
+	testkit.Eventually(t, 10*time.Second, "the sink to see every event", func() bool {
 		return rec.distinctDelivered() == total
 	})
 
@@ -183,10 +184,10 @@ FROM generate_series(1, $2) g ORDER BY g`, contractAggregateType, backlog, aggre
 
 // contractAssertNoWarnings fails the test for every log line at WARN or
 // above: in a run without injected faults each one is a relay defect.
-func contractAssertNoWarnings(t testing.TB, logs *contractLogBuffer) {
+func contractAssertNoWarnings(t testing.TB, logs *testkit.LogBuffer) {
 	t.Helper()
 	n := 0
-	for _, l := range logs.lines(t) {
+	for _, l := range logs.Lines(t, "") {
 		if l["level"] == "WARN" || l["level"] == "ERROR" {
 			if n++; n <= 5 {
 				t.Errorf("relay logged %v %q without any fault injected (error: %v)", l["level"], l["msg"], l["error"])
@@ -241,7 +242,7 @@ FROM generate_series(1, $2::int + $3::int) g ORDER BY g`, contractAggregateType,
 	log, logs := contractJSONLogger(t)
 	rec := newContractRecordingSink(nil)
 	contractStartRelay(t, db.NewPool(t, 4), rec, cfg, "worker", log, prometheus.NewRegistry())
-	contractWaitFor(t, 15*time.Second, "the other aggregates published past the held backlog", func() bool {
+	testkit.Eventually(t, 15*time.Second, "the other aggregates published past the held backlog", func() bool {
 		return contractCountStatus(t, db.Pool, outbox.StatusPublished) >= others
 	})
 	for _, d := range rec.deliveries() {
@@ -255,7 +256,7 @@ FROM generate_series(1, $2::int + $3::int) g ORDER BY g`, contractAggregateType,
 	sctx, cancel := context.WithTimeout(ctx, 200*time.Millisecond)
 	defer cancel()
 	_ = holder.Shutdown(sctx) // DeadlineExceeded: its publish hangs
-	contractWaitFor(t, 30*time.Second, "the hot aggregate drained", func() bool {
+	testkit.Eventually(t, 30*time.Second, "the hot aggregate drained", func() bool {
 		return contractCountStatus(t, db.Pool, outbox.StatusPublished) == hot+others
 	})
 	if n := len(rec.allCalls()); n != hot+others {

@@ -13,6 +13,7 @@ import (
 
 	"worker/internal/outbox"
 	"worker/internal/pgtest"
+	"worker/internal/testkit"
 )
 
 // contractBlockingSink blocks every Publish until it gets a token or its
@@ -107,7 +108,7 @@ func TestContractShutdownHandsBackClaims(t *testing.T) {
 		t.Fatal(err)
 	}
 	contractShutdownOnCleanup(t, r1) // if the test stops early
-	contractWaitFor(t, 10*time.Second, "A FAILED", func() bool {
+	testkit.Eventually(t, 10*time.Second, "A FAILED", func() bool {
 		return contractStatusOf(t, db.Pool, a) == outbox.StatusFailed
 	})
 	if err := r1.Shutdown(ctx); err != nil {
@@ -123,7 +124,7 @@ func TestContractShutdownHandsBackClaims(t *testing.T) {
 		ids = append(ids, contractAppend(t, db.Pool, fmt.Sprintf("other-%d", i), "order.other"))
 	}
 	heads := append([]string{ids[0]}, ids[2:]...) // A and the other aggregates' events
-	contractWaitFor(t, 5*time.Second, "A due for its retry", func() bool {
+	testkit.Eventually(t, 5*time.Second, "A due for its retry", func() bool {
 		var due bool
 		if err := db.Pool.QueryRow(ctx, `SELECT next_attempt_at <= now() FROM outbox_event WHERE event_id = $1`, a).Scan(&due); err != nil {
 			t.Fatal(err)
@@ -185,7 +186,7 @@ func TestContractShutdownHandsBackClaims(t *testing.T) {
 	// A fresh relay publishes everything, A before its successor.
 	rec := newContractRecordingSink(nil)
 	contractStartRelay(t, db.Pool, rec, cfg, "r3", nil, prometheus.NewRegistry())
-	contractWaitFor(t, 10*time.Second, "every event published by a fresh relay", func() bool {
+	testkit.Eventually(t, 10*time.Second, "every event published by a fresh relay", func() bool {
 		return contractCountStatus(t, db.Pool, outbox.StatusPublished) == len(ids)
 	})
 	if r := contractRowOf(t, db.Pool, a); r.Attempts != aAttempts+1 {

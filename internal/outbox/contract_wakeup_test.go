@@ -8,6 +8,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"worker/internal/pgtest"
+	"worker/internal/testkit"
 )
 
 // TestContractWakeUpByNotify: with a poll interval of an hour only the
@@ -26,7 +27,7 @@ func TestContractWakeUpByNotify(t *testing.T) {
 	for i := range 5 {
 		id := contractAppend(t, db.Pool, fmt.Sprintf("agg-%d", i%2), "order.updated")
 		inserted := time.Now()
-		contractWaitFor(t, bound, fmt.Sprintf("event %d published without polling", i), func() bool {
+		testkit.Eventually(t, bound, fmt.Sprintf("event %d published without polling", i), func() bool {
 			return rec.deliveredCount(id) == 1
 		})
 		at, _ := rec.deliveredAt(id)

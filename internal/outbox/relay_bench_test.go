@@ -17,6 +17,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"worker/internal/pgtest"
+	"worker/internal/testkit"
 )
 
 // Benchmarks of the relay. Run them with
@@ -208,7 +209,7 @@ func drainRelay(tb testing.TB, db *pgtest.DB, relays, batch int) (float64, float
 		tb.Fatalf("relay published %d of %d events", sink.n.Load(), benchBacklog)
 	}
 	// Done means committed, not just handed to the sink.
-	waitFor(tb, time.Minute, "backlog marked published", func() bool {
+	testkit.Eventually(tb, time.Minute, "backlog marked published", func() bool {
 		var left int
 		err := db.Pool.QueryRow(context.Background(), `SELECT count(*) FROM outbox_event WHERE `+unfinished).Scan(&left)
 		return err == nil && left == 0
@@ -331,7 +332,7 @@ func BenchmarkRelayLatency(b *testing.B) {
 			})
 		}
 		wg.Wait()
-		waitFor(b, time.Minute, "all events published", func() bool { return sink.count() == total })
+		testkit.Eventually(b, time.Minute, "all events published", func() bool { return sink.count() == total })
 		if err := r.Shutdown(context.Background()); err != nil {
 			b.Fatal(err)
 		}

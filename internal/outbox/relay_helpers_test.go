@@ -15,18 +15,6 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 )
 
-// waitFor polls cond until it holds or the deadline passes.
-func waitFor(tb testing.TB, timeout time.Duration, what string, cond func() bool) {
-	tb.Helper()
-	deadline := time.Now().Add(timeout)
-	for !cond() {
-		if time.Now().After(deadline) {
-			tb.Fatalf("timed out after %s waiting for %s", timeout, what)
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
-}
-
 // testConfig is DefaultConfig with fast retries and polling.
 func testConfig() Config {
 	cfg := DefaultConfig()

@@ -12,6 +12,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/testutil"
 
 	"worker/internal/pgtest"
+	"worker/internal/testkit"
 )
 
 // TestRelayEventFields: the sink gets the row as stored: id as Seq, the
@@ -32,7 +33,7 @@ RETURNING id`, occurred).Scan(&seq)
 	}
 	rec := &recorder{}
 	startRelay(t, db.Pool, rec, testConfig(), nil)
-	waitFor(t, 10*time.Second, "the event published", func() bool { return len(rec.delivered()) == 1 })
+	testkit.Eventually(t, 10*time.Second, "the event published", func() bool { return len(rec.delivered()) == 1 })
 	e := rec.delivered()[0]
 	if e.Seq != seq || e.EventID != "6f1c0b54-8f0e-4d4e-9a53-3a3f6a1f5f10" || e.AggregateType != "order" ||
 		e.AggregateID != "42" || e.EventType != "order.paid" || !e.OccurredAt.Equal(occurred) || e.Attempts != 0 {
@@ -59,11 +60,11 @@ func TestRelayRunStopsAtEventNotDue(t *testing.T) {
 		WHERE event_id = $1`, waiting)
 	rec := &recorder{}
 	startRelay(t, db.Pool, rec, testConfig(), nil)
-	waitFor(t, 10*time.Second, "the due head published", func() bool { return statusOf(t, db.Pool, first) == StatusPublished })
+	testkit.Eventually(t, 10*time.Second, "the due head published", func() bool { return statusOf(t, db.Pool, first) == StatusPublished })
 	// A barrier: an event inserted afterwards is published, so the relay
 	// has claimed again since.
 	barrier := appendEvent(t, db.Pool, "y", "barrier")
-	waitFor(t, 10*time.Second, "the barrier published", func() bool { return rec.has(barrier) })
+	testkit.Eventually(t, 10*time.Second, "the barrier published", func() bool { return rec.has(barrier) })
 	if s := statusOf(t, db.Pool, last); s != StatusPending || rec.has(last) {
 		t.Errorf("event behind a retry that is not due: status %s, delivered %v", s, rec.has(last))
 	}
@@ -84,11 +85,11 @@ func TestRelayInFlightVisibility(t *testing.T) {
 	rec := &recorder{}
 	startRelay(t, db.Pool, rec, testConfig(), nil)
 	other := appendEvent(t, db.Pool, "y", "other")
-	waitFor(t, 10*time.Second, "another aggregate published", func() bool { return rec.has(other) })
+	testkit.Eventually(t, 10*time.Second, "another aggregate published", func() bool { return rec.has(other) })
 	if rec.has(held) || rec.has(next) {
 		t.Fatal("an aggregate held IN_FLIGHT was published before its visibility deadline")
 	}
-	waitFor(t, 10*time.Second, "the expired claim reclaimed and its successor published", func() bool {
+	testkit.Eventually(t, 10*time.Second, "the expired claim reclaimed and its successor published", func() bool {
 		return statusOf(t, db.Pool, next) == StatusPublished
 	})
 	var order []string
@@ -120,7 +121,7 @@ SELECT 'order', 'blocked-' || g % 40, 'blocked', '{}' FROM generate_series(0, 11
 	cfg.BatchSize = 2 // widest window: 16 rows, all blocked
 	rec := &recorder{}
 	startRelay(t, db.Pool, rec, cfg, nil)
-	waitFor(t, 10*time.Second, "the event behind the blocked window published", func() bool { return rec.has(free) })
+	testkit.Eventually(t, 10*time.Second, "the event behind the blocked window published", func() bool { return rec.has(free) })
 	for _, e := range rec.delivered() {
 		if e.EventType == "blocked" {
 			t.Fatalf("event %d of a blocked aggregate was published", e.Seq)
@@ -161,18 +162,18 @@ func TestRelayListenerReconnects(t *testing.T) {
 		}
 		return pids
 	}
-	waitFor(t, 10*time.Second, "the listener connected", func() bool { return len(listeners()) == 1 })
+	testkit.Eventually(t, 10*time.Second, "the listener connected", func() bool { return len(listeners()) == 1 })
 	before := appendEvent(t, db.Pool, "a", "before")
-	waitFor(t, 5*time.Second, "an event published by notification", func() bool { return rec.has(before) })
+	testkit.Eventually(t, 5*time.Second, "an event published by notification", func() bool { return rec.has(before) })
 
 	old := listeners()[0]
 	exec(t, db.Pool, "SELECT pg_terminate_backend($1)", old)
-	waitFor(t, 10*time.Second, "a new listener", func() bool {
+	testkit.Eventually(t, 10*time.Second, "a new listener", func() bool {
 		p := listeners()
 		return len(p) == 1 && p[0] != old
 	})
 	after := appendEvent(t, db.Pool, "a", "after")
-	waitFor(t, 5*time.Second, "an event published by notification after the reconnect", func() bool { return rec.has(after) })
+	testkit.Eventually(t, 5*time.Second, "an event published by notification after the reconnect", func() bool { return rec.has(after) })
 }
 
 // TestRelayMetrics: known series exist at zero from the start; then the
@@ -220,12 +221,12 @@ func TestRelayMetrics(t *testing.T) {
 			t.Error(err)
 		}
 	}()
-	waitFor(t, 10*time.Second, "the fast events counted", func() bool {
+	testkit.Eventually(t, 10*time.Second, "the fast events counted", func() bool {
 		return testutil.ToFloat64(r.m.published.WithLabelValues("fast")) == 3
 	})
 	exec(t, db.Pool, `INSERT INTO outbox_event (aggregate_type, aggregate_id, event_type, payload, occurred_at)
 		VALUES ('order', 'slow', 'slow', '{}', now() - interval '1 hour')`)
-	waitFor(t, 10*time.Second, "the gauges refreshed", func() bool {
+	testkit.Eventually(t, 10*time.Second, "the gauges refreshed", func() bool {
 		return testutil.ToFloat64(r.m.pending.WithLabelValues(StatusPending)) == 1 &&
 			testutil.ToFloat64(r.m.lag.WithLabelValues("slow")) >= 3600
 	})
@@ -238,7 +239,7 @@ func TestRelayMetrics(t *testing.T) {
 	if got := histogramCount(t, reg, "outbox_batch_size"); got < 1 {
 		t.Errorf("batch size observations: %d", got)
 	}
-	waitFor(t, 10*time.Second, "outbox_claimed_events to show the hanging publish", func() bool {
+	testkit.Eventually(t, 10*time.Second, "outbox_claimed_events to show the hanging publish", func() bool {
 		return testutil.ToFloat64(r.m.claimed) == 1
 	})
 }
@@ -376,7 +377,7 @@ func TestRelayRecordsRetryAfter(t *testing.T) {
 		return &RetryAfterError{Err: errors.New("429"), After: time.Hour}
 	}}
 	startRelay(t, db.Pool, rec, testConfig(), nil)
-	waitFor(t, 10*time.Second, "the failure recorded", func() bool { return statusOf(t, db.Pool, id) == StatusFailed })
+	testkit.Eventually(t, 10*time.Second, "the failure recorded", func() bool { return statusOf(t, db.Pool, id) == StatusFailed })
 	var wait time.Duration
 	var lastErr string
 	if err := db.Pool.QueryRow(context.Background(),
@@ -444,12 +445,12 @@ CREATE TRIGGER refuse_publish BEFORE UPDATE ON outbox_event FOR EACH ROW EXECUTE
 		}
 		return n
 	}
-	waitFor(t, 10*time.Second, "the refused batch delivered again", func() bool { return deliveries(refused) >= 3 })
+	testkit.Eventually(t, 10*time.Second, "the refused batch delivered again", func() bool { return deliveries(refused) >= 3 })
 	if s := statusOf(t, db.Pool, refused); s != StatusPending {
 		t.Fatalf("refused event: %s", s)
 	}
 	exec(t, db.Pool, `DROP TRIGGER refuse_publish ON outbox_event`)
-	waitFor(t, 10*time.Second, "everything published once the write works", func() bool {
+	testkit.Eventually(t, 10*time.Second, "everything published once the write works", func() bool {
 		return statusOf(t, db.Pool, refused) == StatusPublished && statusOf(t, db.Pool, after) == StatusPublished
 	})
 	var order []string

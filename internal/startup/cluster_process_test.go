@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"worker/internal/pgtest"
+	"worker/internal/testkit"
 )
 
 // Three real worker processes, started at different offsets, share one job.
@@ -94,7 +95,7 @@ jobs:
 
 	// SIGKILL the replica while it runs the job.
 	var victim string
-	waitFor(t, 10*time.Second, "a run in progress", func() bool {
+	testkit.Eventually(t, 10*time.Second, "a run in progress", func() bool {
 		return db.Pool.QueryRow(ctx, `SELECT application_name FROM pg_stat_activity
 			WHERE datname = current_database() AND state = 'active' AND query LIKE '%pg_sleep%'
 			AND pid <> pg_backend_pid() LIMIT 1`).Scan(&victim) == nil
@@ -106,7 +107,7 @@ jobs:
 	limit := leaseTTL + delay + time.Second
 	var resumed time.Time
 	var by string
-	waitFor(t, limit+5*time.Second, "another replica to resume the job", func() bool {
+	testkit.Eventually(t, limit+5*time.Second, "another replica to resume the job", func() bool {
 		err := db.Pool.QueryRow(ctx, `SELECT started_at, app FROM tick WHERE started_at > $1 AND app <> $2
 			ORDER BY started_at LIMIT 1`, killed, victim).Scan(&resumed, &by)
 		return err == nil

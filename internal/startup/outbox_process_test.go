@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"worker/internal/pgtest"
+	"worker/internal/testkit"
 )
 
 // The quick-start path: a running worker with the log sink publishes what
@@ -31,7 +32,7 @@ func TestOutboxCommandsEndToEnd(t *testing.T) {
 	if len(id) != 36 {
 		t.Fatalf("emit printed %q, want an event_id", id)
 	}
-	waitFor(t, 10*time.Second, "the log sink to print the event", func() bool {
+	testkit.Eventually(t, 10*time.Second, "the log sink to print the event", func() bool {
 		return strings.Contains(w.out.String(), id) && strings.Contains(w.out.String(), `"amount":1200`)
 	})
 	if out := cli("outbox", "stats"); !strings.Contains(out, "PUBLISHED") || !strings.Contains(out, "1") {
@@ -48,7 +49,7 @@ func TestOutboxCommandsEndToEnd(t *testing.T) {
 	if out := cli("outbox", "dead", "retry", id); !strings.Contains(out, "requeued 1") {
 		t.Errorf("dead retry:\n%s", out)
 	}
-	waitFor(t, 10*time.Second, "the requeued event to be published again", func() bool {
+	testkit.Eventually(t, 10*time.Second, "the requeued event to be published again", func() bool {
 		return strings.Count(w.out.String(), `"event_id":"`+id) >= 2
 	})
 

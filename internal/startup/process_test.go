@@ -1,7 +1,6 @@
 package startup_test
 
 import (
-	"bytes"
 	"context"
 	"fmt"
 	"io"
@@ -11,13 +10,13 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strings"
-	"sync"
 	"syscall"
 	"testing"
 	"time"
 
 	"worker/internal/migrate"
 	"worker/internal/pgtest"
+	"worker/internal/testkit"
 )
 
 // These tests run the real binary, built once for the package.
@@ -44,26 +43,9 @@ func TestMain(m *testing.M) {
 type proc struct {
 	cmd    *exec.Cmd
 	addr   string // ops HTTP address
-	out    syncBuffer
+	out    testkit.LogBuffer
 	done   chan struct{}
 	exitAt time.Time
-}
-
-type syncBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (s *syncBuffer) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
-
-func (s *syncBuffer) String() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.String()
 }
 
 func freeAddr(t *testing.T) string {
@@ -204,6 +186,9 @@ func TestExitCodes(t *testing.T) {
 		{"unknown flag", nil, []string{"--frobnicate"}, 64, "frobnicate"},
 		{"unknown command", nil, []string{"frobnicate"}, 64, "frobnicate"},
 		{"unknown subcommand flag", nil, []string{"migrate", "--now"}, 64, "--now"},
+		{"dead purge without a selection", nil, []string{"outbox", "dead", "purge"}, 64, "exactly one of <event_id> or --all"},
+		{"dead retry with both", nil, []string{"outbox", "dead", "retry", "--all", "0b6a3c5e-2f4d-4e61-9d9a-7c1c2f0e8b11"}, 64, "exactly one"},
+		{"dead purge of a non-uuid", nil, []string{"outbox", "dead", "purge", "order-42"}, 64, "not an event_id"},
 		{"help", nil, []string{"--help"}, 0, "Usage: worker"},
 		{"subcommand help", nil, []string{"migrate", "--help"}, 0, "Apply database migrations"},
 		{"version", nil, []string{"version"}, 0, "worker"},

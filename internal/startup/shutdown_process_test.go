@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"worker/internal/pgtest"
+	"worker/internal/testkit"
 )
 
 // configFile writes a YAML config for one test.
@@ -21,18 +22,6 @@ func configFile(t *testing.T, body string) string {
 		t.Fatal(err)
 	}
 	return p
-}
-
-// waitFor polls cond every 20ms until it holds or limit passes.
-func waitFor(t *testing.T, limit time.Duration, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(limit)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out after %s waiting for %s", limit, what)
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
 }
 
 // sleeping reports whether a backend of db runs pg_sleep right now.
@@ -59,12 +48,12 @@ jobs:
     sql: INSERT INTO probe SELECT 'finished' FROM pg_sleep(1.5)
 `)
 	p := startWorker(t, []string{"APP_DATABASE_URL=" + db.URL, "APP_CONFIG_FILE=" + cfg, "APP_SHUTDOWN_TIMEOUT=10s"})
-	waitFor(t, 15*time.Second, "the job to run", func() bool { return sleeping(t, db) })
+	testkit.Eventually(t, 15*time.Second, "the job to run", func() bool { return sleeping(t, db) })
 
 	if err := p.cmd.Process.Signal(syscall.SIGTERM); err != nil {
 		t.Fatal(err)
 	}
-	waitFor(t, 2*time.Second, "/readyz to turn 503 while draining", func() bool {
+	testkit.Eventually(t, 2*time.Second, "/readyz to turn 503 while draining", func() bool {
 		code, _ := p.get("/readyz")
 		return code == http.StatusServiceUnavailable || code == 0 // 0: already gone
 	})
@@ -103,7 +92,7 @@ jobs:
     sql: SELECT pg_sleep(600)
 `)
 	p := startWorker(t, []string{"APP_DATABASE_URL=" + db.URL, "APP_CONFIG_FILE=" + cfg, "APP_SHUTDOWN_TIMEOUT=3s"})
-	waitFor(t, 15*time.Second, "the job to run", func() bool { return sleeping(t, db) })
+	testkit.Eventually(t, 15*time.Second, "the job to run", func() bool { return sleeping(t, db) })
 
 	sent := time.Now()
 	if err := p.cmd.Process.Signal(syscall.SIGTERM); err != nil {
@@ -120,7 +109,7 @@ jobs:
 	if took < 2*time.Second {
 		t.Errorf("exit after %s: the job should have had the budget minus 1s before cancellation", took)
 	}
-	waitFor(t, 5*time.Second, "the cancelled query to stop", func() bool { return !sleeping(t, db) })
+	testkit.Eventually(t, 5*time.Second, "the cancelled query to stop", func() bool { return !sleeping(t, db) })
 }
 
 func TestSecondSignalExitsAtOnce(t *testing.T) {
@@ -133,11 +122,11 @@ jobs:
     sql: SELECT pg_sleep(600)
 `)
 	p := startWorker(t, []string{"APP_DATABASE_URL=" + db.URL, "APP_CONFIG_FILE=" + cfg, "APP_SHUTDOWN_TIMEOUT=30s"})
-	waitFor(t, 15*time.Second, "the job to run", func() bool { return sleeping(t, db) })
+	testkit.Eventually(t, 15*time.Second, "the job to run", func() bool { return sleeping(t, db) })
 	if err := p.cmd.Process.Signal(syscall.SIGTERM); err != nil {
 		t.Fatal(err)
 	}
-	waitFor(t, 2*time.Second, "draining", func() bool { code, _ := p.get("/readyz"); return code == http.StatusServiceUnavailable })
+	testkit.Eventually(t, 2*time.Second, "draining", func() bool { code, _ := p.get("/readyz"); return code == http.StatusServiceUnavailable })
 	if err := p.cmd.Process.Signal(syscall.SIGINT); err != nil {
 		t.Fatal(err)
 	}
