@@ -281,12 +281,14 @@ func (r *Relay) claim(ctx context.Context, st *loopState) ([][]claimedRow, time.
 	fin := st.pending
 	st.pending = nil
 	finishing := 0
+	sendCtx := ctx
 	if fin != nil {
 		finishing = r.queueFinish(b, fin)
 		// The previous batch's outcomes must be written even if claiming
-		// stops meanwhile.
+		// stops meanwhile. Only this round trip is bound by the finish
+		// timeout; the locks below may take longer (a gated scan).
 		var cancel context.CancelFunc
-		ctx, cancel = context.WithTimeout(context.WithoutCancel(ctx), finishTimeout)
+		sendCtx, cancel = context.WithTimeout(context.WithoutCancel(ctx), finishTimeout)
 		defer cancel()
 	}
 	b.Queue("BEGIN")
@@ -295,7 +297,7 @@ func (r *Relay) claim(ctx context.Context, st *loopState) ([][]claimedRow, time.
 	// which releases them.
 	b.Queue(beginClaimSQL, strconv.FormatInt(r.cfg.InFlightTimeout.Milliseconds(), 10))
 	b.Queue(windowSQL, st.window)
-	res := conn.SendBatch(ctx, b)
+	res := conn.SendBatch(sendCtx, b)
 	defer res.Close()
 	var err error
 	for range finishing {
@@ -325,6 +327,9 @@ func (r *Relay) claim(ctx context.Context, st *loopState) ([][]claimedRow, time.
 	}
 	if err := res.Close(); err != nil {
 		return nil, 0, err
+	}
+	if err := ctx.Err(); err != nil {
+		return nil, 0, err // stopping: lock nothing only to hand it back
 	}
 
 	runs, err := r.lockWindow(ctx, conn, candidates(win), n)
@@ -400,16 +405,21 @@ func (r *Relay) lockWindow(ctx context.Context, conn *pgx.Conn, cands []*candida
 		locked[row.tid] = row
 	}
 	// Heads came back oldest first.
-	runs := make([][]claimedRow, len(lockedHeads))
-	for i, h := range lockedHeads {
-		runs[i] = []claimedRow{h}
-		for _, w := range byTID[h.tid].run {
+	runs := make([][]claimedRow, 0, len(lockedHeads))
+	for _, h := range lockedHeads {
+		c := byTID[h.tid]
+		if c == nil || c.head.id != h.Seq {
+			continue // not the row the window saw there: not a head we know
+		}
+		run := []claimedRow{h}
+		for _, w := range c.run {
 			row, ok := locked[w.tid]
 			if !ok || row.Seq != w.id {
 				break // the rest of this aggregate waits
 			}
-			runs[i] = append(runs[i], row)
+			run = append(run, row)
 		}
+		runs = append(runs, run)
 	}
 	return runs, nil
 }
@@ -419,8 +429,9 @@ func (r *Relay) lockWindow(ctx context.Context, conn *pgx.Conn, cands []*candida
 // rest of the run is left alone: it must not overtake the failed event.
 func (r *Relay) publish(runs [][]claimedRow, claimedAt time.Time, skew time.Duration) outcomes {
 	// The claim transaction must end before the server's idle timeout
-	// (in_flight_timeout) kills it. Publishes start only in the first half,
-	// so each gets at least the other half.
+	// (in_flight_timeout) kills it. Publishes are cancelled at 90% of it and
+	// start only in the first half of that (45%), so each gets at least as
+	// long again.
 	budget := r.cfg.InFlightTimeout - r.cfg.InFlightTimeout/10
 	lastStart := claimedAt.Add(budget / 2)
 	pctx, cancel := context.WithDeadline(r.hardCtx, claimedAt.Add(budget))

@@ -121,7 +121,10 @@ SELECT 'order', 'blocked-' || g % 40, 'blocked', '{}' FROM generate_series(0, 11
 	cfg.BatchSize = 2 // widest window: 16 rows, all blocked
 	rec := &recorder{}
 	startRelay(t, db.Pool, rec, cfg, nil)
-	testkit.Eventually(t, 10*time.Second, "the event behind the blocked window published", func() bool { return rec.has(free) })
+	// The sink sees the event before its batch commits: wait for the row.
+	testkit.Eventually(t, 10*time.Second, "the event behind the blocked window published", func() bool {
+		return rec.has(free) && statusOf(t, db.Pool, free) == StatusPublished
+	})
 	for _, e := range rec.delivered() {
 		if e.EventType == "blocked" {
 			t.Fatalf("event %d of a blocked aggregate was published", e.Seq)
@@ -462,6 +465,93 @@ CREATE TRIGGER refuse_publish BEFORE UPDATE ON outbox_event FOR EACH ROW EXECUTE
 	for i, id := range order {
 		if id == after && (i == 0 || order[i-1] != refused) {
 			t.Fatalf("delivery order %v", order)
+		}
+	}
+}
+
+// Heads are locked by ctid. Should the slot the window saw hold another row
+// by the time of the lock (the head's version died and VACUUM let a new row
+// in), the relay must not take that row for the head: it may be an event
+// whose own aggregate's head waits for a retry.
+func TestLockWindowChecksHeadIdentity(t *testing.T) {
+	db := pgtest.New(t)
+	ctx := context.Background()
+	c1 := appendEvent(t, db.Pool, "c", "c1")
+	c2 := appendEvent(t, db.Pool, "c", "c2")
+	appendEvent(t, db.Pool, "a", "a1")
+	exec(t, db.Pool, `UPDATE outbox_event SET status = 'FAILED', attempts = 1, next_attempt_at = now() + interval '1 hour'
+		WHERE event_id = $1`, c1)
+	r, err := NewRelay(db.Pool, &recorder{}, testConfig(), "t", nil, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	tx, err := db.Pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tx.Rollback(ctx)
+	win, err := readWindow(tx.Query(ctx, windowSQL, 100))
+	if err != nil {
+		t.Fatal(err)
+	}
+	cands := candidates(win)
+	if len(cands) != 1 || cands[0].head.key.id != "a" {
+		t.Fatalf("candidates %+v, want only aggregate a", cands)
+	}
+	// Stand in for the slot being reused: the head's slot now holds c2.
+	if err := tx.QueryRow(ctx, `SELECT ctid FROM outbox_event WHERE event_id = $1`, c2).Scan(&cands[0].head.tid); err != nil {
+		t.Fatal(err)
+	}
+	runs, err := r.lockWindow(ctx, tx.Conn(), cands, 100)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, run := range runs {
+		for _, ev := range run {
+			t.Errorf("claimed %s %s (seq %d), which is not the head the window saw", ev.AggregateID, ev.EventType, ev.Seq)
+		}
+	}
+}
+
+// With block_on_dead an aggregate's later events wait behind its DEAD
+// event, which the window does not read. If an operator requeues that event
+// between the window and the lock, the later event is no longer the head:
+// the lock must not take it.
+func TestLockWindowSeesRetriedDeadEvent(t *testing.T) {
+	db := pgtest.New(t)
+	ctx := context.Background()
+	dead := appendEvent(t, db.Pool, "x", "x1")
+	appendEvent(t, db.Pool, "x", "x2")
+	exec(t, db.Pool, `UPDATE outbox_event SET status = 'DEAD', attempts = 3 WHERE event_id = $1`, dead)
+	cfg := testConfig()
+	cfg.BlockOnDead = true
+	r, err := NewRelay(db.Pool, &recorder{}, cfg, "t", nil, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	tx, err := db.Pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tx.Rollback(ctx)
+	win, err := readWindow(tx.Query(ctx, windowSQL, 100))
+	if err != nil {
+		t.Fatal(err)
+	}
+	cands := candidates(win)
+	if len(cands) != 1 {
+		t.Fatalf("candidates %+v, want x2 alone", cands)
+	}
+	if n, err := RetryDead(ctx, db.Pool, dead, "ops", nil); err != nil || n != 1 {
+		t.Fatalf("RetryDead = %d, %v", n, err)
+	}
+	runs, err := r.lockWindow(ctx, tx.Conn(), cands, 100)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, run := range runs {
+		for _, ev := range run {
+			t.Errorf("claimed %s (seq %d) although the requeued x1 comes before it", ev.EventType, ev.Seq)
 		}
 	}
 }

@@ -86,7 +86,7 @@ func lockSQL(blockOnDead bool) string {
 WITH h AS MATERIALIZED (
     SELECT ` + eventColumns + `
     FROM outbox_event e
-    WHERE e.ctid = ANY($1::tid[]) AND ` + claimable + deadGateIf(blockOnDead) + `
+    WHERE e.ctid = ANY($1::tid[]) AND ` + claimable + headGateIf(blockOnDead) + `
     ORDER BY e.id
     LIMIT $2
     FOR UPDATE SKIP LOCKED
@@ -99,7 +99,7 @@ WITH h AS MATERIALIZED (
     LIMIT greatest($5 - (SELECT count(*) FROM h), 0)
     FOR UPDATE OF e SKIP LOCKED
 )
-SELECT true, h.* FROM h
+SELECT true AS is_head, h.* FROM h
 UNION ALL
 SELECT false, r.* FROM r`
 }
@@ -115,10 +115,7 @@ func gatedHeadsSQL(blockOnDead bool) string {
 	return `
 SELECT ` + eventColumns + `
 FROM outbox_event e
-WHERE ` + claimable + ` AND e.id > $1
-  AND NOT EXISTS (SELECT 1 FROM outbox_event p
-                  WHERE p.aggregate_type = e.aggregate_type AND p.aggregate_id = e.aggregate_id
-                    AND p.id < e.id AND p.` + unfinished + `)` + deadGateIf(blockOnDead) + `
+WHERE ` + claimable + ` AND e.id > $1` + predecessorGate + deadGateIf(blockOnDead) + `
 ORDER BY e.id
 LIMIT $2
 FOR UPDATE SKIP LOCKED`
@@ -127,6 +124,25 @@ FOR UPDATE SKIP LOCKED`
 func deadGateIf(blockOnDead bool) string {
 	if blockOnDead {
 		return deadGate
+	}
+	return ""
+}
+
+// predecessorGate is the classic ordering gate: no earlier unfinished event
+// of the aggregate, locked or not.
+const predecessorGate = `
+  AND NOT EXISTS (SELECT 1 FROM outbox_event p
+                  WHERE p.aggregate_type = e.aggregate_type AND p.aggregate_id = e.aggregate_id
+                    AND p.id < e.id AND p.` + unfinished + `)`
+
+// headGateIf rechecks, when the heads from a window are locked, what the
+// window took for granted. Without block_on_dead, nothing: new events get
+// larger ids, so a head stays a head. With it, also the predecessor gate:
+// an operator's retry may have turned an earlier DEAD event (which the
+// window does not read) back into PENDING since the window was read.
+func headGateIf(blockOnDead bool) string {
+	if blockOnDead {
+		return deadGate + predecessorGate
 	}
 	return ""
 }
@@ -246,7 +262,8 @@ func readEvents(rows pgx.Rows, err error) (heads, others []claimedRow, _ error) 
 		return nil, nil, err
 	}
 	defer rows.Close()
-	tagged := len(rows.FieldDescriptions()) > 11
+	fields := rows.FieldDescriptions()
+	tagged := len(fields) > 0 && fields[0].Name == "is_head"
 	for rows.Next() {
 		var c claimedRow
 		var payload, headers []byte

@@ -327,6 +327,12 @@ func (c *Config) validate(source func(string) string) error {
 	if err := c.Outbox.Validate(); err != nil {
 		return configErrorf("%v", err)
 	}
+	// Relay loops keep their connection while there is backlog; jobs,
+	// leases and the metrics refresh must still get one.
+	if c.Outbox.Enabled && c.Database.MaxConns <= c.Outbox.Relays {
+		return configErrorf("%s=%d must exceed %s=%d: each relay loop holds a connection while there is backlog, and jobs and leases need one too",
+			source("database.max_conns"), c.Database.MaxConns, source("outbox.relays"), c.Outbox.Relays)
+	}
 	if c.Outbox.Sink == "webhook" {
 		if _, err := outbox.NewWebhookSink(c.Outbox.Webhook, nil); err != nil {
 			return configErrorf("%v", err)
