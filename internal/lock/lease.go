@@ -132,7 +132,9 @@ func (l *lease) Release(ctx context.Context) error {
 	ok, err := l.st.release(ctx, l.key, l.token, l.owner)
 	if err != nil {
 		// Not marked released: the caller may retry. If it never does, the
-		// grant expires by itself.
+		// grant expires by itself. The heartbeat stays stopped, but Lost
+		// must still fire when the holder's estimate runs out.
+		l.timer.Reset(l.deadline.Sub(l.now()))
 		return fmt.Errorf("lock: release %q: %w", l.key, err)
 	}
 	l.released = true
@@ -181,11 +183,16 @@ func (l *lease) armLocked() {
 func (l *lease) tick() {
 	l.mu.Lock()
 	defer l.mu.Unlock()
-	if l.released || l.isLost || l.ctx.Err() != nil {
+	if l.released || l.isLost {
 		return
 	}
 	if !l.now().Before(l.deadline) {
 		l.markLostLocked("ttl ran out without a successful renewal")
+		return
+	}
+	if l.ctx.Err() != nil {
+		// A Release failed: no more renewals, only the expiry check.
+		l.timer.Reset(l.deadline.Sub(l.now()))
 		return
 	}
 	if l.heartbeat {

@@ -116,10 +116,16 @@ func (l *meteredLease) settle() {
 func (l *meteredLease) watchLost() {
 	select {
 	case <-l.Lease.Lost():
-		l.m.lost.Inc()
-		l.settle()
 	case <-l.settled:
+		// Released; but a loss just before the release still counts.
+		select {
+		case <-l.Lease.Lost():
+		default:
+			return
+		}
 	}
+	l.m.lost.Inc()
+	l.settle()
 }
 
 func (l *meteredLease) Release(ctx context.Context) error {

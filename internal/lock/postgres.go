@@ -64,9 +64,14 @@ RETURNING token`
 	//
 	// When the key is held and the caller will wait ($2), it marks the
 	// grant as awaited, so that its release notifies, unless a waiter did
-	// already. A single try ($2 false) on a held key writes nothing, so it
-	// costs no WAL flush, and the releases of keys nobody waits for (the
-	// common case) send no notification.
+	// already. If the snapshot shows a held, unmarked grant but marked
+	// updated nothing, the row changed after the snapshot (typically a
+	// release that committed meanwhile, which then notified nobody): the
+	// snapshot's remaining time is stale, so it returns 0 and acquireSQL
+	// looks again instead of sleeping on a key that may be free. A single
+	// try ($2 false) on a held key writes nothing, so it costs no WAL
+	// flush, and the releases of keys nobody waits for (the common case)
+	// send no notification.
 	acquireSlowSQL = `
 WITH created AS (
     INSERT INTO worker_lock (key, token, owner, acquired_at, expires_at)
@@ -82,7 +87,7 @@ SELECT 0::bigint FROM created
 UNION ALL
 SELECT (extract(epoch FROM expires_at - clock_timestamp()) * 1000000)::bigint FROM marked
 UNION ALL
-SELECT CASE WHEN expires_at > clock_timestamp()
+SELECT CASE WHEN expires_at > clock_timestamp() AND NOT ($2 AND NOT awaited)
             THEN (extract(epoch FROM expires_at - clock_timestamp()) * 1000000)::bigint
             ELSE 0 END
   FROM worker_lock WHERE key = $1

@@ -403,3 +403,81 @@ func TestPostgresReleaseIsAsyncForItsTransactionOnly(t *testing.T) {
 		t.Fatalf("synchronous_commit in the release's transaction = %q, want off", during)
 	}
 }
+
+// A release that commits while a waiter's acquireSlowSQL runs (after its
+// snapshot, before its "marked" UPDATE reaches the row) notifies nobody,
+// since nobody had marked the grant, and the snapshot still shows the old
+// holder's remaining time. The waiter must look again at once rather than
+// sleep a poll interval (here an hour, so: until its deadline).
+func TestPostgresWaiterSeesReleaseDuringItsStatement(t *testing.T) {
+	ctx := testCtx(t)
+	db := pgtest.New(t)
+	holder := newPostgres(t, db, nil)
+	waiter := newPostgres(t, db, nil, WithPollInterval(time.Hour))
+	lease, err := holder.TryAcquire(ctx, "k", 0, time.Minute)
+	if err != nil {
+		t.Fatal(err)
+	}
+	testkit.Eventually(t, 10*time.Second, "listener", func() bool { return waiter.connects.Load() == 1 })
+
+	// The holder's release, caught between its UPDATE and its commit.
+	tx, err := db.Pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tx.Rollback(ctx)
+	if _, err := tx.Exec(ctx, releaseSQL, "k", lease.Token(), holder.Owner()); err != nil {
+		t.Fatal(err)
+	}
+
+	const wait = 5 * time.Second
+	done := make(chan error, 1)
+	go func() {
+		l, err := waiter.TryAcquire(ctx, "k", wait, time.Second)
+		if err == nil {
+			l.Release(ctx)
+		}
+		done <- err
+	}()
+	// The waiter's acquireSlowSQL is now blocked behind the release's row lock.
+	testkit.Eventually(t, 10*time.Second, "waiter blocked in acquireSlowSQL", func() bool {
+		var n int
+		_ = db.Pool.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity
+		                            WHERE datname = current_database() AND wait_event_type = 'Lock'
+		                              AND query LIKE '%WITH created AS%'`).Scan(&n)
+		return n == 1
+	})
+	if err := tx.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	released := time.Now()
+	if err := <-done; err != nil {
+		t.Fatalf("waiter: %v", err)
+	}
+	if d := time.Since(released); d > time.Second {
+		t.Fatalf("waiter took the free key %s after the release (wait %s): the release was missed", d.Round(time.Millisecond), wait)
+	}
+}
+
+// A Release whose statement failed leaves the lease held (the caller may
+// retry) but stops the heartbeat; its Lost channel must still fire when the
+// ttl runs out.
+func TestPostgresFailedReleaseStillReportsLoss(t *testing.T) {
+	ctx := testCtx(t)
+	db := pgtest.New(t)
+	pool := db.NewPool(t, 0)
+	p, err := NewPostgres(pool, "r", nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(p.Close)
+	l, err := p.TryAcquire(ctx, "k", 0, 300*time.Millisecond)
+	if err != nil {
+		t.Fatal(err)
+	}
+	pool.Close()
+	if err := l.Release(ctx); err == nil {
+		t.Fatal("release on a closed pool succeeded")
+	}
+	waitClosed(t, l.Lost(), 5*time.Second, "the lost signal of a lease whose release failed")
+}
