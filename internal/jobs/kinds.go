@@ -22,9 +22,17 @@ func FromDefinitions(defs []Definition, pool *pgxpool.Pool, httpClient *http.Cli
 	if err := ValidateDefinitions(defs); err != nil {
 		return nil, err
 	}
-	if httpClient == nil {
-		httpClient = &http.Client{}
+	// Redirects are not followed: a 3xx is a failure ("anything else than
+	// 2xx"), and following one would send the job's headers, which often
+	// carry credentials, to wherever the redirect points. (The webhook sink
+	// does the same.) A shallow copy leaves the caller's client alone.
+	c := &http.Client{}
+	if httpClient != nil {
+		cp := *httpClient
+		c = &cp
 	}
+	c.CheckRedirect = func(*http.Request, []*http.Request) error { return http.ErrUseLastResponse }
+	httpClient = c
 	var specs []Spec
 	for _, d := range defs {
 		if !d.IsEnabled() {

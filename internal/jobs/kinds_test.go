@@ -6,6 +6,7 @@ import (
 	"net/http/httptest"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -93,5 +94,33 @@ INSERT INTO t VALUES (0, 'second statement');`}
 	}
 	if n != 2 || token != 42 {
 		t.Fatalf("rows=%d max token=%d; want the two rows of the committed run with its token 42 and nothing from the failed one", n, token)
+	}
+}
+
+// docs/jobs.md: "any 2xx is success, anything else a failure". A redirect
+// must not be followed to another host with the job's headers (which carry
+// its credentials, e.g. X-Api-Key), nor turn a 3xx into a success.
+func TestHTTPJobDoesNotFollowRedirectWithHeaders(t *testing.T) {
+	var leaked atomic.Value
+	other := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		leaked.Store(r.Header.Get("X-Api-Key"))
+	}))
+	defer other.Close()
+	// Another host name for the same loopback: http.Client strips only
+	// Authorization and Cookie on a cross-host redirect.
+	target := strings.Replace(other.URL, "127.0.0.1", "localhost", 1)
+	srv := httptest.NewServer(http.RedirectHandler(target+"/elsewhere", http.StatusFound))
+	defer srv.Close()
+	specs, err := FromDefinitions([]Definition{{Name: "ping", Kind: KindHTTP, Delay: time.Second, URL: srv.URL,
+		Headers: map[string]string{"X-Api-Key": "s3cret"}}}, nil, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	err = specs[0].Job.Run(context.Background())
+	if v, _ := leaked.Load().(string); v != "" {
+		t.Errorf("the job's X-Api-Key header reached the redirect target %s", target)
+	}
+	if err == nil {
+		t.Errorf("a 302 counted as success")
 	}
 }

@@ -168,6 +168,13 @@ func (s *Scheduler) attempt(e *entry) {
 		}
 	}
 	select {
+	case <-s.stopCh:
+		// Shutdown began while this attempt was taking the lease or reading
+		// job_state: no run starts from then on.
+		return
+	default:
+	}
+	select {
 	case s.sem <- struct{}{}:
 	default:
 		// Refusing is deliberate (no queue): returning lets gocron release
@@ -224,13 +231,17 @@ func (s *Scheduler) run(leaseCtx context.Context, e *entry, token int64) {
 	wctx, wcancel := context.WithTimeout(context.WithoutCancel(ctx), stateTimeout)
 	recorded, werr := s.st.finish(wctx, e.name, e.spec.Delay, token, outcome, errText)
 	wcancel()
+	e.nextCheck = time.Now().Add(e.spec.Delay - e.period)
 	switch {
 	case werr != nil:
 		log.Error("job end not recorded; the next holder will mark the run abandoned", "error", werr)
+		// The row still says running, so the delay counts only from when
+		// a holder marks it abandoned. Look again at the next tick instead
+		// of delay - period from now, or the rest nearly doubles.
+		e.nextCheck = time.Now()
 	case !recorded:
 		log.Warn("job end not recorded: another replica took the job over")
 	}
-	e.nextCheck = time.Now().Add(e.spec.Delay - e.period)
 
 	s.m.count(e.name, outcome)
 	s.m.duration.WithLabelValues(e.name).Observe(elapsed.Seconds())

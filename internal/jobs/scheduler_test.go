@@ -402,3 +402,94 @@ func TestNewRejectsBadSpecs(t *testing.T) {
 		t.Error("missing InstanceID accepted")
 	}
 }
+
+// slowAcquire holds the first TryAcquire until released, so Shutdown can
+// begin while gocron's lock call is in flight.
+type slowAcquire struct {
+	lock.Locker
+	entered, release chan struct{}
+	once             atomic.Bool
+}
+
+func (l *slowAcquire) TryAcquire(ctx context.Context, key string, wait, ttl time.Duration) (lock.Lease, error) {
+	if l.once.CompareAndSwap(false, true) {
+		close(l.entered)
+		<-l.release
+	}
+	return l.Locker.TryAcquire(ctx, key, wait, ttl)
+}
+
+// docs/jobs.md, Shutdown step 1: "No attempt starts from then on". An
+// attempt whose lease arrives after Shutdown began must not start a run.
+func TestNoRunStartsAfterShutdownBegan(t *testing.T) {
+	db := pgtest.New(t)
+	l := &slowAcquire{Locker: inProcess(), entered: make(chan struct{}), release: make(chan struct{})}
+	var ran atomic.Int32
+	r := startReplica(t, Options{Pool: db.Pool, Locker: l},
+		Spec{Job: Func("late", func(context.Context) error { ran.Add(1); return nil }), Delay: time.Hour})
+	<-l.entered
+	done := make(chan error, 1)
+	go func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		done <- r.s.Shutdown(ctx)
+	}()
+	testkit.Eventually(t, 2*time.Second, "shutdown to begin", func() bool {
+		r.s.mu.Lock()
+		defer r.s.mu.Unlock()
+		return r.s.stopping
+	})
+	close(l.release)
+	if err := <-done; err != nil {
+		t.Fatal(err)
+	}
+	if n := ran.Load(); n != 0 {
+		t.Fatalf("%d run(s) started after Shutdown began", n)
+	}
+}
+
+// One failed end write (a database blip right after the run) must not
+// double the rest: the run's row stays "running", and the next attempt marks
+// it abandoned and counts the delay from then. Single instance, so only
+// this replica can notice; it looked again only delay - period later, so
+// the next run came about 2 x delay after the previous one finished.
+func TestFailedEndWriteKeepsCadence(t *testing.T) {
+	db := pgtest.New(t)
+	ctx := context.Background()
+	if _, err := db.Pool.Exec(ctx, `
+CREATE TABLE fail_once (x int);
+INSERT INTO fail_once VALUES (1);
+CREATE FUNCTION fail_end() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+  IF OLD.last_outcome = 'running' AND NEW.last_outcome = 'success' THEN
+    DELETE FROM fail_once;
+    IF FOUND THEN RAISE EXCEPTION 'injected: end write fails once'; END IF;
+  END IF;
+  RETURN NEW;
+END $$;
+CREATE TRIGGER fail_end BEFORE UPDATE ON job_state FOR EACH ROW EXECUTE FUNCTION fail_end();`); err != nil {
+		t.Fatal(err)
+	}
+	const delay = 2 * time.Second
+	var mu sync.Mutex
+	var starts, ends []time.Time
+	job := Func("blip", func(context.Context) error {
+		mu.Lock()
+		defer mu.Unlock()
+		starts = append(starts, time.Now())
+		ends = append(ends, time.Now())
+		return nil
+	})
+	startReplica(t, Options{Pool: db.Pool, Locker: inProcess()}, Spec{Job: job, Delay: delay})
+	testkit.Eventually(t, 15*time.Second, "two runs", func() bool {
+		mu.Lock()
+		defer mu.Unlock()
+		return len(starts) >= 2
+	})
+	mu.Lock()
+	defer mu.Unlock()
+	if gap := starts[1].Sub(ends[0]); gap > delay+1500*time.Millisecond {
+		t.Fatalf("after a failed end write the next run started %s after the previous one ended; want at most delay (%s) + about 1s",
+			gap.Round(time.Millisecond), delay)
+	}
+}

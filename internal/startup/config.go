@@ -88,7 +88,7 @@ func settings() []setting {
 		{"multi_instance.enabled", false},
 		{"instance.id", ""},
 		{"lock.provider", ""},
-		{"lock.wait_time", 3 * time.Second},
+		{"lock.wait_time", 100 * time.Millisecond},
 		{"lock.lease_ttl", 30 * time.Second},
 		{"http.addr", ":9090"},
 		{"shutdown.timeout", 20 * time.Second},
@@ -232,9 +232,14 @@ func checkFileKeys(fk *koanf.Koanf, defaults map[string]any, path string) error 
 		if !ok {
 			return configErrorf("%s: jobs[%d] must be a mapping with name, kind, delay, ...", path, i)
 		}
-		for key := range m {
+		for key, v := range m {
 			if !slices.Contains(allowed, key) {
 				return configErrorf("%s: jobs[%d] %q: unknown key %q; allowed: %s", path, i, fmt.Sprint(m["name"]), key, strings.Join(allowed, ", "))
+			}
+			if slices.Contains([]string{"delay", "initial_delay", "timeout", "lease_ttl"}, key) {
+				if err := checkUnitless(v); err != nil {
+					return configErrorf("%s: jobs[%d] %q: %s %v %v", path, i, fmt.Sprint(m["name"]), key, v, err)
+				}
 			}
 		}
 	}
@@ -252,6 +257,11 @@ func tagNames(t reflect.Type) []string {
 // checkType parses v as the type of the key's default, so a bad value is
 // reported with its source (environment variable or YAML key).
 func checkType(s setting, v any, source string) error {
+	if _, ok := s.Default.(time.Duration); ok {
+		if err := checkUnitless(v); err != nil {
+			return configErrorf("%s=%v %v", source, v, err)
+		}
+	}
 	str, ok := v.(string)
 	if !ok {
 		return nil // typed already: a default or a YAML scalar of the right kind
@@ -273,6 +283,18 @@ func checkType(s setting, v any, source string) error {
 	return nil
 }
 
+// checkUnitless rejects a YAML number where a duration belongs: the decoder
+// would read `30` as 30ns. 0 stays allowed (it means "default" for jobs).
+func checkUnitless(v any) error {
+	switch v.(type) {
+	case int, int64, uint64, float64:
+		if !reflect.ValueOf(v).IsZero() {
+			return errors.New("is not a duration; want a number with a unit, such as 3s, 500ms or 5m")
+		}
+	}
+	return nil
+}
+
 func (c *Config) validate(source func(string) string) error {
 	positive := []struct {
 		key string
@@ -280,6 +302,7 @@ func (c *Config) validate(source func(string) string) error {
 	}{
 		{"database.connect_timeout", c.Database.ConnectTimeout},
 		{"lock.lease_ttl", c.Lock.LeaseTTL},
+		{"lock.wait_time", c.Lock.WaitTime},
 		{"shutdown.timeout", c.Shutdown.Timeout},
 	}
 	for _, p := range positive {
@@ -287,8 +310,11 @@ func (c *Config) validate(source func(string) string) error {
 			return configErrorf("%s=%s must be positive", source(p.key), p.v)
 		}
 	}
-	if c.Lock.WaitTime < 0 {
-		return configErrorf("%s=%s must not be negative", source("lock.wait_time"), c.Lock.WaitTime)
+	if c.Lock.LeaseTTL < time.Second {
+		// Same floor as a job's own lease_ttl: the lease is renewed every
+		// ttl/3, so a tiny ttl floods the database and loses leases.
+		return configErrorf("%s=%s is too short; want at least 1s (the lease is renewed every ttl/3)",
+			source("lock.lease_ttl"), c.Lock.LeaseTTL)
 	}
 	if c.Lock.LeaseTTL < c.Lock.WaitTime {
 		return configErrorf("%s=%s is shorter than %s=%s; the lease must outlive the wait for it",
@@ -340,6 +366,17 @@ func (c *Config) validate(source func(string) string) error {
 	}
 	if err := jobs.ValidateDefinitions(c.Jobs); err != nil {
 		return configErrorf("%v", err)
+	}
+	// The worker's own jobs share the name space (the name is the lock key).
+	reserved := []string{outbox.ReaperJobName, lockReaperName}
+	for _, sp := range jobs.Builtin(nil) {
+		reserved = append(reserved, sp.Job.Name())
+	}
+	for i, d := range c.Jobs {
+		if slices.Contains(reserved, d.Name) {
+			return configErrorf("jobs[%d] %q: name is taken by a job built into the worker (%s); choose another",
+				i, d.Name, strings.Join(reserved, ", "))
+		}
 	}
 	return nil
 }

@@ -4,15 +4,20 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"io"
+	"log/slog"
 	"os"
 	"path/filepath"
 	"strings"
 	"testing"
 	"time"
 
+	"worker/internal/pgtest"
+
 	"github.com/knadh/koanf/parsers/yaml"
 	"github.com/knadh/koanf/providers/file"
 	"github.com/knadh/koanf/v2"
+	"github.com/prometheus/client_golang/prometheus"
 )
 
 func writeFile(t *testing.T, body string) string {
@@ -31,7 +36,7 @@ func TestDefaults(t *testing.T) {
 	}
 	if cfg.Database.URL != "postgres://postgres@127.0.0.1:5432/postgres?sslmode=disable" ||
 		cfg.MultiInstance.Enabled || cfg.Lock.Provider != ProviderInProcess ||
-		cfg.Lock.WaitTime != 3*time.Second || cfg.Lock.LeaseTTL != 30*time.Second ||
+		cfg.Lock.WaitTime != 100*time.Millisecond || cfg.Lock.LeaseTTL != 30*time.Second ||
 		cfg.HTTP.Addr != ":9090" || cfg.Shutdown.Timeout != 20*time.Second ||
 		cfg.Log.Level != "info" || cfg.Log.Format != "json" || cfg.AsyncExecutor.MaxSize != 10 ||
 		!cfg.Database.MigrateOnStart || cfg.Database.ConnectTimeout != 30*time.Second {
@@ -128,7 +133,7 @@ func TestPrintConfigMasksSecrets(t *testing.T) {
 			t.Fatalf("config print leaks %q:\n%s", secret, s)
 		}
 	}
-	for _, want := range []string{"url: postgres://app:xxxxx@db:5432/app", "secret: xxxxx", "wait_time: 3s", "https://example.test/hook"} {
+	for _, want := range []string{"url: postgres://app:xxxxx@db:5432/app", "secret: xxxxx", "wait_time: 100ms", "https://example.test/hook"} {
 		if !strings.Contains(s, want) {
 			t.Errorf("config print lacks %q:\n%s", want, s)
 		}
@@ -193,5 +198,86 @@ func TestStartupSafety(t *testing.T) {
 	}
 	if err := CheckLockStore(t.Context(), multi, func(context.Context) error { return nil }); err != nil {
 		t.Errorf("usable store: %v", err)
+	}
+}
+
+// `worker config print` promises "secrets masked", and docs/jobs.md says
+// logs and messages show an http job's URL without its query string or
+// user info. Credentials in a job URL, its headers, or the webhook URL must
+// not be printed either.
+func TestPrintConfigMasksJobAndWebhookCredentials(t *testing.T) {
+	cfg, err := LoadConfig(writeFile(t, `
+jobs:
+  - name: ping
+    kind: http
+    delay: 30s
+    url: https://bot:url-pass@billing.internal/healthz?token=query-token
+    headers:
+      Authorization: Bearer header-token
+`), []string{"APP_OUTBOX_WEBHOOK_URL=https://hook:hook-pass@example.test/hook?sig=hook-query"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var out bytes.Buffer
+	if err := PrintConfig(&out, cfg); err != nil {
+		t.Fatal(err)
+	}
+	for _, secret := range []string{"url-pass", "query-token", "header-token", "hook-pass", "hook-query"} {
+		if strings.Contains(out.String(), secret) {
+			t.Errorf("config print leaks %q", secret)
+		}
+	}
+	if t.Failed() {
+		t.Logf("output:\n%s", out.String())
+	}
+}
+
+// A YAML duration written without a unit is a number of nanoseconds to the
+// decoder. The environment path rejects "30" ("not a duration"); the file
+// path must too, instead of scheduling a job every 30ns.
+func TestYAMLDurationWithoutUnitIsRejected(t *testing.T) {
+	for name, body := range map[string]string{
+		"job delay":       "jobs:\n  - {name: j, kind: sql, sql: SELECT 1, delay: 30}\n",
+		"connect_timeout": "database:\n  connect_timeout: 30\n",
+	} {
+		t.Run(name, func(t *testing.T) {
+			cfg, err := LoadConfig(writeFile(t, body), nil)
+			if err == nil {
+				d := cfg.Database.ConnectTimeout
+				if len(cfg.Jobs) > 0 {
+					d = cfg.Jobs[0].Delay
+				}
+				t.Fatalf("accepted; the value became %s", d)
+			}
+			if ExitCode(err) != ExitConfig {
+				t.Fatalf("exit %d for %v", ExitCode(err), err)
+			}
+		})
+	}
+}
+
+// A job's own lease_ttl must be at least 1s ("it is renewed every ttl/3");
+// the global default every other job inherits had no such floor.
+func TestTinyLeaseTTLIsRejected(t *testing.T) {
+	_, err := LoadConfig(writeFile(t, "{}\n"), []string{"APP_LOCK_LEASE_TTL=10ms", "APP_LOCK_WAIT_TIME=5ms"})
+	if ExitCode(err) != ExitConfig || !strings.Contains(err.Error(), "APP_LOCK_LEASE_TTL") {
+		t.Fatalf("APP_LOCK_LEASE_TTL=10ms: got %v, want exit 78 naming the key", err)
+	}
+}
+
+// A configured job named like a built-in one ("outbox-reaper", or
+// "lock-reaper" with the postgres provider) is invalid configuration: exit
+// 78 naming the job, not an internal error (70) after connecting.
+func TestJobNamedLikeBuiltinIsConfigError(t *testing.T) {
+	db := pgtest.New(t)
+	cfg, err := LoadConfig(writeFile(t, "jobs:\n  - {name: outbox-reaper, kind: sql, sql: SELECT 1, delay: 1m}\n"),
+		[]string{"APP_DATABASE_URL=" + db.URL})
+	if err == nil {
+		var cleanup func()
+		_, cleanup, err = wire(cfg, db.Pool, slog.New(slog.DiscardHandler), prometheus.NewRegistry(), io.Discard)
+		cleanup()
+	}
+	if ExitCode(err) != ExitConfig || !strings.Contains(err.Error(), "outbox-reaper") {
+		t.Fatalf("got exit %d: %v; want 78 naming the job", ExitCode(err), err)
 	}
 }

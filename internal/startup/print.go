@@ -1,7 +1,9 @@
 package startup
 
 import (
+	"fmt"
 	"io"
+	"net/url"
 	"reflect"
 	"time"
 
@@ -39,8 +41,13 @@ func printable(v reflect.Value, secret string) any {
 			f := v.Type().Field(i)
 			name := f.Tag.Get("koanf")
 			sec := f.Tag.Get("secret")
-			if name == "secret" {
+			switch {
+			case name == "secret":
 				sec = "all"
+			case name == "url" && sec == "":
+				sec = "url" // job and webhook URLs: user info and query may carry credentials
+			case name == "headers":
+				sec = "values"
 			}
 			var val yaml.Node
 			if err := val.Encode(printable(v.Field(i), sec)); err != nil {
@@ -57,8 +64,35 @@ func printable(v reflect.Value, secret string) any {
 		return out
 	case v.Kind() == reflect.String && secret == "dsn":
 		return obs.MaskDSN(v.String())
+	case v.Kind() == reflect.String && secret == "url":
+		return maskURL(v.String())
+	case v.Kind() == reflect.Map && secret == "values":
+		// Header values often carry tokens (Authorization, X-Api-Key):
+		// show the names only.
+		out := make(map[string]string, v.Len())
+		for _, k := range v.MapKeys() {
+			out[fmt.Sprint(k.Interface())] = "xxxxx"
+		}
+		return out
 	case v.Kind() == reflect.String && secret != "" && v.String() != "":
 		return "xxxxx"
 	}
 	return v.Interface()
+}
+
+// maskURL hides a URL's password and query, which may carry credentials.
+func maskURL(raw string) string {
+	u, err := url.Parse(raw)
+	if err != nil {
+		return obs.MaskDSN(raw)
+	}
+	if u.User != nil {
+		if _, ok := u.User.Password(); ok {
+			u.User = url.UserPassword(u.User.Username(), "xxxxx")
+		}
+	}
+	if u.RawQuery != "" {
+		u.RawQuery = "xxxxx"
+	}
+	return u.String()
 }

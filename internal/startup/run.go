@@ -98,6 +98,9 @@ func (runCmd) Run(e *cmdEnv) error {
 	}
 
 	if err := CheckLockStore(ctx, cfg, func(ctx context.Context) error { return lock.CheckStore(ctx, pool) }); err != nil {
+		if ctx.Err() != nil {
+			return nil // SIGTERM while checking: not an unsafe setup
+		}
 		log.Error("refusing to start", "error", err)
 		return err
 	}
@@ -106,10 +109,18 @@ func (runCmd) Run(e *cmdEnv) error {
 	if err != nil {
 		return err
 	}
+	// Components get a context that SIGTERM does not cancel: for the outbox
+	// relay, cancelling Start's ctx is a hard stop that cuts off publishes in
+	// flight. SIGTERM reaches them through Shutdown, which gives in-flight
+	// work the budget.
+	runCtx := context.WithoutCancel(ctx)
+	var started []component
 	for _, p := range parts {
-		if err := p.Start(ctx); err != nil {
+		if err := p.Start(runCtx); err != nil {
+			shutdownAll(started, cfg.Shutdown.Timeout-time.Second, log)
 			return fmt.Errorf("start: %w", err)
 		}
+		started = append(started, p)
 	}
 	ready.started.Store(true)
 	log.Info("worker ready", "http_addr", cfg.HTTP.Addr, "multi_instance", cfg.MultiInstance.Enabled,
@@ -119,7 +130,14 @@ func (runCmd) Run(e *cmdEnv) error {
 	ready.draining.Store(true)
 	// In-flight work gets the budget minus 1s; the last second is for
 	// handing back claims and leases and closing the pool.
-	sctx, cancel := context.WithTimeout(context.Background(), cfg.Shutdown.Timeout-time.Second)
+	shutdownAll(parts, cfg.Shutdown.Timeout-time.Second, log)
+	log.Info("worker stopped")
+	return nil
+}
+
+// shutdownAll stops the components in parallel within budget.
+func shutdownAll(parts []component, budget time.Duration, log *slog.Logger) {
+	sctx, cancel := context.WithTimeout(context.Background(), budget)
 	defer cancel()
 	var wg sync.WaitGroup
 	for _, p := range parts {
@@ -130,8 +148,6 @@ func (runCmd) Run(e *cmdEnv) error {
 		})
 	}
 	wg.Wait()
-	log.Info("worker stopped")
-	return nil
 }
 
 func newLogger(e *cmdEnv, cfg *Config) (*slog.Logger, error) {

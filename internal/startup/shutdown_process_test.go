@@ -3,9 +3,11 @@ package startup_test
 import (
 	"context"
 	"net/http"
+	"net/http/httptest"
 	"os"
 	"path/filepath"
 	"strings"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -148,5 +150,46 @@ func TestPostgresProviderWithoutTableExits72(t *testing.T) {
 	}
 	if out := p.out.String(); !strings.Contains(out, "APP_DATABASE_MIGRATE_ON_START") {
 		t.Errorf("message should say how to fix it:\n%s", out)
+	}
+}
+
+// The shutdown contract covers the outbox too: an in-flight publish may
+// finish within APP_SHUTDOWN_TIMEOUT minus 1s. The webhook below takes
+// 1.5s; the budget is 10s, so SIGTERM must not cut it off.
+func TestShutdownLetsInFlightPublishFinish(t *testing.T) {
+	db := pgtest.New(t)
+	var started, completed, cancelled atomic.Int32
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		started.Add(1)
+		select {
+		case <-time.After(1500 * time.Millisecond):
+			completed.Add(1)
+			w.WriteHeader(http.StatusOK)
+		case <-r.Context().Done():
+			cancelled.Add(1)
+		}
+	}))
+	defer srv.Close()
+	p := startWorker(t, []string{"APP_DATABASE_URL=" + db.URL, "APP_SHUTDOWN_TIMEOUT=10s",
+		"APP_OUTBOX_SINK=webhook", "APP_OUTBOX_WEBHOOK_URL=" + srv.URL})
+	p.waitReady(t, 15*time.Second)
+	if _, err := db.Pool.Exec(context.Background(), `INSERT INTO outbox_event (aggregate_type, aggregate_id, event_type, payload)
+		VALUES ('order', '1', 'order.paid', '{}')`); err != nil {
+		t.Fatal(err)
+	}
+	testkit.Eventually(t, 10*time.Second, "the webhook call", func() bool { return started.Load() == 1 })
+	if err := p.cmd.Process.Signal(syscall.SIGTERM); err != nil {
+		t.Fatal(err)
+	}
+	if code := p.exitCode(t, 12*time.Second); code != 0 {
+		t.Fatalf("exit %d", code)
+	}
+	testkit.Eventually(t, 3*time.Second, "the webhook handler to return", func() bool { return completed.Load()+cancelled.Load() == 1 })
+	var status string
+	if err := db.Pool.QueryRow(context.Background(), `SELECT status FROM outbox_event`).Scan(&status); err != nil {
+		t.Fatal(err)
+	}
+	if status != "PUBLISHED" {
+		t.Fatalf("event status %s after SIGTERM with a 10s budget and a 1.5s publish, want PUBLISHED: the publish was cut off", status)
 	}
 }

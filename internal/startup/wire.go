@@ -17,6 +17,7 @@ import (
 
 // Housekeeping cadence. Both jobs delete in bounded chunks.
 const (
+	lockReaperName  = "lock-reaper"
 	lockReapDelay   = time.Hour
 	lockReapAfter   = 24 * time.Hour // lease rows expired this long ago
 	outboxReapDelay = 10 * time.Minute
@@ -39,7 +40,7 @@ func wire(cfg *Config, pool *pgxpool.Pool, log *slog.Logger, reg prometheus.Regi
 		cleanup = pg.Close
 		locker = pg
 		specs = append(specs, jobs.Spec{
-			Job: jobs.Func("lock-reaper", func(ctx context.Context) error {
+			Job: jobs.Func(lockReaperName, func(ctx context.Context) error {
 				_, err := pg.Reap(ctx, lockReapAfter)
 				return err
 			}),
@@ -80,6 +81,7 @@ func wire(cfg *Config, pool *pgxpool.Pool, log *slog.Logger, reg prometheus.Regi
 		InstanceID:    cfg.Instance.ID,
 		MaxConcurrent: cfg.AsyncExecutor.MaxSize,
 		LeaseTTL:      cfg.Lock.LeaseTTL,
+		AcquireWait:   cfg.Lock.WaitTime,
 		Logger:        log,
 		Registerer:    reg,
 	}, append(specs, configured...)...)
