@@ -18,6 +18,7 @@ import (
 // Housekeeping cadence. Both jobs delete in bounded chunks.
 const (
 	lockReaperName  = "lock-reaper"
+	leasePoolConns  = 2 // lease statements are single short statements
 	lockReapDelay   = time.Hour
 	lockReapAfter   = 24 * time.Hour // lease rows expired this long ago
 	outboxReapDelay = 10 * time.Minute
@@ -33,11 +34,27 @@ func wire(cfg *Config, pool *pgxpool.Pool, log *slog.Logger, reg prometheus.Regi
 	)
 	switch cfg.Lock.Provider {
 	case ProviderPostgres:
-		pg, err := lock.NewPostgres(pool, cfg.Instance.ID, log)
+		// Leases get a pool of their own: a renewal must never wait for a
+		// connection behind the work it protects (SQL jobs hold theirs for
+		// the whole run), or a busy pool would cost every running job its
+		// lease.
+		lcfg := pool.Config()
+		lcfg.MaxConns = leasePoolConns
+		lcfg.MinConns = 0
+		lcfg.ConnConfig.RuntimeParams["application_name"] = "worker " + cfg.Instance.ID + " leases"
+		leasePool, err := pgxpool.NewWithConfig(context.Background(), lcfg)
 		if err != nil {
 			return nil, cleanup, err
 		}
-		cleanup = pg.Close
+		pg, err := lock.NewPostgres(leasePool, cfg.Instance.ID, log)
+		if err != nil {
+			leasePool.Close()
+			return nil, cleanup, err
+		}
+		cleanup = func() {
+			pg.Close()
+			leasePool.Close()
+		}
 		locker = pg
 		specs = append(specs, jobs.Spec{
 			Job: jobs.Func(lockReaperName, func(ctx context.Context) error {

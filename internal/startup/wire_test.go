@@ -1,0 +1,92 @@
+package startup
+
+import (
+	"context"
+	"io"
+	"log/slog"
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	dto "github.com/prometheus/client_model/go"
+
+	"worker/internal/pgtest"
+	"worker/internal/testkit"
+)
+
+// Two SQL jobs hold both connections of the worker's pool for longer than
+// their leases' ttl. Their renewals must still get through (leases have a
+// pool of their own), so both runs succeed instead of losing their leases.
+func TestLeaseRenewalsDoNotWaitForTheWorkersPool(t *testing.T) {
+	db := pgtest.New(t)
+	cfg, err := LoadConfig(writeFile(t, `
+jobs:
+  - {name: a, kind: sql, sql: "SELECT pg_sleep(3)", delay: 1h, lease_ttl: 1s}
+  - {name: b, kind: sql, sql: "SELECT pg_sleep(3)", delay: 1h, lease_ttl: 1s}
+`), []string{"APP_DATABASE_URL=" + db.URL, "APP_DATABASE_MAX_CONNS=2", "APP_OUTBOX_ENABLED=false",
+		"APP_MULTI_INSTANCE_ENABLED=true", "APP_LOCK_PROVIDER=postgres"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	log := slog.New(slog.DiscardHandler)
+	pool, err := connectDB(ctx, cfg, log)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer pool.Close()
+	reg := prometheus.NewRegistry()
+	parts, cleanup, err := wire(cfg, pool, log, reg, io.Discard)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer cleanup()
+	for _, p := range parts {
+		if err := p.Start(ctx); err != nil {
+			t.Fatal(err)
+		}
+		defer p.Shutdown(ctx)
+	}
+	ended := func(job string) float64 {
+		var n float64
+		for _, outcome := range []string{"success", "failure", "lease_lost", "timeout"} {
+			n += jobRuns(t, reg, job, outcome)
+		}
+		return n
+	}
+	testkit.Eventually(t, 20*time.Second, "both runs to end", func() bool { return ended("a") == 1 && ended("b") == 1 })
+	for _, job := range []string{"a", "b"} {
+		if got := jobRuns(t, reg, job, "success"); got != 1 {
+			t.Errorf("job %s: %v successful runs, want 1 (lease_lost %v)", job, got, jobRuns(t, reg, job, "lease_lost"))
+		}
+	}
+}
+
+// jobRuns reads job_runs_total{job, outcome} from reg.
+func jobRuns(t *testing.T, reg prometheus.Gatherer, job, outcome string) float64 {
+	t.Helper()
+	mfs, err := reg.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, mf := range mfs {
+		if mf.GetName() != "job_runs_total" {
+			continue
+		}
+		for _, m := range mf.GetMetric() {
+			if label(m, "job") == job && label(m, "outcome") == outcome {
+				return m.GetCounter().GetValue()
+			}
+		}
+	}
+	return 0
+}
+
+func label(m *dto.Metric, name string) string {
+	for _, lp := range m.GetLabel() {
+		if lp.GetName() == name {
+			return lp.GetValue()
+		}
+	}
+	return ""
+}
