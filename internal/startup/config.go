@@ -347,8 +347,10 @@ func (c *Config) validate(source func(string) string) error {
 	if _, err := pgxpool.ParseConfig(c.Database.URL); err != nil {
 		return configErrorf("%s is not a PostgreSQL URL: %s", source("database.url"), obs.MaskDSN(err.Error()))
 	}
-	if _, _, err := net.SplitHostPort(c.HTTP.Addr); err != nil {
+	if _, port, err := net.SplitHostPort(c.HTTP.Addr); err != nil {
 		return configErrorf("%s=%q; want host:port or :port", source("http.addr"), c.HTTP.Addr)
+	} else if _, err := net.LookupPort("tcp", port); err != nil {
+		return configErrorf("%s=%q: %q is not a port; want host:port or :port", source("http.addr"), c.HTTP.Addr, port)
 	}
 	if err := c.Outbox.Validate(); err != nil {
 		return configErrorf("%v", err)

@@ -81,6 +81,7 @@ func TestInvalidConfig(t *testing.T) {
 		{"bad format", "{}", []string{"APP_LOG_FORMAT=xml"}, []string{"APP_LOG_FORMAT", "json"}},
 		{"zero executor", "{}", []string{"APP_ASYNC_EXECUTOR_MAX_SIZE=0"}, []string{"APP_ASYNC_EXECUTOR_MAX_SIZE"}},
 		{"bad http addr", "{}", []string{"APP_HTTP_ADDR=9090"}, []string{"APP_HTTP_ADDR", "9090"}},
+		{"bad http port", "{}", []string{"APP_HTTP_ADDR=:abc"}, []string{"APP_HTTP_ADDR", "abc", "not a port"}},
 		{"relays use every connection", "{}", []string{"APP_DATABASE_MAX_CONNS=4", "APP_OUTBOX_RELAYS=4"}, []string{"APP_DATABASE_MAX_CONNS", "APP_OUTBOX_RELAYS", "exceed"}},
 		{"bad database url", "{}", []string{"APP_DATABASE_URL=postgres://u:hunter2@[::1"}, []string{"APP_DATABASE_URL"}},
 	}

@@ -104,6 +104,9 @@ func (runCmd) Run(e *cmdEnv) error {
 		log.Error("refusing to start", "error", err)
 		return err
 	}
+	if cfg.Lock.Provider == ProviderPostgres {
+		warnAsyncCommit(ctx, pool, log)
+	}
 	parts, cleanup, err := wire(cfg, pool, log, reg, e.Stdout)
 	defer cleanup()
 	if err != nil {

@@ -3,6 +3,9 @@ package startup
 import (
 	"context"
 	"fmt"
+	"log/slog"
+
+	"github.com/jackc/pgx/v5/pgxpool"
 )
 
 // SafetyError means multi-instance mode lacks a shared lock: exit 72. Every
@@ -38,4 +41,18 @@ func CheckLockStore(ctx context.Context, cfg *Config, storeReady func(context.Co
 		return &SafetyError{Msg: fmt.Sprintf("APP_LOCK_PROVIDER=%s cannot be used: %v; %s", cfg.Lock.Provider, err, hint)}
 	}
 	return nil
+}
+
+// warnAsyncCommit warns when the database commits asynchronously for the
+// worker's sessions. Lease grants and renewals rely on synchronous commit:
+// with it off, a server crash could lose a grant and hand the same fencing
+// token out again. It is the operator's setting to make, so a warning, not
+// a refusal.
+func warnAsyncCommit(ctx context.Context, pool *pgxpool.Pool, log *slog.Logger) {
+	var mode string
+	if err := pool.QueryRow(ctx, "SHOW synchronous_commit").Scan(&mode); err != nil || mode != "off" {
+		return
+	}
+	log.Warn("synchronous_commit is off for the worker's role or database; after a server crash a lease, and its fencing token, could be granted twice",
+		"synchronous_commit", mode)
 }

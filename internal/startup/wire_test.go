@@ -4,9 +4,11 @@ import (
 	"context"
 	"io"
 	"log/slog"
+	"strings"
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/prometheus/client_golang/prometheus"
 	dto "github.com/prometheus/client_model/go"
 
@@ -89,4 +91,30 @@ func label(m *dto.Metric, name string) string {
 		}
 	}
 	return ""
+}
+
+// A database that commits asynchronously for the worker's sessions gets a
+// warning at start; the default (on) gets none.
+func TestWarnAsyncCommit(t *testing.T) {
+	db := pgtest.New(t)
+	for mode, wantWarning := range map[string]bool{"off": true, "on": false, "local": false} {
+		t.Run(mode, func(t *testing.T) {
+			pcfg, err := pgxpool.ParseConfig(db.URL)
+			if err != nil {
+				t.Fatal(err)
+			}
+			pcfg.ConnConfig.RuntimeParams["synchronous_commit"] = mode
+			pool, err := pgxpool.NewWithConfig(context.Background(), pcfg)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer pool.Close()
+			logs := &testkit.LogBuffer{}
+			warnAsyncCommit(context.Background(), pool, logs.Logger())
+			got := strings.Contains(logs.String(), "synchronous_commit is off")
+			if got != wantWarning {
+				t.Errorf("synchronous_commit=%s: warned %v, want %v; log: %s", mode, got, wantWarning, logs.String())
+			}
+		})
+	}
 }
