@@ -2,20 +2,19 @@ package lock
 
 import (
 	"context"
-	"fmt"
 	"time"
 
 	"github.com/cenkalti/backoff/v5"
-	"github.com/jackc/pgx/v5"
+
+	"worker/internal/pglisten"
 )
 
 // listen keeps one dedicated connection LISTENing on notifyChannel and fans
 // each notification out to the local waiters of its key. It reconnects
 // with backoff; while it is down, waiters still make progress by polling.
 //
-// The connection is opened outside the pool so it never takes a slot that
-// statements need. LISTEN is session state, but only an optimization: a
-// lost notification costs latency (one poll interval), never correctness.
+// LISTEN is session state, but only an optimization: a lost notification
+// costs latency (one poll interval), never correctness.
 func (p *Postgres) listen(ctx context.Context) {
 	defer close(p.done)
 	retry := &backoff.ExponentialBackOff{
@@ -44,23 +43,10 @@ func (p *Postgres) listen(ctx context.Context) {
 }
 
 func (p *Postgres) listenOnce(ctx context.Context) (connected bool, err error) {
-	cctx, cancel := context.WithTimeout(ctx, 10*time.Second)
-	defer cancel()
-	conn, err := pgx.ConnectConfig(cctx, p.pool.Config().ConnConfig)
-	if err != nil {
-		return false, fmt.Errorf("connect: %w", err)
-	}
-	defer conn.Close(context.Background())
-	if _, err := conn.Exec(cctx, "LISTEN "+notifyChannel); err != nil {
-		return false, fmt.Errorf("listen: %w", err)
-	}
-	p.connects.Add(1)
-	p.wakeAll()
-	for {
-		n, err := conn.WaitForNotification(ctx)
-		if err != nil {
-			return true, err
-		}
-		p.wake(n.Payload)
-	}
+	return pglisten.Session(ctx, p.pool.Config().ConnConfig, notifyChannel, pglisten.DefaultIdle,
+		func() {
+			p.connects.Add(1)
+			p.wakeAll() // a release may have gone by unheard
+		},
+		p.wake)
 }

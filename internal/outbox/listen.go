@@ -6,6 +6,8 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+
+	"worker/internal/pglisten"
 )
 
 // listen keeps a dedicated connection LISTENing on NotifyChannel and wakes
@@ -30,32 +32,18 @@ func (r *Relay) listen() {
 }
 
 func (r *Relay) listenOnce(ctx context.Context, failures *int) error {
-	cfg := r.pool.Config().ConnConfig.Copy()
+	cfg := r.pool.Config().ConnConfig
 	cfg.RuntimeParams["application_name"] = "outbox-listener"
-	conn, err := pgx.ConnectConfig(ctx, cfg)
-	if err != nil {
-		return err
-	}
-	defer func() {
-		cctx, cancel := context.WithTimeout(context.Background(), time.Second)
-		defer cancel()
-		_ = conn.Close(cctx)
-	}()
-	if _, err := conn.Exec(ctx, "LISTEN "+NotifyChannel); err != nil {
-		return err
-	}
-	if *failures > 0 {
-		r.log.Info("outbox listener reconnected")
-	}
-	*failures = 0
-	// Rows inserted while we were not listening woke nobody.
-	r.wakeAll()
-	for {
-		if _, err := conn.WaitForNotification(ctx); err != nil {
-			return err
-		}
-		r.wakeAll()
-	}
+	_, err := pglisten.Session(ctx, cfg, NotifyChannel, pglisten.DefaultIdle,
+		func() {
+			if *failures > 0 {
+				r.log.Info("outbox listener reconnected")
+			}
+			*failures = 0
+			r.wakeAll() // rows inserted while we were not listening woke nobody
+		},
+		func(string) { r.wakeAll() })
+	return err
 }
 
 // refreshMetrics keeps the table-derived gauges current: one grouped query
