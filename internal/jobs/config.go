@@ -116,6 +116,14 @@ func (d Definition) validate(i int) error {
 		if d.Method != "" && !slices.Contains(httpMethods, strings.ToUpper(d.Method)) {
 			bad("method", "%q is not allowed; want one of %s (default GET)", d.Method, strings.Join(httpMethods, ", "))
 		}
+		for name, value := range d.Headers {
+			switch {
+			case !isToken(name):
+				bad("headers", "%q is not a valid header name", name)
+			case strings.ContainsAny(value, "\r\n\x00"):
+				bad("headers", "%s: the value contains a line break or NUL", name)
+			}
+		}
 		if d.SQL != "" {
 			bad("sql", "is set but kind is http; sql belongs to kind sql")
 		}
@@ -163,4 +171,19 @@ func redactURL(raw string) string {
 	}
 	u.Fragment = ""
 	return u.String()
+}
+
+// isToken reports whether s is an HTTP token (RFC 9110 section 5.6.2), the
+// syntax of a header name. Go's client rejects other names only when it
+// sends, which would fail every run.
+func isToken(s string) bool {
+	if s == "" {
+		return false
+	}
+	for _, c := range []byte(s) {
+		if !('a' <= c && c <= 'z' || 'A' <= c && c <= 'Z' || '0' <= c && c <= '9' || strings.IndexByte("!#$%&'*+-.^_`|~", c) >= 0) {
+			return false
+		}
+	}
+	return true
 }

@@ -51,6 +51,12 @@ func TestValidateDefinitionsNamesJobAndKey(t *testing.T) {
 			`jobs[0] "ok": initial_delay is -1s`,
 			`jobs[0] "ok": lease_ttl is -1s`,
 		}},
+		{"bad header name", []Definition{{Name: "ping", Kind: KindHTTP, Delay: time.Second, URL: "http://x",
+			Headers: map[string]string{"X Api Key": "s"}}},
+			[]string{`jobs[0] "ping": headers "X Api Key" is not a valid header name`}},
+		{"header value with a line break", []Definition{{Name: "ping", Kind: KindHTTP, Delay: time.Second, URL: "http://x",
+			Headers: map[string]string{"X-Api-Key": "a\r\nInjected: yes"}}},
+			[]string{`jobs[0] "ping": headers X-Api-Key: the value contains a line break`}},
 		{"tiny lease", []Definition{with(func(d *Definition) { d.LeaseTTL = time.Millisecond })},
 			[]string{`jobs[0] "ok": lease_ttl is 1ms; want at least 1s`}},
 	}

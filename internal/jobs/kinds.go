@@ -105,6 +105,10 @@ func (j *HTTPJob) Run(ctx context.Context) error {
 		return fmt.Errorf("%s %s: %w", j.Method, redactURL(j.URL), err)
 	}
 	for k, v := range j.Headers {
+		if http.CanonicalHeaderKey(k) == "Host" {
+			req.Host = v // Go sends req.Host and ignores a Host entry in the header map
+			continue
+		}
 		req.Header.Set(k, v)
 	}
 	resp, err := j.Client.Do(req)

@@ -22,13 +22,14 @@ func TestHTTPJob(t *testing.T) {
 	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		mu.Lock()
 		defer mu.Unlock()
-		got = append(got, r.Method+" "+r.URL.Path+" "+r.Header.Get("X-Token"))
+		got = append(got, r.Method+" "+r.URL.Path+" "+r.Header.Get("X-Token")+" "+r.Host)
 		w.WriteHeader(code)
 	}))
 	defer srv.Close()
 
 	specs, err := FromDefinitions([]Definition{
-		{Name: "post", Kind: KindHTTP, Delay: time.Second, URL: srv.URL + "/hook", Method: "POST", Headers: map[string]string{"X-Token": "abc"}},
+		{Name: "post", Kind: KindHTTP, Delay: time.Second, URL: srv.URL + "/hook", Method: "POST",
+			Headers: map[string]string{"X-Token": "abc", "host": "billing.internal"}},
 		{Name: "get", Kind: KindHTTP, Delay: time.Second, URL: srv.URL + "/ping?key=hidden"},
 	}, nil, srv.Client())
 	if err != nil {
@@ -53,7 +54,8 @@ func TestHTTPJob(t *testing.T) {
 	}
 	mu.Lock()
 	defer mu.Unlock()
-	want := []string{"POST /hook abc", "GET /ping ", "GET /ping "}
+	host := strings.TrimPrefix(srv.URL, "http://")
+	want := []string{"POST /hook abc billing.internal", "GET /ping  " + host, "GET /ping  " + host}
 	if strings.Join(got, "|") != strings.Join(want, "|") {
 		t.Fatalf("server saw %q, want %q", got, want)
 	}
