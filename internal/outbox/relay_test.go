@@ -8,6 +8,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/testutil"
 
@@ -481,20 +482,7 @@ func TestLockWindowChecksHeadIdentity(t *testing.T) {
 	appendEvent(t, db.Pool, "a", "a1")
 	exec(t, db.Pool, `UPDATE outbox_event SET status = 'FAILED', attempts = 1, next_attempt_at = now() + interval '1 hour'
 		WHERE event_id = $1`, c1)
-	r, err := NewRelay(db.Pool, &recorder{}, testConfig(), "t", nil, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	tx, err := db.Pool.Begin(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer tx.Rollback(ctx)
-	win, err := readWindow(tx.Query(ctx, windowSQL, 100))
-	if err != nil {
-		t.Fatal(err)
-	}
-	cands := candidates(win)
+	r, tx, cands := lockWindowSetup(t, db, testConfig())
 	if len(cands) != 1 || cands[0].head.key.id != "a" {
 		t.Fatalf("candidates %+v, want only aggregate a", cands)
 	}
@@ -525,20 +513,7 @@ func TestLockWindowSeesRetriedDeadEvent(t *testing.T) {
 	exec(t, db.Pool, `UPDATE outbox_event SET status = 'DEAD', attempts = 3 WHERE event_id = $1`, dead)
 	cfg := testConfig()
 	cfg.BlockOnDead = true
-	r, err := NewRelay(db.Pool, &recorder{}, cfg, "t", nil, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	tx, err := db.Pool.Begin(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer tx.Rollback(ctx)
-	win, err := readWindow(tx.Query(ctx, windowSQL, 100))
-	if err != nil {
-		t.Fatal(err)
-	}
-	cands := candidates(win)
+	r, tx, cands := lockWindowSetup(t, db, cfg)
 	if len(cands) != 1 {
 		t.Fatalf("candidates %+v, want x2 alone", cands)
 	}
@@ -554,4 +529,26 @@ func TestLockWindowSeesRetriedDeadEvent(t *testing.T) {
 			t.Errorf("claimed %s (seq %d) although the requeued x1 comes before it", ev.EventType, ev.Seq)
 		}
 	}
+}
+
+// lockWindowSetup returns a relay, an open transaction (rolled back at the
+// end of the test) and the candidates of a window read in it, for tests
+// that change the table between the window and lockWindow.
+func lockWindowSetup(t *testing.T, db *pgtest.DB, cfg Config) (*Relay, pgx.Tx, []*candidate) {
+	t.Helper()
+	ctx := context.Background()
+	r, err := NewRelay(db.Pool, &recorder{}, cfg, "t", nil, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	tx, err := db.Pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { tx.Rollback(ctx) })
+	win, err := readWindow(tx.Query(ctx, windowSQL, 100))
+	if err != nil {
+		t.Fatal(err)
+	}
+	return r, tx, candidates(win)
 }
