@@ -122,6 +122,9 @@ func (d Definition) validate(i int) error {
 				bad("headers", "%q is not a valid header name", name)
 			case strings.ContainsAny(value, "\r\n\x00"):
 				bad("headers", "%s: the value contains a line break or NUL", name)
+			case strings.ContainsFunc(value, func(r rune) bool { return r < ' ' && r != '\t' || r == 0x7f }):
+				// Go's client refuses these when it sends: every run would fail.
+				bad("headers", "%s: the value contains a control character", name)
 			}
 		}
 		if d.SQL != "" {

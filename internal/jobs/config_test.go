@@ -57,6 +57,9 @@ func TestValidateDefinitionsNamesJobAndKey(t *testing.T) {
 		{"header value with a line break", []Definition{{Name: "ping", Kind: KindHTTP, Delay: time.Second, URL: "http://x",
 			Headers: map[string]string{"X-Api-Key": "a\r\nInjected: yes"}}},
 			[]string{`jobs[0] "ping": headers X-Api-Key: the value contains a line break`}},
+		{"header value with a control character", []Definition{{Name: "ping", Kind: KindHTTP, Delay: time.Second, URL: "http://x",
+			Headers: map[string]string{"X-Api-Key": "a\x01b"}}},
+			[]string{`jobs[0] "ping": headers X-Api-Key: the value contains a control character`}},
 		{"tiny lease", []Definition{with(func(d *Definition) { d.LeaseTTL = time.Millisecond })},
 			[]string{`jobs[0] "ok": lease_ttl is 1ms; want at least 1s`}},
 	}

@@ -144,12 +144,13 @@ func dbAddr(t *testing.T, db *pgtest.DB) string {
 // after them: a wait that timed out did not break the connection.
 func TestSessionSurvivesIdlePeriods(t *testing.T) {
 	db := pgtest.New(t)
-	s := startSession(t, db, newFreezer(t, dbAddr(t, db)), 50*time.Millisecond)
+	// Each health check may take up to idle: generous for a loaded machine.
+	s := startSession(t, db, newFreezer(t, dbAddr(t, db)), 250*time.Millisecond)
 	notify(t, db, "first")
 	if got := <-s.payloads; got != "first" {
 		t.Fatalf("payload %q, want first", got)
 	}
-	deadline := time.Now().Add(500 * time.Millisecond) // ten idle periods
+	deadline := time.Now().Add(1250 * time.Millisecond) // five idle periods
 	for time.Now().Before(deadline) {
 		select {
 		case err := <-s.ended:

@@ -208,6 +208,10 @@ jobs:
     kind: http
     delay: 30s
     url: https://bot:url-pass@billing.internal/healthz?token=query-token
+  - name: hook
+    kind: http
+    delay: 30s
+    url: https://user-token@billing.internal/hook
     headers:
       Authorization: Bearer header-token
 `), []string{"APP_OUTBOX_WEBHOOK_URL=https://hook:hook-pass@example.test/hook?sig=hook-query"})
@@ -218,7 +222,7 @@ jobs:
 	if err := PrintConfig(&out, cfg); err != nil {
 		t.Fatal(err)
 	}
-	for _, secret := range []string{"url-pass", "query-token", "header-token", "hook-pass", "hook-query"} {
+	for _, secret := range []string{"url-pass", "user-token", "query-token", "header-token", "hook-pass", "hook-query"} {
 		if strings.Contains(out.String(), secret) {
 			t.Errorf("config print leaks %q", secret)
 		}

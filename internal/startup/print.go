@@ -87,9 +87,7 @@ func maskURL(raw string) string {
 		return obs.MaskDSN(raw)
 	}
 	if u.User != nil {
-		if _, ok := u.User.Password(); ok {
-			u.User = url.UserPassword(u.User.Username(), "xxxxx")
-		}
+		u.User = url.User("xxxxx") // a user name alone may be a token
 	}
 	if u.RawQuery != "" {
 		u.RawQuery = "xxxxx"

@@ -117,13 +117,14 @@ func (runCmd) Run(e *cmdEnv) error {
 	// flight. SIGTERM reaches them through Shutdown, which gives in-flight
 	// work the budget.
 	runCtx := context.WithoutCancel(ctx)
-	var started []component
 	for _, p := range parts {
 		if err := p.Start(runCtx); err != nil {
-			shutdownAll(started, cfg.Shutdown.Timeout-time.Second, log)
+			// All of them: the one that failed may own goroutines too (the
+			// scheduler's gocron), and Shutdown of a component that never
+			// started only stops those.
+			shutdownAll(parts, cfg.Shutdown.Timeout-time.Second, log)
 			return fmt.Errorf("start: %w", err)
 		}
-		started = append(started, p)
 	}
 	ready.started.Store(true)
 	log.Info("worker ready", "http_addr", cfg.HTTP.Addr, "multi_instance", cfg.MultiInstance.Enabled,

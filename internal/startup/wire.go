@@ -40,7 +40,7 @@ func wire(cfg *Config, pool *pgxpool.Pool, log *slog.Logger, reg prometheus.Regi
 		// lease.
 		lcfg := pool.Config()
 		lcfg.MaxConns = leasePoolConns
-		lcfg.MinConns = 0
+		lcfg.MinConns, lcfg.MinIdleConns = 0, 0
 		lcfg.ConnConfig.RuntimeParams["application_name"] = "worker " + cfg.Instance.ID + " leases"
 		leasePool, err := pgxpool.NewWithConfig(context.Background(), lcfg)
 		if err != nil {
@@ -53,7 +53,10 @@ func wire(cfg *Config, pool *pgxpool.Pool, log *slog.Logger, reg prometheus.Regi
 		}
 		cleanup = func() {
 			pg.Close()
-			leasePool.Close()
+			// Bounded like the main pool: a lease statement stuck on a hung
+			// database (a renewal of a job that ignored cancellation, a
+			// release past the budget) must not hold the exit.
+			closeBounded(leasePool, time.Second, log)
 		}
 		locker = pg
 		specs = append(specs, jobs.Spec{

@@ -118,3 +118,56 @@ func TestWarnAsyncCommit(t *testing.T) {
 		})
 	}
 }
+
+// The lease pool must close within the exit budget's last second, like the
+// main pool (closeBounded), even when a lease statement is stuck (here a
+// release and a renewal blocked behind a row lock, as on a hung database)
+// after the scheduler's Shutdown gave up on a job.
+func TestWireCleanupIsBoundedWithALeaseStatementStuck(t *testing.T) {
+	db := pgtest.New(t)
+	cfg, err := LoadConfig(writeFile(t, `
+jobs:
+  - {name: slow, kind: sql, sql: "SELECT pg_sleep(30)", delay: 1h, lease_ttl: 6s}
+`), []string{"APP_DATABASE_URL=" + db.URL, "APP_OUTBOX_ENABLED=false",
+		"APP_MULTI_INSTANCE_ENABLED=true", "APP_LOCK_PROVIDER=postgres"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	log := slog.New(slog.DiscardHandler)
+	pool, err := connectDB(ctx, cfg, log)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer pool.Close()
+	parts, cleanup, err := wire(cfg, pool, log, prometheus.NewRegistry(), io.Discard)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, p := range parts {
+		if err := p.Start(ctx); err != nil {
+			t.Fatal(err)
+		}
+	}
+	testkit.Eventually(t, 10*time.Second, "the job to run", func() bool {
+		var n int
+		_ = db.Pool.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity
+		                            WHERE datname = current_database() AND query LIKE 'SELECT pg_sleep(30)%'`).Scan(&n)
+		return n == 1
+	})
+	// The lease row is locked: the release (and the next renewal) block.
+	tx, err := db.Pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tx.Rollback(ctx)
+	if _, err := tx.Exec(ctx, `SELECT * FROM worker_lock WHERE key = 'job:slow' FOR UPDATE`); err != nil {
+		t.Fatal(err)
+	}
+	shutdownAll(parts, 100*time.Millisecond, log)
+	start := time.Now()
+	cleanup()
+	if took := time.Since(start); took > 2*time.Second {
+		t.Fatalf("cleanup took %s: the lease pool's Close waited for a stuck lease statement past the exit budget", took.Round(time.Millisecond))
+	}
+}
