@@ -97,8 +97,7 @@ func (ml *meteredLocker) TryAcquire(ctx context.Context, key string, wait, ttl t
 	return w, nil
 }
 
-// meteredLease counts a lease's end exactly once: lost, or released
-// (whatever Release returned, the caller no longer holds it).
+// meteredLease counts a lease's end exactly once: lost, or released.
 type meteredLease struct {
 	Lease
 	m       *lockMetrics
@@ -130,9 +129,14 @@ func (l *meteredLease) watchLost() {
 
 func (l *meteredLease) Release(ctx context.Context) error {
 	err := l.Lease.Release(ctx)
-	if errors.Is(err, ErrLeaseExpired) {
+	switch {
+	case errors.Is(err, ErrLeaseExpired):
 		l.m.expired.Inc()
+		l.settle()
+	case err == nil:
+		l.settle()
 	}
-	l.settle()
+	// A release that failed leaves the grant in the store until a retried
+	// Release or its ttl, when Lost fires and watchLost settles it.
 	return err
 }

@@ -471,7 +471,8 @@ func TestPostgresFailedReleaseStillReportsLoss(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(p.Close)
-	l, err := p.TryAcquire(ctx, "k", 0, 300*time.Millisecond)
+	m, reg := metered(t, p)
+	l, err := m.TryAcquire(ctx, "k", 0, 300*time.Millisecond)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -479,5 +480,12 @@ func TestPostgresFailedReleaseStillReportsLoss(t *testing.T) {
 	if err := l.Release(ctx); err == nil {
 		t.Fatal("release on a closed pool succeeded")
 	}
+	// The grant lives on in the store until its ttl: still held, then lost.
+	if got := metricValue(t, reg, "lock_held"); got != 1 {
+		t.Errorf("lock_held = %v right after the failed release, want 1", got)
+	}
 	waitClosed(t, l.Lost(), 5*time.Second, "the lost signal of a lease whose release failed")
+	testkit.Eventually(t, 5*time.Second, "the loss to be counted", func() bool {
+		return metricValue(t, reg, "lock_lease_lost_total") == 1 && metricValue(t, reg, "lock_held") == 0
+	})
 }

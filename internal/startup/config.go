@@ -379,6 +379,10 @@ func (c *Config) validate(source func(string) string) error {
 			return configErrorf("jobs[%d] %q: name is taken by a job built into the worker (%s); choose another",
 				i, d.Name, strings.Join(reserved, ", "))
 		}
+		if d.LeaseTTL > 0 && d.LeaseTTL < c.Lock.WaitTime {
+			return configErrorf("jobs[%d] %q: lease_ttl %s is shorter than %s=%s; the lease must outlive the wait for it",
+				i, d.Name, d.LeaseTTL, source("lock.wait_time"), c.Lock.WaitTime)
+		}
 	}
 	return nil
 }

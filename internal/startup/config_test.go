@@ -81,6 +81,8 @@ func TestInvalidConfig(t *testing.T) {
 		{"bad format", "{}", []string{"APP_LOG_FORMAT=xml"}, []string{"APP_LOG_FORMAT", "json"}},
 		{"zero executor", "{}", []string{"APP_ASYNC_EXECUTOR_MAX_SIZE=0"}, []string{"APP_ASYNC_EXECUTOR_MAX_SIZE"}},
 		{"bad http addr", "{}", []string{"APP_HTTP_ADDR=9090"}, []string{"APP_HTTP_ADDR", "9090"}},
+		{"job lease below wait", "jobs:\n  - {name: a, kind: sql, sql: SELECT 1, delay: 1m, lease_ttl: 2s}\n", []string{"APP_LOCK_WAIT_TIME=3s"},
+			[]string{`jobs[0] "a"`, "lease_ttl 2s", "APP_LOCK_WAIT_TIME"}},
 		{"bad http port", "{}", []string{"APP_HTTP_ADDR=:abc"}, []string{"APP_HTTP_ADDR", "abc", "not a port"}},
 		{"relays use every connection", "{}", []string{"APP_DATABASE_MAX_CONNS=4", "APP_OUTBOX_RELAYS=4"}, []string{"APP_DATABASE_MAX_CONNS", "APP_OUTBOX_RELAYS", "exceed"}},
 		{"bad database url", "{}", []string{"APP_DATABASE_URL=postgres://u:hunter2@[::1"}, []string{"APP_DATABASE_URL"}},
