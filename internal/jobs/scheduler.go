@@ -229,8 +229,12 @@ func (s *Scheduler) Start(ctx context.Context) error {
 	if s.started || s.stopping {
 		return errors.New("jobs: scheduler already started or stopped")
 	}
+	// Bounded: the worker starts components on a context that SIGTERM does
+	// not cancel, so a hung database must not hold the start forever.
+	rctx, cancel := context.WithTimeout(ctx, stateTimeout)
+	defer cancel()
 	for _, e := range s.entries {
-		if err := s.st.register(ctx, e.name, e.spec.Delay); err != nil {
+		if err := s.st.register(rctx, e.name, e.spec.Delay); err != nil {
 			return fmt.Errorf("jobs: register %q in job_state: %w", e.name, err)
 		}
 	}
