@@ -114,7 +114,8 @@ UPDATE runs SET finished_at = clock_timestamp() WHERE token = current_setting('w
 	}
 	closed := make(chan struct{})
 	go func() { pools[victim].Close(); close(closed) }() // blocks until its connections are gone
-	if _, err := db.Pool.Exec(ctx, `SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = $1`, victim); err != nil {
+	if _, err := db.Pool.Exec(ctx, `SELECT pg_terminate_backend(pid) FROM pg_stat_activity
+		WHERE datname = current_database() AND application_name = $1`, victim); err != nil {
 		t.Fatal(err)
 	}
 	<-closed
