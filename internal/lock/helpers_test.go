@@ -5,8 +5,9 @@ import (
 	"testing"
 	"time"
 
+	"worker/internal/testkit"
+
 	"github.com/prometheus/client_golang/prometheus"
-	dto "github.com/prometheus/client_model/go"
 )
 
 // metered wraps l with metrics on a fresh registry.
@@ -24,37 +25,15 @@ func metered(t *testing.T, l Locker) (Locker, *prometheus.Registry) {
 // histogram's sample count. labels are name, value pairs.
 func metricValue(t *testing.T, reg prometheus.Gatherer, name string, labels ...string) float64 {
 	t.Helper()
-	mfs, err := reg.Gather()
-	if err != nil {
-		t.Fatal(err)
+	want := map[string]string{}
+	for i := 0; i+1 < len(labels); i += 2 {
+		want[labels[i]] = labels[i+1]
 	}
-	for _, mf := range mfs {
-		if mf.GetName() != name {
-			continue
-		}
-	next:
-		for _, m := range mf.GetMetric() {
-			have := map[string]string{}
-			for _, lp := range m.GetLabel() {
-				have[lp.GetName()] = lp.GetValue()
-			}
-			for i := 0; i+1 < len(labels); i += 2 {
-				if have[labels[i]] != labels[i+1] {
-					continue next
-				}
-			}
-			switch mf.GetType() {
-			case dto.MetricType_COUNTER:
-				return m.GetCounter().GetValue()
-			case dto.MetricType_GAUGE:
-				return m.GetGauge().GetValue()
-			case dto.MetricType_HISTOGRAM:
-				return float64(m.GetHistogram().GetSampleCount())
-			}
-		}
+	v, ok := testkit.Metric(t, reg, name, want)
+	if !ok {
+		t.Fatalf("metric %s%v not found", name, labels)
 	}
-	t.Fatalf("metric %s%v not found", name, labels)
-	return 0
+	return v
 }
 
 // waitClosed fails the test if ch is not closed within d.

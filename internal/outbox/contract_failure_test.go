@@ -9,7 +9,6 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
-	dto "github.com/prometheus/client_model/go"
 
 	"worker/internal/obs"
 	"worker/internal/outbox"
@@ -228,40 +227,12 @@ func TestContractFailureBlockOnDead(t *testing.T) {
 	}
 }
 
-// contractMetric returns the value of the counter or gauge name with exactly
-// the given labels, or -1 when the series does not exist.
+// contractMetric returns the value of the series name with exactly the
+// given labels, or -1 when the series does not exist.
 func contractMetric(t testing.TB, g prometheus.Gatherer, name string, labels map[string]string) float64 {
 	t.Helper()
-	mfs, err := g.Gather()
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, mf := range mfs {
-		if mf.GetName() != name {
-			continue
-		}
-		for _, m := range mf.GetMetric() {
-			if contractLabelsMatch(m.GetLabel(), labels) {
-				switch {
-				case m.Counter != nil:
-					return m.GetCounter().GetValue()
-				case m.Gauge != nil:
-					return m.GetGauge().GetValue()
-				}
-			}
-		}
+	if v, ok := testkit.Metric(t, g, name, labels); ok {
+		return v
 	}
 	return -1
-}
-
-func contractLabelsMatch(got []*dto.LabelPair, want map[string]string) bool {
-	if len(got) != len(want) {
-		return false
-	}
-	for _, l := range got {
-		if v, ok := want[l.GetName()]; !ok || v != l.GetValue() {
-			return false
-		}
-	}
-	return true
 }

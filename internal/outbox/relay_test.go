@@ -250,17 +250,11 @@ func TestRelayMetrics(t *testing.T) {
 
 func histogramCount(t *testing.T, g prometheus.Gatherer, name string) uint64 {
 	t.Helper()
-	mfs, err := g.Gather()
-	if err != nil {
-		t.Fatal(err)
+	v, ok := testkit.Metric(t, g, name, nil)
+	if !ok {
+		t.Fatalf("no metric %s", name)
 	}
-	for _, mf := range mfs {
-		if mf.GetName() == name {
-			return mf.GetMetric()[0].GetHistogram().GetSampleCount()
-		}
-	}
-	t.Fatalf("no metric %s", name)
-	return 0
+	return uint64(v)
 }
 
 // TestRelayEventTypeLabelsAreCapped: past maxEventTypes distinct event

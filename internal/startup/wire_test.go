@@ -10,7 +10,6 @@ import (
 
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/prometheus/client_golang/prometheus"
-	dto "github.com/prometheus/client_model/go"
 
 	"worker/internal/pgtest"
 	"worker/internal/testkit"
@@ -20,34 +19,14 @@ import (
 // their leases' ttl. Their renewals must still get through (leases have a
 // pool of their own), so both runs succeed instead of losing their leases.
 func TestLeaseRenewalsDoNotWaitForTheWorkersPool(t *testing.T) {
-	db := pgtest.New(t)
-	cfg, err := LoadConfig(writeFile(t, `
+	parts, cleanup, reg := startWired(t, pgtest.New(t), `
 jobs:
   - {name: a, kind: sql, sql: "SELECT pg_sleep(3)", delay: 1h, lease_ttl: 1s}
   - {name: b, kind: sql, sql: "SELECT pg_sleep(3)", delay: 1h, lease_ttl: 1s}
-`), []string{"APP_DATABASE_URL=" + db.URL, "APP_DATABASE_MAX_CONNS=2", "APP_OUTBOX_ENABLED=false",
-		"APP_MULTI_INSTANCE_ENABLED=true", "APP_LOCK_PROVIDER=postgres"})
-	if err != nil {
-		t.Fatal(err)
-	}
-	ctx := context.Background()
-	log := slog.New(slog.DiscardHandler)
-	pool, err := connectDB(ctx, cfg, log)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer pool.Close()
-	reg := prometheus.NewRegistry()
-	parts, cleanup, err := wire(cfg, pool, log, reg, io.Discard)
-	if err != nil {
-		t.Fatal(err)
-	}
+`, "APP_DATABASE_MAX_CONNS=2")
 	defer cleanup()
 	for _, p := range parts {
-		if err := p.Start(ctx); err != nil {
-			t.Fatal(err)
-		}
-		defer p.Shutdown(ctx)
+		defer p.Shutdown(context.Background())
 	}
 	ended := func(job string) float64 {
 		var n float64
@@ -67,30 +46,8 @@ jobs:
 // jobRuns reads job_runs_total{job, outcome} from reg.
 func jobRuns(t *testing.T, reg prometheus.Gatherer, job, outcome string) float64 {
 	t.Helper()
-	mfs, err := reg.Gather()
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, mf := range mfs {
-		if mf.GetName() != "job_runs_total" {
-			continue
-		}
-		for _, m := range mf.GetMetric() {
-			if label(m, "job") == job && label(m, "outcome") == outcome {
-				return m.GetCounter().GetValue()
-			}
-		}
-	}
-	return 0
-}
-
-func label(m *dto.Metric, name string) string {
-	for _, lp := range m.GetLabel() {
-		if lp.GetName() == name {
-			return lp.GetValue()
-		}
-	}
-	return ""
+	v, _ := testkit.Metric(t, reg, "job_runs_total", map[string]string{"job": job, "outcome": outcome})
+	return v
 }
 
 // A database that commits asynchronously for the worker's sessions gets a
@@ -125,30 +82,12 @@ func TestWarnAsyncCommit(t *testing.T) {
 // after the scheduler's Shutdown gave up on a job.
 func TestWireCleanupIsBoundedWithALeaseStatementStuck(t *testing.T) {
 	db := pgtest.New(t)
-	cfg, err := LoadConfig(writeFile(t, `
-jobs:
-  - {name: slow, kind: sql, sql: "SELECT pg_sleep(30)", delay: 1h, lease_ttl: 6s}
-`), []string{"APP_DATABASE_URL=" + db.URL, "APP_OUTBOX_ENABLED=false",
-		"APP_MULTI_INSTANCE_ENABLED=true", "APP_LOCK_PROVIDER=postgres"})
-	if err != nil {
-		t.Fatal(err)
-	}
 	ctx := context.Background()
 	log := slog.New(slog.DiscardHandler)
-	pool, err := connectDB(ctx, cfg, log)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer pool.Close()
-	parts, cleanup, err := wire(cfg, pool, log, prometheus.NewRegistry(), io.Discard)
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, p := range parts {
-		if err := p.Start(ctx); err != nil {
-			t.Fatal(err)
-		}
-	}
+	parts, cleanup, _ := startWired(t, db, `
+jobs:
+  - {name: slow, kind: sql, sql: "SELECT pg_sleep(30)", delay: 1h, lease_ttl: 6s}
+`)
 	testkit.Eventually(t, 10*time.Second, "the job to run", func() bool {
 		var n int
 		_ = db.Pool.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity
@@ -170,4 +109,37 @@ jobs:
 	if took := time.Since(start); took > 2*time.Second {
 		t.Fatalf("cleanup took %s: the lease pool's Close waited for a stuck lease statement past the exit budget", took.Round(time.Millisecond))
 	}
+}
+
+// startWired wires and starts the worker's jobs as `worker run` does, in
+// multi-instance mode with the postgres provider and without the outbox,
+// on db with the jobs of jobsYAML and the extra environment env. The
+// caller stops the components and runs cleanup; the pool closes at the
+// end of the test.
+func startWired(t *testing.T, db *pgtest.DB, jobsYAML string, env ...string) ([]component, func(), *prometheus.Registry) {
+	t.Helper()
+	cfg, err := LoadConfig(writeFile(t, jobsYAML), append([]string{"APP_DATABASE_URL=" + db.URL, "APP_OUTBOX_ENABLED=false",
+		"APP_MULTI_INSTANCE_ENABLED=true", "APP_LOCK_PROVIDER=postgres"}, env...))
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	log := slog.New(slog.DiscardHandler)
+	pool, err := connectDB(ctx, cfg, log)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(pool.Close)
+	reg := prometheus.NewRegistry()
+	parts, cleanup, err := wire(cfg, pool, log, reg, io.Discard)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, p := range parts {
+		if err := p.Start(ctx); err != nil {
+			cleanup()
+			t.Fatal(err)
+		}
+	}
+	return parts, cleanup, reg
 }
