@@ -38,7 +38,6 @@ type Relay struct {
 	log        *slog.Logger
 	m          *metrics
 	lockSQL    string
-	gatedSQL   string
 
 	wake []chan struct{} // one per loop; a token means "look again"
 
@@ -77,7 +76,6 @@ func NewRelay(pool *pgxpool.Pool, sink Sink, cfg Config, instanceID string, log 
 		log:        log.With("job", RelayJobName, "sink", sink.Name()),
 		m:          m,
 		lockSQL:    lockSQL(cfg.BlockOnDead),
-		gatedSQL:   gatedHeadsSQL(cfg.BlockOnDead),
 		wake:       make([]chan struct{}, cfg.Relays),
 	}
 	for i := range r.wake {
@@ -185,11 +183,12 @@ func (r *Relay) wakeAll() {
 
 // loopState is what a relay loop carries from one batch to the next.
 type loopState struct {
-	window  int           // rows the next window claim reads
-	widened bool          // the last claim widened the window: claim again at once
-	conn    *pgxpool.Conn // held while batches follow each other
-	pending *outcomes     // the last batch's outcomes, not yet committed
-	gated   time.Time     // when the loop last ran the gated claim
+	window       int           // rows the next window claim reads
+	widened      bool          // the last claim widened the window: claim again at once
+	conn         *pgxpool.Conn // held while batches follow each other
+	pending      *outcomes     // the last batch's outcomes, not yet committed
+	behind       aggregateKey  // where the next look behind the window starts
+	lookedBehind time.Time     // when the loop last looked behind the window
 }
 
 // settle commits the pending outcomes, if any, and gives the connection
@@ -332,7 +331,8 @@ func (r *Relay) claim(ctx context.Context, st *loopState) ([][]claimedRow, time.
 		return nil, 0, err // stopping: lock nothing only to hand it back
 	}
 
-	runs, err := r.lockWindow(ctx, conn, candidates(win), n)
+	cands := candidates(win)
+	runs, err := r.lockWindow(ctx, conn, cands, n)
 	if err != nil {
 		return nil, 0, err
 	}
@@ -342,31 +342,48 @@ func (r *Relay) claim(ctx context.Context, st *loopState) ([][]claimedRow, time.
 	}
 
 	// Size the next window. A window that yields less than half a batch is
-	// congested (other relays hold its aggregates, or they wait for a
-	// retry): widen it. At the widest, look past it with the gated claim so
-	// the aggregates behind it cannot starve. The gated claim scans the
-	// whole backlog behind the window in the worst case (say a sink outage
-	// with a large backlog, where every head waits for a retry), so a loop
-	// runs it at most once per poll interval.
+	// congested: other relays hold its aggregates, or they wait for a
+	// retry. Widen it, so the loop sees aggregates nobody holds. Only when
+	// the widest window offers fewer than half a batch of aggregates (the
+	// rest wait for retries or for outstanding publishes, or one aggregate
+	// fills it) does the loop look behind it, at most once per poll
+	// interval, so that the aggregates behind cannot starve. Many
+	// aggregates that other relays hold are no reason to look behind: those
+	// relays are working, and the window moves on as they finish.
 	congested := got < (n+1)/2 && len(win) >= st.window
+	blocked := len(cands) < (n+1)/2
 	st.widened = false
 	switch {
 	case congested && st.window < maxWindowFactor*n:
 		st.window *= 2
 		st.widened = true // look again at once
-	case congested && time.Since(st.gated) >= r.cfg.PollInterval:
-		st.gated = time.Now()
-		heads, _, err := readEvents(conn.Query(ctx, r.gatedSQL, win[len(win)-1].id, n-got))
+	case congested && blocked && time.Since(st.lookedBehind) >= r.cfg.PollInterval:
+		st.lookedBehind = time.Now()
+		more, err := r.lockBehind(ctx, conn, st, n-got)
 		if err != nil {
 			return nil, 0, err
 		}
-		for _, h := range heads {
-			runs = append(runs, []claimedRow{h})
-		}
+		runs = append(runs, more...)
 	case got >= n && st.window > n:
 		st.window /= 2
 	}
 	return runs, skew, nil
+}
+
+// lockBehind locks up to n heads of aggregates anywhere in the backlog,
+// visiting at most maxWindowFactor*n aggregates from where the last look
+// ended, so successive looks cover every aggregate in turn.
+func (r *Relay) lockBehind(ctx context.Context, conn *pgx.Conn, st *loopState, n int) ([][]claimedRow, error) {
+	visit := maxWindowFactor * r.cfg.BatchSize
+	heads, err := readWindow(conn.Query(ctx, aggregateHeadsSQL, st.behind.typ, st.behind.id, visit))
+	if err != nil {
+		return nil, err
+	}
+	st.behind = aggregateKey{}
+	if len(heads) == visit {
+		st.behind = heads[len(heads)-1].key
+	}
+	return r.lockWindow(ctx, conn, candidates(heads), n)
 }
 
 // maxWindowFactor bounds the window at this many batches.

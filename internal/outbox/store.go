@@ -104,22 +104,32 @@ UNION ALL
 SELECT false, r.* FROM r`
 }
 
-// gatedHeadsSQL is the fallback when even the widest window is congested:
-// held by other relays, or full of events waiting for a retry, so the
-// aggregates behind it would starve. It scans past the window (id > $1)
-// with the classic gate, a NOT EXISTS probe per row, and claims up to $2
-// heads. The gate counts every unfinished row, locked or not: while
-// another relay holds an aggregate's head, or this transaction holds part
-// of the aggregate, the later events stay put.
-func gatedHeadsSQL(blockOnDead bool) string {
-	return `
-SELECT ` + eventColumns + `
-FROM outbox_event e
-WHERE ` + claimable + ` AND e.id > $1` + predecessorGate + deadGateIf(blockOnDead) + `
-ORDER BY e.id
-LIMIT $2
-FOR UPDATE SKIP LOCKED`
-}
+// aggregateHeadsSQL is the fallback when even the widest window is
+// blocked: its aggregates wait for retries (or for a publish still
+// outstanding), so the aggregates behind it would starve. It walks the
+// aggregate index as a skip scan: one descent per aggregate, starting after
+// the aggregate ($1, $2), for at most $3 aggregates, and returns each one's
+// head (its oldest unfinished event) in the window's row shape. Its cost is
+// bounded by the aggregates it visits, not by the backlog behind them,
+// which a per-row gate would read row by row. The relay then locks the due
+// heads with lockSQL, which rechecks each row.
+const aggregateHeadsSQL = `
+WITH RECURSIVE agg AS (
+    SELECT 0 AS n, $1::text COLLATE "C" AS aggregate_type, $2::text COLLATE "C" AS aggregate_id,
+           NULL::tid AS ctid, NULL::bigint AS id, NULL::boolean AS due
+  UNION ALL
+    SELECT a.n + 1, h.aggregate_type, h.aggregate_id, h.ctid, h.id, h.next_attempt_at <= now()
+    FROM agg a CROSS JOIN LATERAL (
+        SELECT e.aggregate_type, e.aggregate_id, e.ctid, e.id, e.next_attempt_at
+        FROM outbox_event e
+        WHERE e.` + unfinished + `
+          AND (e.aggregate_type, e.aggregate_id) > (a.aggregate_type, a.aggregate_id)
+        ORDER BY e.aggregate_type, e.aggregate_id, e.id
+        LIMIT 1
+    ) h
+    WHERE a.n < $3
+)
+SELECT ctid, id, aggregate_type, aggregate_id, due FROM agg WHERE n > 0`
 
 func deadGateIf(blockOnDead bool) string {
 	if blockOnDead {
