@@ -9,10 +9,16 @@ import (
 
 // Config is the `outbox:` section of configs/worker.yaml (APP_OUTBOX_*).
 type Config struct {
-	Enabled         bool          `koanf:"enabled" yaml:"enabled"`
-	Sink            string        `koanf:"sink" yaml:"sink"` // log | webhook
-	Relays          int           `koanf:"relays" yaml:"relays"`
-	BatchSize       int           `koanf:"batch_size" yaml:"batch_size"`
+	Enabled   bool   `koanf:"enabled" yaml:"enabled"`
+	Sink      string `koanf:"sink" yaml:"sink"` // log | webhook
+	Relays    int    `koanf:"relays" yaml:"relays"`
+	BatchSize int    `koanf:"batch_size" yaml:"batch_size"`
+	// MaxInFlight bounds the publishes in progress at once in this
+	// replica, across its relay loops.
+	MaxInFlight int `koanf:"max_in_flight" yaml:"max_in_flight"`
+	// DetachAfter is how long a batch waits for its publishes before it
+	// commits and lets the ones still outstanding finish on their own.
+	DetachAfter     time.Duration `koanf:"detach_after" yaml:"detach_after"`
 	PollInterval    time.Duration `koanf:"poll_interval" yaml:"poll_interval"`
 	InFlightTimeout time.Duration `koanf:"in_flight_timeout" yaml:"in_flight_timeout"`
 	MaxAttempts     int           `koanf:"max_attempts" yaml:"max_attempts"`
@@ -40,6 +46,8 @@ func DefaultConfig() Config {
 		Sink:            "log",
 		Relays:          1,
 		BatchSize:       100,
+		MaxInFlight:     64,
+		DetachAfter:     100 * time.Millisecond,
 		PollInterval:    time.Second,
 		InFlightTimeout: 30 * time.Second,
 		MaxAttempts:     3,
@@ -81,8 +89,10 @@ func (c Config) Validate() error {
 	for _, err := range []error{
 		between("relays", c.Relays, 1, 64),
 		between("batch_size", c.BatchSize, 1, 10000),
+		between("max_in_flight", c.MaxInFlight, 1, 10000),
 		between("max_attempts", c.MaxAttempts, 1, 1000),
 		atLeast("poll_interval", c.PollInterval, 10*time.Millisecond),
+		atLeast("detach_after", c.DetachAfter, time.Millisecond),
 		// The claim transaction lives at most this long; a second leaves
 		// room for one publish and the final write.
 		atLeast("in_flight_timeout", c.InFlightTimeout, time.Second),

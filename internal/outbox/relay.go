@@ -39,7 +39,8 @@ type Relay struct {
 	m          *metrics
 	lockSQL    string
 
-	wake []chan struct{} // one per loop; a token means "look again"
+	wake  []chan struct{} // one per loop; a token means "look again"
+	slots chan struct{}   // one token per publish in progress: max_in_flight
 
 	mu           sync.Mutex
 	started      bool
@@ -48,6 +49,7 @@ type Relay struct {
 	claimCtx     context.Context // cancelled when claiming stops
 	stopClaiming context.CancelFunc
 	loops        sync.WaitGroup
+	publishers   sync.WaitGroup // publish workers, detached ones included
 	background   sync.WaitGroup
 }
 
@@ -77,6 +79,7 @@ func NewRelay(pool *pgxpool.Pool, sink Sink, cfg Config, instanceID string, log 
 		m:          m,
 		lockSQL:    lockSQL(cfg.BlockOnDead),
 		wake:       make([]chan struct{}, cfg.Relays),
+		slots:      make(chan struct{}, cfg.MaxInFlight),
 	}
 	for i := range r.wake {
 		r.wake[i] = make(chan struct{}, 1)
@@ -122,7 +125,11 @@ func (r *Relay) Shutdown(ctx context.Context) error {
 	r.stopClaiming()
 	defer r.hardCancel()
 	done := make(chan struct{})
-	go func() { r.loops.Wait(); close(done) }()
+	go func() {
+		r.loops.Wait()
+		r.publishers.Wait() // detached publishes record their outcomes
+		close(done)
+	}()
 	var err error
 	select {
 	case <-done:
@@ -225,6 +232,10 @@ type outcomes struct {
 	at        []time.Time // when each was accepted, on the database clock
 	failed    []failure
 	handBack  []*claimedRow
+	detached  []*claimedRow // still being published: written IN_FLIGHT under token
+	token     string
+	settled   chan struct{} // closed once the outcomes are committed or rolled back
+	committed bool          // read after settled is closed
 }
 
 // runBatch claims one batch and publishes it. It returns the number of
@@ -259,7 +270,7 @@ func (r *Relay) runBatch(ctx context.Context, st *loopState) (int, error) {
 
 	out := r.publish(runs, claimedAt, skew)
 	out.claimed = n
-	st.pending = &out
+	st.pending = out
 	if r.claimCtx.Err() != nil {
 		r.settle(st) // stopping: commit now, there is no next claim
 	}
@@ -441,49 +452,6 @@ func (r *Relay) lockWindow(ctx context.Context, conn *pgx.Conn, cands []*candida
 	return runs, nil
 }
 
-// publish hands the claimed events to the sink, run by run (aggregate by
-// aggregate, oldest head first), each run in order. After a failure the
-// rest of the run is left alone: it must not overtake the failed event.
-func (r *Relay) publish(runs [][]claimedRow, claimedAt time.Time, skew time.Duration) outcomes {
-	// The claim transaction must end before the server's idle timeout
-	// (in_flight_timeout) kills it. Publishes are cancelled at 90% of it and
-	// start only in the first half of that (45%), so each gets at least as
-	// long again.
-	budget := r.cfg.InFlightTimeout - r.cfg.InFlightTimeout/10
-	lastStart := claimedAt.Add(budget / 2)
-	pctx, cancel := context.WithDeadline(r.hardCtx, claimedAt.Add(budget))
-	defer cancel()
-	var out outcomes
-	stopped := false
-	for _, run := range runs {
-		for i := range run {
-			ev := &run[i]
-			if !stopped && (r.claimCtx.Err() != nil || time.Now().After(lastStart)) {
-				stopped = true
-			}
-			if stopped {
-				out.handBack = append(out.handBack, ev)
-				continue
-			}
-			err := r.sink.Publish(pctx, ev.Event)
-			if err == nil {
-				out.published = append(out.published, ev)
-				out.at = append(out.at, time.Now().Add(skew))
-				continue
-			}
-			if r.hardCtx.Err() != nil {
-				// Cancelled by shutdown, not the sink's fault: no attempt used.
-				stopped = true
-				out.handBack = append(out.handBack, ev)
-				continue
-			}
-			out.failed = append(out.failed, r.classify(*ev, err))
-			break // the rest of this aggregate waits
-		}
-	}
-	return out
-}
-
 // classify turns a publish error into the event's next state.
 func (r *Relay) classify(ev claimedRow, err error) failure {
 	f := failure{ev: ev, err: err, status: StatusFailed}
@@ -517,6 +485,13 @@ func (r *Relay) queueFinish(b *pgx.Batch, out *outcomes) int {
 		}
 		b.Queue(markFailedSQL, tids, statuses, delays, errs, r.instanceID)
 	}
+	if len(out.detached) > 0 {
+		tids := make([]pgtype.TID, len(out.detached))
+		for i, ev := range out.detached {
+			tids[i] = ev.tid
+		}
+		b.Queue(markInFlightSQL, tids, r.cfg.InFlightTimeout.Milliseconds(), out.token)
+	}
 	var back []pgtype.TID
 	for _, ev := range out.handBack {
 		if ev.status != StatusPending {
@@ -534,7 +509,10 @@ func (r *Relay) queueFinish(b *pgx.Batch, out *outcomes) int {
 // or lost (the transaction rolled back: the rows stay as they were and the
 // published events will be published again, at least once).
 func (r *Relay) finished(conn *pgx.Conn, out *outcomes, err error) {
-	r.m.claimed.Sub(float64(out.claimed))
+	// Detached events stay claimed until their own outcome is written.
+	r.m.claimed.Sub(float64(out.claimed - len(out.detached)))
+	out.committed = err == nil
+	close(out.settled)
 	if err != nil {
 		rollback(conn)
 		if r.hardCtx.Err() == nil {

@@ -185,6 +185,34 @@ WHERE e.ctid = f.tid`
 UPDATE outbox_event SET status = 'PENDING', next_attempt_at = clock_timestamp()
 WHERE ctid = ANY($1::tid[])`
 
+	// A publish still outstanding when its batch commits (detach_after):
+	// the event is claimed by the batch's owner token ($3) until the
+	// visibility deadline, $2 ms from now, and the attempt is counted.
+	markInFlightSQL = `
+UPDATE outbox_event
+SET status = 'IN_FLIGHT', attempts = attempts + 1,
+    next_attempt_at = clock_timestamp() + $2 * interval '1 millisecond', claimed_by = $3
+WHERE ctid = ANY($1::tid[])`
+
+	// The outcome of a detached publish, written outside any batch with a
+	// compare-and-set on id, status, owner token ($2) and attempt ($3): if
+	// the claim expired and another relay took the event over, nothing
+	// changes. The attempt was already counted when the event was marked.
+	completePublishedSQL = `
+UPDATE outbox_event SET status = 'PUBLISHED', published_at = clock_timestamp(), claimed_by = $4
+WHERE id = $1 AND status = 'IN_FLIGHT' AND claimed_by = $2 AND attempts = $3`
+
+	completeFailedSQL = `
+UPDATE outbox_event
+SET status = $4, next_attempt_at = clock_timestamp() + $5 * interval '1 millisecond',
+    last_error = $6, claimed_by = $7
+WHERE id = $1 AND status = 'IN_FLIGHT' AND claimed_by = $2 AND attempts = $3`
+
+	// Cancelled by a hard stop: back to PENDING, the attempt not used.
+	completeHandBackSQL = `
+UPDATE outbox_event SET status = 'PENDING', attempts = attempts - 1, next_attempt_at = clock_timestamp(), claimed_by = NULL
+WHERE id = $1 AND status = 'IN_FLIGHT' AND claimed_by = $2 AND attempts = $3`
+
 	// Sets up the claim transaction and reads the database clock, which
 	// latency is measured on. The idle timeout is the server side of the
 	// visibility timeout (see Relay.claim). Generic plans: the claim
