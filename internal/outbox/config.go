@@ -104,8 +104,13 @@ func (c Config) Validate() error {
 			return err
 		}
 	}
-	// A claim transaction starts publishes only in the first 45% of
-	// in_flight_timeout and cancels them at 90%: a webhook publish must fit.
+	// Publishes start within detach_after of their claim and are cancelled
+	// at 90% of in_flight_timeout after it. With detach_after at most half
+	// of in_flight_timeout, 2.5 x webhook.timeout leaves every webhook
+	// publish its full timeout.
+	if c.DetachAfter > c.InFlightTimeout/2 {
+		return fmt.Errorf("outbox.detach_after=%s: want at most half of outbox.in_flight_timeout (%s)", c.DetachAfter, c.InFlightTimeout)
+	}
 	if c.Sink == "webhook" && c.InFlightTimeout < c.Webhook.Timeout*5/2 {
 		return fmt.Errorf("outbox.in_flight_timeout=%s: want at least 2.5 x outbox.webhook.timeout (%s), so a publish always has its full timeout",
 			c.InFlightTimeout, c.Webhook.Timeout)

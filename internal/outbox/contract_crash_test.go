@@ -40,7 +40,7 @@ func contractCrashConfig() outbox.Config {
 	// Publishes finish inside the batch transaction (none is detached), so
 	// the claims of the killed batch are its row locks, which die with the
 	// connection.
-	cfg.DetachAfter = cfg.InFlightTimeout
+	cfg.DetachAfter = cfg.InFlightTimeout / 2
 	return cfg
 }
 

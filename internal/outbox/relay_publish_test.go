@@ -8,6 +8,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
+
 	"worker/internal/pgtest"
 	"worker/internal/testkit"
 )
@@ -212,4 +214,38 @@ func TestRelayHungPublishHoldsBackOnlyItsAggregate(t *testing.T) {
 		t.Errorf("hung event published after %d attempts, want 2 (the hung one, then the retry)", attempts)
 	}
 	sink.checkOrder(t)
+}
+
+// TestRelayDetachedOutcomeNeedsItsClaim: a detached publish whose claim
+// was taken over meanwhile (another owner in claimed_by, as after an
+// expired visibility deadline) records nothing when it returns.
+func TestRelayDetachedOutcomeNeedsItsClaim(t *testing.T) {
+	t.Parallel()
+	db := pgtest.New(t)
+	id := appendEvent(t, db.Pool, "x", "slow")
+	sink := newConcurrencySink(1)
+	sink.hang = func(e Event) bool { return e.EventID == id }
+	reg := prometheus.NewRegistry()
+	startRelay(t, db.Pool, sink, testConfig(), reg)
+	testkit.Eventually(t, 10*time.Second, "the publish detached", func() bool { return statusOf(t, db.Pool, id) == StatusInFlight })
+	exec(t, db.Pool, `UPDATE outbox_event SET claimed_by = 'another-relay/1' WHERE event_id = $1`, id)
+	close(sink.release) // the call fails; its outcome must not be written
+	// The detached publish stops counting as claimed once it is done with
+	// its outcome, written or not.
+	testkit.Eventually(t, 10*time.Second, "the detached publish done", func() bool {
+		v, ok := testkit.Metric(t, reg, "outbox_claimed_events", nil)
+		sink.mu.Lock()
+		defer sink.mu.Unlock()
+		return ok && v == 0 && sink.inFlight == 0
+	})
+	var status, claimedBy string
+	var attempts int
+	if err := db.Pool.QueryRow(context.Background(),
+		`SELECT status, claimed_by, attempts FROM outbox_event WHERE event_id = $1`, id).Scan(&status, &claimedBy, &attempts); err != nil {
+		t.Fatal(err)
+	}
+	if status != StatusInFlight || claimedBy != "another-relay/1" || attempts != 1 {
+		t.Errorf("after a taken-over claim: status %s, claimed_by %q, attempts %d; want it left IN_FLIGHT for another-relay/1, 1 attempt",
+			status, claimedBy, attempts)
+	}
 }
