@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -370,7 +371,7 @@ func (r *Relay) claim(ctx context.Context, st *loopState) ([][]claimedRow, time.
 		st.widened = true // look again at once
 	case congested && blocked && time.Since(st.lookedBehind) >= r.cfg.PollInterval:
 		st.lookedBehind = time.Now()
-		more, err := r.lockBehind(ctx, conn, st, n-got)
+		more, err := r.lockBehind(ctx, conn, st, runs, n-got)
 		if err != nil {
 			return nil, 0, err
 		}
@@ -382,9 +383,11 @@ func (r *Relay) claim(ctx context.Context, st *loopState) ([][]claimedRow, time.
 }
 
 // lockBehind locks up to n heads of aggregates anywhere in the backlog,
-// visiting at most maxWindowFactor*n aggregates from where the last look
-// ended, so successive looks cover every aggregate in turn.
-func (r *Relay) lockBehind(ctx context.Context, conn *pgx.Conn, st *loopState, n int) ([][]claimedRow, error) {
+// visiting at most maxWindowFactor*batch_size aggregates from where the
+// last look ended, so successive looks cover every aggregate in turn. The
+// aggregates of runs, which this transaction already holds, are left out:
+// their heads would lock again (a transaction's own locks never skip).
+func (r *Relay) lockBehind(ctx context.Context, conn *pgx.Conn, st *loopState, runs [][]claimedRow, n int) ([][]claimedRow, error) {
 	visit := maxWindowFactor * r.cfg.BatchSize
 	heads, err := readWindow(conn.Query(ctx, aggregateHeadsSQL, st.behind.typ, st.behind.id, visit))
 	if err != nil {
@@ -394,6 +397,11 @@ func (r *Relay) lockBehind(ctx context.Context, conn *pgx.Conn, st *loopState, n
 	if len(heads) == visit {
 		st.behind = heads[len(heads)-1].key
 	}
+	held := make(map[aggregateKey]bool, len(runs))
+	for _, run := range runs {
+		held[aggregateKey{run[0].AggregateType, run[0].AggregateID}] = true
+	}
+	heads = slices.DeleteFunc(heads, func(h windowRow) bool { return held[h.key] })
 	return r.lockWindow(ctx, conn, candidates(heads), n)
 }
 
