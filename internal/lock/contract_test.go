@@ -30,7 +30,7 @@ type env struct {
 	// begin opens a transaction in the store's database for Fence (nil for
 	// the in-process store, which does not use it).
 	begin func(t *testing.T) pgx.Tx
-	logs        *testkit.LogBuffer
+	logs  *testkit.LogBuffer
 }
 
 func inProcessEnv(t *testing.T) *env {
