@@ -62,7 +62,10 @@ func InTx(ctx context.Context, pool *pgxpool.Pool, fn func(pgx.Tx) error) error 
 		// next user of this connection, so it is closed (which ends the
 		// transaction) instead of going back to the pool.
 		discard(ctx, tx)
-		return errors.Join(err, fmt.Errorf("transaction rolled back: %w", context.Cause(ctx)))
+		if err != nil {
+			return fmt.Errorf("transaction rolled back: %w (%v)", context.Cause(ctx), err)
+		}
+		return fmt.Errorf("transaction rolled back: %w", context.Cause(ctx))
 	}
 	if err != nil {
 		rollback(ctx, tx)
