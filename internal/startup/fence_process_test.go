@@ -23,7 +23,7 @@ import (
 // Serial: it pauses processes and needs the lease to expire on time; the
 // parallel tests would only stretch it.
 func TestPausedReplicaNeverCommitsAfterTakeover(t *testing.T) {
-	const cycles = 4
+	const cycles = 6
 	db := pgtest.New(t)
 	ctx := context.Background()
 	if _, err := db.Pool.Exec(ctx, `
@@ -35,7 +35,17 @@ BEGIN
   RETURN NULL;
 END $$;
 CREATE CONSTRAINT TRIGGER log_commit AFTER INSERT ON run_log DEFERRABLE INITIALLY DEFERRED
-  FOR EACH ROW WHEN (NEW.kind = 'end') EXECUTE FUNCTION log_commit();`); err != nil {
+  FOR EACH ROW WHEN (NEW.kind = 'end') EXECUTE FUNCTION log_commit();
+-- When each run started, as the scheduler recorded it under the lease:
+-- before the job's own transaction began.
+CREATE TABLE run_start (token bigint, started_at timestamptz);
+CREATE FUNCTION log_start() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+  INSERT INTO run_start VALUES (NEW.last_token, NEW.last_started_at);
+  RETURN NULL;
+END $$;
+CREATE TRIGGER log_start AFTER UPDATE ON job_state
+  FOR EACH ROW WHEN (NEW.last_outcome = 'running') EXECUTE FUNCTION log_start();`); err != nil {
 		t.Fatal(err)
 	}
 	cfg := configFile(t, `
@@ -109,8 +119,8 @@ jobs:
 		}
 	}
 	rows, err := db.Pool.Query(ctx, `
-SELECT c.token, c.committed_at, s.token, s.at
-  FROM commit_log c JOIN run_log s ON s.kind = 'start' AND s.token > c.token AND s.at < c.committed_at`)
+SELECT c.token, c.committed_at, s.token, s.started_at
+  FROM commit_log c JOIN run_start s ON s.token > c.token AND s.started_at < c.committed_at`)
 	if err != nil {
 		t.Fatal(err)
 	}
