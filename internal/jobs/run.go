@@ -288,7 +288,8 @@ func call(ctx context.Context, j Job) (stack []byte, err error) {
 func classify(ctx context.Context, err error, panicked, committed bool) (outcome, code string) {
 	cause := context.Cause(ctx)
 	switch {
-	case errors.Is(cause, lock.ErrLeaseLost) && (err != nil || !committed):
+	case errors.Is(cause, lock.ErrLeaseLost) && (err != nil || !committed),
+		errors.Is(err, lock.ErrLeaseLost): // a failed fence, before Lost reached ctx
 		// Even if the job returned nil: unless its writes committed under
 		// the fence, part of it may have run unprotected.
 		return OutcomeLeaseLost, obs.CodeOf(err)

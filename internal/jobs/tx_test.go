@@ -3,6 +3,7 @@ package jobs
 import (
 	"context"
 	"errors"
+	"fmt"
 	"testing"
 	"time"
 
@@ -165,6 +166,7 @@ func TestClassify(t *testing.T) {
 		{"lease lost, nothing committed", cancelled(lock.ErrLeaseLost), nil, false, OutcomeLeaseLost},
 		{"lease lost, rolled back", cancelled(lock.ErrLeaseLost), failed, false, OutcomeLeaseLost},
 		{"lease lost, a later step failed", cancelled(lock.ErrLeaseLost), failed, true, OutcomeLeaseLost},
+		{"fence failed, context not cancelled yet", context.Background(), fmt.Errorf("rolled back: %w", lock.ErrLeaseLost), false, OutcomeLeaseLost},
 		{"timeout", cancelled(errTimeout), failed, false, OutcomeTimeout},
 		{"finished just past the timeout", cancelled(errTimeout), nil, true, OutcomeSuccess},
 		{"shutdown", cancelled(errShutdown), failed, false, OutcomeCancelled},

@@ -68,9 +68,18 @@ jobs:
 		})
 	}
 
-	paused := map[int64]*proc{} // fencing token of the paused run -> its replica
-	var next int64                // token of the run that took over from the last paused one
-	for range cycles {
+	// A pause counts once it caught a run before its COMMIT. On a loaded
+	// machine the SIGSTOP may land after the COMMIT instead; that run is
+	// rightly a success (its commit preceded the takeover, which the check
+	// below verifies) and the test pauses another run.
+	var (
+		lost, missed int
+		next         int64 // token of the run after the last paused one
+	)
+	for attempt := 0; lost < cycles; attempt++ {
+		if attempt == 3*cycles {
+			t.Fatalf("only %d of %d pauses caught a run before its commit", lost, attempt)
+		}
 		var (
 			victim string
 			token  int64
@@ -94,7 +103,6 @@ jobs:
 		if err := p.cmd.Process.Signal(syscall.SIGCONT); err != nil {
 			t.Fatal(err)
 		}
-		paused[token] = p
 		testkit.Eventually(t, 20*time.Second, fmt.Sprintf("%s to end its paused run %d", victim, token), func() bool {
 			return runEnd(t, p, token) != nil
 		})
@@ -104,18 +112,19 @@ jobs:
 			var n int
 			return db.Pool.QueryRow(ctx, `SELECT count(*) FROM commit_log WHERE token = $1`, next).Scan(&n) == nil && n == 1
 		})
-	}
 
-	for token, p := range paused {
-		if got := runEnd(t, p, token)["outcome"]; got != "lease_lost" {
-			t.Errorf("paused run %d reported %v, want lease_lost", token, got)
-		}
 		var rows int
 		if err := db.Pool.QueryRow(ctx, `SELECT count(*) FROM run_log WHERE token = $1`, token).Scan(&rows); err != nil {
 			t.Fatal(err)
 		}
-		if rows != 0 {
-			t.Errorf("paused run %d committed %d rows after losing its lease", token, rows)
+		switch outcome := runEnd(t, p, token)["outcome"]; {
+		case rows == 0 && outcome == "lease_lost":
+			lost++
+		case rows == 2 && outcome == "success":
+			missed++
+		default:
+			t.Errorf("paused run %d reported %v with %d rows committed; want lease_lost and none (or success and both, had it committed before the pause)",
+				token, outcome, rows)
 		}
 	}
 	rows, err := db.Pool.Query(ctx, `
@@ -139,7 +148,7 @@ SELECT c.token, c.committed_at, s.token, s.started_at
 	if err := db.Pool.QueryRow(ctx, `SELECT count(*) FROM commit_log`).Scan(&committed); err != nil {
 		t.Fatal(err)
 	}
-	t.Logf("%d paused runs, %d committed runs", len(paused), committed)
+	t.Logf("%d runs paused before their commit rolled back; %d pauses came after the commit; %d runs committed", lost, missed, committed)
 	if committed < cycles {
 		t.Errorf("%d committed runs; want at least one after each paused run", committed)
 	}
