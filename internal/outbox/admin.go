@@ -110,36 +110,37 @@ type DeadEvent struct {
 	DeadAt        time.Time // when it went DEAD
 }
 
-// ListDead returns up to limit DEAD events, oldest first.
-func ListDead(ctx context.Context, pool *pgxpool.Pool, limit int) ([]DeadEvent, error) {
+// ListDead returns up to limit DEAD events, oldest first, and how many DEAD
+// events there are in all.
+func ListDead(ctx context.Context, pool *pgxpool.Pool, limit int) (list []DeadEvent, total int64, err error) {
 	if limit <= 0 {
-		return nil, fmt.Errorf("outbox: list dead: limit must be positive, got %d", limit)
+		return nil, 0, fmt.Errorf("outbox: list dead: limit must be positive, got %d", limit)
 	}
-	// next_attempt_at of a DEAD row is when it was marked dead.
+	// next_attempt_at of a DEAD row is when it was marked dead. The window
+	// count is taken before LIMIT, so it is the total.
 	rows, err := pool.Query(ctx, `
 SELECT id, event_id::text, aggregate_type, aggregate_id, event_type, payload, headers, occurred_at,
-       attempts, coalesce(last_error, ''), next_attempt_at
+       attempts, coalesce(last_error, ''), next_attempt_at, count(*) OVER ()
 FROM outbox_event WHERE status = 'DEAD'
 ORDER BY id LIMIT $1`, limit)
 	if err != nil {
-		return nil, err
+		return nil, 0, err
 	}
 	defer rows.Close()
-	var out []DeadEvent
 	for rows.Next() {
 		var d DeadEvent
 		var payload, headers []byte
 		if err := rows.Scan(&d.Seq, &d.EventID, &d.AggregateType, &d.AggregateID, &d.EventType, &payload, &headers,
-			&d.OccurredAt, &d.Attempts, &d.LastError, &d.DeadAt); err != nil {
-			return nil, err
+			&d.OccurredAt, &d.Attempts, &d.LastError, &d.DeadAt, &total); err != nil {
+			return nil, 0, err
 		}
 		d.Payload = payload
 		if d.Headers, err = decodeHeaders(headers); err != nil {
-			return nil, err
+			return nil, 0, err
 		}
-		out = append(out, d)
+		list = append(list, d)
 	}
-	return out, rows.Err()
+	return list, total, rows.Err()
 }
 
 // ErrNotDead is returned when the one event to retry or purge is not DEAD
