@@ -16,6 +16,7 @@ import (
 
 	"github.com/alecthomas/kong"
 	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"worker/internal/jobs"
@@ -185,6 +186,11 @@ func (c outboxEmitCmd) Run(e *cmdEnv) error {
 	return withPool(e, func(ctx context.Context, pool *pgxpool.Pool, _ *slog.Logger) error {
 		id, err := outbox.Emit(ctx, pool, outbox.NewEvent{AggregateType: c.AggregateType, AggregateID: c.AggregateID,
 			EventType: c.EventType, Payload: json.RawMessage(c.Payload)})
+		var pgErr *pgconn.PgError
+		if errors.As(err, &pgErr) && strings.HasPrefix(pgErr.Code, "23") {
+			// The table's constraints name the rule the event breaks.
+			return &usageError{msg: fmt.Sprintf("the event breaks a rule of outbox_event (%s): %s", pgErr.ConstraintName, pgErr.Message)}
+		}
 		if err != nil {
 			return err
 		}

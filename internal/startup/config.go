@@ -406,8 +406,11 @@ func defaultInstanceID() string {
 func earlyLogFormat(path string, environ []string) string {
 	valid := func(f string) bool { return f == "json" || f == "text" }
 	for _, kv := range slices.Backward(environ) {
-		if v, ok := strings.CutPrefix(kv, "APP_LOG_FORMAT="); ok && valid(v) {
-			return v
+		if v, ok := strings.CutPrefix(kv, "APP_LOG_FORMAT="); ok {
+			if valid(v) {
+				return v
+			}
+			return "json" // the environment wins over the file, even when wrong
 		}
 	}
 	if path == "" {

@@ -15,6 +15,8 @@ import (
 	"github.com/knadh/koanf/providers/file"
 	"github.com/knadh/koanf/v2"
 	yamlv3 "go.yaml.in/yaml/v3"
+
+	"worker/internal/jobs"
 )
 
 func writeFile(t *testing.T, body string) string {
@@ -276,6 +278,17 @@ func TestJobNamedLikeBuiltinIsConfigError(t *testing.T) {
 	_, err := LoadConfig(writeFile(t, "jobs:\n  - {name: outbox-reaper, kind: sql, sql: SELECT 1, delay: 1m}\n"), nil)
 	if ExitCode(err) != ExitConfig || !strings.Contains(err.Error(), "outbox-reaper") {
 		t.Fatalf("got exit %d: %v; want 78 naming the job", ExitCode(err), err)
+	}
+}
+
+// A configuration error keeps its cause: an invalid job definition still
+// reaches callers as a *jobs.DefinitionError.
+func TestConfigErrorKeepsItsCause(t *testing.T) {
+	t.Parallel()
+	_, err := LoadConfig(writeFile(t, "jobs:\n  - {name: a, kind: sql, sql: SELECT 1}\n"), nil)
+	var de *jobs.DefinitionError
+	if ExitCode(err) != ExitConfig || !errors.As(err, &de) || de.Key != "delay" {
+		t.Fatalf("got %v (exit %d), want exit 78 wrapping the definition error for delay", err, ExitCode(err))
 	}
 }
 

@@ -113,3 +113,22 @@ func TestDeadEventCommandsOnWhatIsThere(t *testing.T) {
 		t.Errorf("%d DEAD events left (%v), want the 3 untouched", dead, err)
 	}
 }
+
+// An event the table's constraints refuse is a bad argument (64) named by
+// the constraint, not an internal error.
+func TestEmitRefusedByAConstraintExits64(t *testing.T) {
+	t.Parallel()
+	db := pgtest.New(t)
+	if _, err := db.Pool.Exec(context.Background(),
+		`ALTER TABLE outbox_event ADD CONSTRAINT outbox_event_test_rule CHECK (aggregate_id <> 'forbidden')`); err != nil {
+		t.Fatal(err)
+	}
+	p := startWorker(t, []string{"APP_DATABASE_URL=" + db.URL},
+		"outbox", "emit", "--aggregate-type", "order", "--aggregate-id", "forbidden", "--event-type", "order.paid")
+	if code := p.exitCode(t, 15*time.Second); code != 64 {
+		t.Fatalf("exit %d, want 64", code)
+	}
+	if out := p.out.String(); !strings.Contains(out, "breaks a rule of outbox_event (outbox_event_test_rule)") {
+		t.Errorf("message should name the constraint:\n%s", out)
+	}
+}

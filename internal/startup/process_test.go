@@ -308,6 +308,11 @@ func TestPortInUseExits71(t *testing.T) {
 func TestFatalErrorIsOneLogLine(t *testing.T) {
 	t.Parallel()
 	textFile := configFile(t, "log:\n  format: text\n")
+	taken, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { taken.Close() })
 	cases := []struct {
 		name string
 		env  []string
@@ -317,7 +322,10 @@ func TestFatalErrorIsOneLogLine(t *testing.T) {
 		{"config error, default format", []string{"APP_OUTBOX_BATCH_SIZE=-1"}, false, 78},
 		{"config error, text from the environment", []string{"APP_OUTBOX_BATCH_SIZE=-1", "APP_LOG_FORMAT=text"}, true, 78},
 		{"config error, text from the file", []string{"APP_OUTBOX_BATCH_SIZE=-1", "APP_CONFIG_FILE=" + textFile}, true, 78},
+		{"config error, invalid format in the environment", []string{"APP_OUTBOX_BATCH_SIZE=-1", "APP_LOG_FORMAT=xml", "APP_CONFIG_FILE=" + textFile}, false, 78},
 		{"unsafe setup", []string{"APP_MULTI_INSTANCE_ENABLED=true"}, false, 72},
+		{"port in use", []string{"APP_HTTP_ADDR=" + taken.Addr().String()}, false, 71},
+		{"port in use, text", []string{"APP_HTTP_ADDR=" + taken.Addr().String(), "APP_LOG_FORMAT=text"}, true, 71},
 		{"database unreachable", []string{"APP_DATABASE_URL=postgres://127.0.0.1:1/x", "APP_DATABASE_CONNECT_TIMEOUT=1s", "APP_LOG_LEVEL=error"}, false, 69},
 	}
 	for _, c := range cases {
