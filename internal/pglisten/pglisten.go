@@ -21,7 +21,7 @@ const DefaultIdle = 15 * time.Second
 // connectTimeout bounds the connect and the LISTEN statement.
 const connectTimeout = 10 * time.Second
 
-// Listener names one Run loop and says what it wakes.
+// Listener describes a LISTEN session that Run keeps alive.
 type Listener struct {
 	Name    string // for log lines, e.g. "lock listener"
 	Config  *pgx.ConnConfig

@@ -8,7 +8,7 @@ import (
 // Exit codes (sysexits), as documented in the README.
 const (
 	ExitOK          = 0
-	ExitInterrupted = 1  // a second signal during shutdown
+	ExitInterrupted = 1  // a second signal during shutdown, or a signal to an operator command
 	ExitUsage       = 64 // bad command line or argument
 	ExitNoInput     = 66 // a named item (event, database) does not exist
 	ExitUnavailable = 69 // a dependency unreachable at start
@@ -33,6 +33,8 @@ func ExitCode(err error) int {
 	switch {
 	case err == nil:
 		return ExitOK
+	case errors.Is(err, errInterrupted):
+		return ExitInterrupted
 	case errors.As(err, &ce):
 		return ExitConfig
 	case errors.As(err, &se):
@@ -117,6 +119,10 @@ type UnavailableError struct {
 
 func (e *UnavailableError) Error() string { return e.Msg }
 func (e *UnavailableError) Unwrap() error { return e.Err }
+
+// errInterrupted is an operator command stopped by SIGINT or SIGTERM before
+// it finished: exit 1.
+var errInterrupted = errors.New("interrupted by a signal before the command finished")
 
 // usageError is a bad command line or argument: exit 64.
 type usageError struct{ msg string }

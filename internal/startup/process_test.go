@@ -369,3 +369,22 @@ func TestMigrateCommandIsIdempotent(t *testing.T) {
 		t.Fatalf("pending=%v err=%v", pending, err)
 	}
 }
+
+// Ctrl-C on an operator command that waits for the database stops it with
+// exit 1, not as an internal error.
+func TestInterruptedOperatorCommandExits1(t *testing.T) {
+	t.Parallel()
+	p := startWorker(t, []string{"APP_DATABASE_URL=postgres://127.0.0.1:1/x", "APP_DATABASE_CONNECT_TIMEOUT=5m"}, "outbox", "stats")
+	testkit.Eventually(t, 10*time.Second, "the command to wait for the database", func() bool {
+		return strings.Contains(p.out.String(), "database not reachable yet")
+	})
+	if err := p.cmd.Process.Signal(syscall.SIGINT); err != nil {
+		t.Fatal(err)
+	}
+	if code := p.exitCode(t, 10*time.Second); code != 1 {
+		t.Fatalf("exit %d, want 1", code)
+	}
+	if !strings.Contains(p.out.String(), "interrupted by a signal") {
+		t.Errorf("message should say it was interrupted:\n%s", p.out.String())
+	}
+}

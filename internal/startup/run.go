@@ -212,11 +212,13 @@ func withPool(e *cmdEnv, f func(ctx context.Context, pool *pgxpool.Pool, log *sl
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
 	defer stop()
 	pool, err := connectDB(ctx, cfg, log)
-	if err != nil {
-		return err
+	if err == nil {
+		defer pool.Close()
+		err = f(ctx, pool, log)
 	}
-	defer pool.Close()
-	err = f(ctx, pool, log)
+	if err != nil && ctx.Err() != nil {
+		return fmt.Errorf("%w: %w", errInterrupted, err)
+	}
 	var pgErr *pgconn.PgError
 	if errors.As(err, &pgErr) && pgErr.Code == "42P01" { // undefined_table
 		return &NotFoundError{Err: err, Msg: fmt.Sprintf("database %s has no worker tables (%s); run `worker migrate` or check APP_DATABASE_URL",
