@@ -45,8 +45,12 @@ func (r *Relay) refreshMetrics() {
 	}
 }
 
+// gaugesSQL counts rows and measures lag. The lag skips an infinite
+// occurred_at (PostgreSQL cannot subtract it, and the relay dead-letters
+// such rows) and reads 0 for one in the future.
 const gaugesSQL = `
-SELECT status, event_type, count(*), extract(epoch FROM now() - min(occurred_at))::float8
+SELECT status, event_type, count(*),
+       greatest(extract(epoch FROM now() - min(occurred_at) FILTER (WHERE isfinite(occurred_at))), 0)::float8
 FROM outbox_event WHERE ` + unfinished + `
 GROUP BY status, event_type
 UNION ALL
