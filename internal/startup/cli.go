@@ -186,9 +186,14 @@ func (c outboxEmitCmd) Run(e *cmdEnv) error {
 	return withPool(e, func(ctx context.Context, pool *pgxpool.Pool, _ *slog.Logger) error {
 		id, err := outbox.Emit(ctx, pool, outbox.NewEvent{AggregateType: c.AggregateType, AggregateID: c.AggregateID,
 			EventType: c.EventType, Payload: json.RawMessage(c.Payload)})
+		// The producer rules, checked before the insert, and any other
+		// constraint of the table name the rule the event breaks.
+		var ruleErr *outbox.RuleError
 		var pgErr *pgconn.PgError
-		if errors.As(err, &pgErr) && strings.HasPrefix(pgErr.Code, "23") {
-			// The table's constraints name the rule the event breaks.
+		switch {
+		case errors.As(err, &ruleErr):
+			return &usageError{msg: fmt.Sprintf("the event breaks a rule of outbox_event (%s): %s", ruleErr.Constraint, ruleErr.Problem)}
+		case errors.As(err, &pgErr) && strings.HasPrefix(pgErr.Code, "23"):
 			return &usageError{msg: fmt.Sprintf("the event breaks a rule of outbox_event (%s): %s", pgErr.ConstraintName, pgErr.Message)}
 		}
 		if err != nil {

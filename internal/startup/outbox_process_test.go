@@ -132,3 +132,16 @@ func TestEmitRefusedByAConstraintExits64(t *testing.T) {
 		t.Errorf("message should name the constraint:\n%s", out)
 	}
 }
+
+func TestEmitBreakingAProducerRuleExits64(t *testing.T) {
+	t.Parallel()
+	db := pgtest.New(t)
+	p := startWorker(t, []string{"APP_DATABASE_URL=" + db.URL},
+		"outbox", "emit", "--aggregate-type", "order", "--aggregate-id", strings.Repeat("x", 600), "--event-type", "order.paid")
+	if code := p.exitCode(t, 15*time.Second); code != 64 {
+		t.Fatalf("exit %d, want 64", code)
+	}
+	if out := p.out.String(); !strings.Contains(out, "breaks a rule of outbox_event (outbox_event_aggregate_id_length)") {
+		t.Errorf("message should name the rule:\n%s", out)
+	}
+}
