@@ -490,6 +490,26 @@ func TestPostgresFailedReleaseStillReportsLoss(t *testing.T) {
 	})
 }
 
+// fencedTx takes key "k" with a 1s ttl from l and opens a transaction on
+// db that has passed the lease's fence.
+func fencedTx(t *testing.T, db *pgtest.DB, l Locker) (Lease, pgx.Tx) {
+	t.Helper()
+	ctx := testCtx(t)
+	lease, err := l.TryAcquire(ctx, "k", 0, time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	tx, err := db.Pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = tx.Rollback(context.Background()) })
+	if err := lease.Fence(ctx, tx); err != nil {
+		t.Fatal(err)
+	}
+	return lease, tx
+}
+
 // A fenced transaction keeps its lease until it ends: a takeover of the
 // expired grant waits on the row lock for the COMMIT, so it cannot slip in
 // between the fence and the commit. The grant it then makes starts after
@@ -498,19 +518,7 @@ func TestPostgresFenceHoldsOffTakeoverUntilCommit(t *testing.T) {
 	t.Parallel()
 	db := pgtest.New(t)
 	ctx := testCtx(t)
-	holder := newPostgres(t, db, nil, WithoutHeartbeat())
-	lease, err := holder.TryAcquire(ctx, "k", 0, time.Second)
-	if err != nil {
-		t.Fatal(err)
-	}
-	tx, err := db.Pool.Begin(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer tx.Rollback(ctx)
-	if err := lease.Fence(ctx, tx); err != nil {
-		t.Fatal(err)
-	}
+	lease, tx := fencedTx(t, db, newPostgres(t, db, nil, WithoutHeartbeat()))
 	type grant struct {
 		lease Lease
 		err   error
@@ -561,19 +569,8 @@ func TestPostgresFencedTransactionIdleIsBounded(t *testing.T) {
 	t.Parallel()
 	db := pgtest.New(t)
 	ctx := testCtx(t)
-	lease, err := newPostgres(t, db, nil).TryAcquire(ctx, "k", 0, time.Second)
-	if err != nil {
-		t.Fatal(err)
-	}
+	lease, tx := fencedTx(t, db, newPostgres(t, db, nil))
 	defer lease.Release(ctx)
-	tx, err := db.Pool.Begin(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer tx.Rollback(ctx)
-	if err := lease.Fence(ctx, tx); err != nil {
-		t.Fatal(err)
-	}
 	pid := tx.Conn().PgConn().PID()
 	testkit.Eventually(t, 10*time.Second, "the server to end the idle fenced transaction", func() bool {
 		var alive bool
