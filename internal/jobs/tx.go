@@ -8,7 +8,6 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 )
 
@@ -17,8 +16,6 @@ const (
 	// context the run's cancellation does not reach: once the fence holds
 	// the lease, committing is safe, and the run must learn whether it did.
 	commitTimeout = 5 * time.Second
-	// cancelRequestTimeout bounds the delivery of a cancel request.
-	cancelRequestTimeout = 5 * time.Second
 )
 
 // errNoRun: InTx was called with a context that is not a job run's.
@@ -37,9 +34,9 @@ var errNoRun = errors.New("jobs: InTx needs the context of a job run, whose leas
 //     lock.ErrLeaseLost. So a run that lost its lease (a pause, a network
 //     cut) never commits after another replica took the job over.
 //   - If the run's context is cancelled (timeout, lease lost, shutdown)
-//     before the COMMIT, the statement running on the server is cancelled
-//     there too, InTx returns once the cancel request was delivered, and
-//     nothing commits.
+//     during a statement, pgx abandons the connection and sends the server a
+//     cancel request, so the statement stops there too, and nothing
+//     commits.
 //   - A COMMIT that succeeded counts: the run's outcome is success even if
 //     the lease is lost afterwards (a warning is logged).
 //
@@ -55,20 +52,11 @@ func InTx(ctx context.Context, pool *pgxpool.Pool, fn func(pgx.Tx) error) error 
 	if err != nil {
 		return err
 	}
-	stop := forwardCancel(ctx, tx.Conn().PgConn())
-	err = fencedWork(ctx, tx, ri, fn)
-	if stop() {
-		// The server was told to cancel; a late cancel must not hit the
-		// next user of this connection, so it is closed (which ends the
-		// transaction) instead of going back to the pool.
-		discard(ctx, tx)
-		if err != nil {
-			return fmt.Errorf("transaction rolled back: %w (%v)", context.Cause(ctx), err)
-		}
-		return fmt.Errorf("transaction rolled back: %w", context.Cause(ctx))
-	}
-	if err != nil {
+	if err := fencedWork(ctx, tx, ri, fn); err != nil {
 		rollback(ctx, tx)
+		if cause := context.Cause(ctx); cause != nil {
+			return fmt.Errorf("transaction rolled back: %w (%w)", cause, err)
+		}
 		return err
 	}
 	cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), commitTimeout)
@@ -98,31 +86,6 @@ func fencedWork(ctx context.Context, tx pgx.Tx, ri *runInfo, fn func(pgx.Tx) err
 	return ri.lease.Fence(ctx, tx)
 }
 
-// forwardCancel makes a cancellation of ctx cancel the statement conn is
-// running on the server too. On its own, pgx answers a cancelled context
-// by abandoning the connection and sends the cancel request from a
-// background goroutine, which a worker that is exiting may never run; the
-// statement (a pg_sleep(60), a long UPDATE) would then keep running, and
-// holding its locks, after the worker is gone. stop ends the forwarding and
-// reports whether ctx was cancelled meanwhile; it then returns only after
-// the cancel request was delivered (or cancelRequestTimeout).
-func forwardCancel(ctx context.Context, conn *pgconn.PgConn) (stop func() (cancelled bool)) {
-	sent := make(chan struct{})
-	stopAfter := context.AfterFunc(ctx, func() {
-		defer close(sent)
-		rctx, cancel := context.WithTimeout(context.Background(), cancelRequestTimeout)
-		defer cancel()
-		_ = conn.CancelRequest(rctx) // best effort: the statement_timeout is the backstop
-	})
-	return func() bool {
-		if stopAfter() {
-			return false
-		}
-		<-sent
-		return true
-	}
-}
-
 // rollback ends tx on a context the run's cancellation does not reach, so
 // the connection goes back to the pool clean. (pgx closes it if the
 // rollback fails.)
@@ -130,13 +93,4 @@ func rollback(ctx context.Context, tx pgx.Tx) {
 	rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), commitTimeout)
 	defer cancel()
 	_ = tx.Rollback(rctx)
-}
-
-// discard closes tx's connection, which ends the transaction on the
-// server, and hands it back to the pool, which drops it.
-func discard(ctx context.Context, tx pgx.Tx) {
-	cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), commitTimeout)
-	defer cancel()
-	_ = tx.Conn().Close(cctx)
-	_ = tx.Rollback(cctx) // returns the closed connection to the pool
 }
