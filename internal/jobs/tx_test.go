@@ -117,7 +117,7 @@ func TestInTxNeedsARun(t *testing.T) {
 }
 
 // A run's context cancelled mid-statement stops the statement on the
-// server, nothing commits, and the connection is not reused.
+// server, and nothing commits.
 func TestInTxCancelStopsStatementOnServer(t *testing.T) {
 	t.Parallel()
 	db := pgtest.New(t)
