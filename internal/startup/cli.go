@@ -9,7 +9,6 @@ import (
 	"log/slog"
 	"os"
 	"os/user"
-	"runtime/debug"
 	"strings"
 	"text/tabwriter"
 	"time"
@@ -105,15 +104,8 @@ func parseArgs(p *kong.Kong, args []string) (kctx *kong.Context, err error) {
 type versionCmd struct{}
 
 func (versionCmd) Run(e *cmdEnv) error {
-	v := Version
-	if bi, ok := debug.ReadBuildInfo(); ok && v == "dev" {
-		for _, s := range bi.Settings {
-			if s.Key == "vcs.revision" {
-				v = "dev-" + s.Value
-			}
-		}
-	}
-	fmt.Fprintln(e.Stdout, "worker", v)
+	b := currentBuild()
+	fmt.Fprintln(e.Stdout, "worker", b.version, "revision", b.revision, b.goVersion)
 	return nil
 }
 

@@ -38,6 +38,7 @@ func (runCmd) Run(e *cmdEnv) error {
 	if err != nil {
 		return err
 	}
+	logStartup(log, cfg, configFile(e.ConfigPath))
 	if err := CheckLockProvider(cfg); err != nil {
 		log.Error("refusing to start", "error", err)
 		return err
@@ -61,6 +62,7 @@ func (runCmd) Run(e *cmdEnv) error {
 
 	reg := obs.NewRegistry()
 	ready := &readiness{}
+	registerOpsMetrics(reg, ready)
 	srv := newOpsServer(cfg.HTTP.Addr, reg, ready)
 	ln, err := listen(srv)
 	if err != nil {
