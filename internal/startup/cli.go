@@ -52,7 +52,8 @@ type cli struct {
 			Purge outboxDeadPurgeCmd `cmd:"" help:"Delete DEAD events for good."`
 		} `cmd:"" help:"Inspect, requeue or delete dead-lettered events."`
 	} `cmd:"" help:"Operate the transactional outbox."`
-	Version versionCmd `cmd:"" help:"Print the version and exit."`
+	Healthcheck healthcheckCmd `cmd:"" help:"Exit 0 if the local worker's /readyz answers 200, 1 otherwise (for a container HEALTHCHECK)."`
+	Version     versionCmd     `cmd:"" help:"Print the version and exit."`
 }
 
 // Main parses args, runs the chosen command and returns the exit code.

@@ -6,6 +6,7 @@ import "errors"
 const (
 	ExitOK          = 0
 	ExitInterrupted = 1  // a second signal during shutdown
+	ExitUnhealthy   = 1  // worker healthcheck: the local worker is not ready
 	ExitUsage       = 64 // bad command line
 	ExitUnavailable = 69 // a dependency unreachable at start
 	ExitInternal    = 70
@@ -19,10 +20,13 @@ func ExitCode(err error) int {
 		ue *UnavailableError
 		se *SafetyError
 		us *usageError
+		uh *unhealthyError
 	)
 	switch {
 	case err == nil:
 		return ExitOK
+	case errors.As(err, &uh):
+		return ExitUnhealthy
 	case isConfigError(err):
 		return ExitConfig
 	case errors.As(err, &se):
