@@ -40,7 +40,6 @@ func (runCmd) Run(e *cmdEnv) error {
 	if err != nil {
 		return err
 	}
-	logStartup(log, cfg, configFile(e.ConfigPath))
 	if err := CheckLockProvider(cfg); err != nil {
 		return err
 	}
@@ -69,6 +68,9 @@ func (runCmd) Run(e *cmdEnv) error {
 	if err != nil {
 		return &OSError{Err: err, Msg: fmt.Sprintf("ops HTTP server on %s (APP_HTTP_ADDR): %v", cfg.HTTP.Addr, err)}
 	}
+	// After the checks that fail at once, which log their one fatal line
+	// alone.
+	logStartup(log, cfg, configFile(e.ConfigPath))
 	go func() {
 		if err := srv.Serve(ln); err != nil && !errors.Is(err, http.ErrServerClosed) {
 			log.Error("ops HTTP server stopped", "error", err)
