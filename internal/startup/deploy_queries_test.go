@@ -330,8 +330,7 @@ func (q query) check(have exported, recorded map[string][]string) []string {
 		return []string{fmt.Sprintf("%s: %v", q.where, err)}
 	}
 	var problems []string
-	// labelsOf returns the labels the selectors under n can carry, or why
-	// one of them names an unknown metric.
+	// labelsOf returns the labels the selectors under n can carry.
 	labelsOf := func(n parser.Node) []string {
 		labels := slices.Clone(targetLabels)
 		parser.Inspect(n, func(n parser.Node, _ []parser.Node) error {
