@@ -96,7 +96,11 @@ func (r *Relay) work(ctx context.Context, b *batch, skew time.Duration) {
 				<-r.slots
 				break
 			}
-			o := r.outcome(*ev, r.sink.Publish(ctx, ev.Event), skew)
+			err := ev.unreadable // permanent: DEAD without reaching the sink
+			if err == nil {
+				err = r.sink.Publish(ctx, ev.Event)
+			}
+			o := r.outcome(*ev, err, skew)
 			<-r.slots
 			if b.end(run, o) {
 				r.complete(b, *ev, o)

@@ -537,7 +537,7 @@ func (r *Relay) record(out *outcomes) {
 	counts := map[string]int{}
 	for i, ev := range out.published {
 		counts[ev.EventType]++
-		r.m.latency.Observe(out.at[i].Sub(ev.OccurredAt).Seconds())
+		r.m.observeLatency(out.at[i].Sub(ev.OccurredAt))
 	}
 	for t, n := range counts {
 		r.m.published.WithLabelValues(r.m.eventType(t)).Add(float64(n))
