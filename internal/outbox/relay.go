@@ -509,6 +509,16 @@ func (r *Relay) queueFinish(b *pgx.Batch, out *outcomes) int {
 	if len(back) > 0 {
 		b.Queue(handBackSQL, back)
 	}
+	if len(out.detached) == 0 {
+		// The commit travels with the next claim, so its WAL flush would
+		// delay that claim's window. Losing it in a server crash only
+		// means publishing its events again (at least once), in order: WAL
+		// is replayed in order, so a later batch's outcomes never survive
+		// an earlier one's. Not so for IN_FLIGHT marks: a lost one would
+		// let another relay publish the event while it is still being
+		// published, so those commits wait for the flush.
+		b.Queue("SET LOCAL synchronous_commit = off")
+	}
 	b.Queue("COMMIT")
 	return b.Len()
 }
