@@ -27,10 +27,12 @@ const NotifyChannel = "outbox_event"
 const finishTimeout = 5 * time.Second
 
 // Relay publishes outbox events to a sink. It runs cfg.Relays loops; each
-// loop claims a batch by locking rows in a transaction, publishes them in
-// order, records every outcome and commits. The row locks are the claim:
-// other relays skip them, and if this process dies the database drops them
-// at once, so the rows are immediately claimable again.
+// loop claims a batch by locking rows in a transaction, publishes it
+// (different aggregates at once, each aggregate in order), records every
+// outcome and commits. The row locks are the claim: other relays skip
+// them, and if this process dies the database drops them at once, so the
+// rows are immediately claimable again. A publish still outstanding after
+// detach_after is marked IN_FLIGHT and finishes on its own (publish.go).
 type Relay struct {
 	pool       *pgxpool.Pool
 	sink       Sink
