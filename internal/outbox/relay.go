@@ -281,8 +281,8 @@ func (r *Relay) runBatch(ctx context.Context, st *loopState) (int, error) {
 }
 
 // claim commits the previous batch's outcomes, opens the batch transaction
-// and locks a batch: heads from the window and their runs, topped up by the
-// gated claim when the window is congested. It returns the runs to
+// and locks a batch: heads from the window and their runs, topped up by
+// heads from behind the window when it is blocked. It returns the runs to
 // publish, oldest head first, and the database clock minus ours.
 func (r *Relay) claim(ctx context.Context, st *loopState) ([][]claimedRow, time.Duration, error) {
 	n := r.cfg.BatchSize
@@ -299,7 +299,7 @@ func (r *Relay) claim(ctx context.Context, st *loopState) ([][]claimedRow, time.
 		finishing = r.queueFinish(b, fin)
 		// The previous batch's outcomes must be written even if claiming
 		// stops meanwhile. Only this round trip is bound by the finish
-		// timeout; the locks below may take longer (a gated scan).
+		// timeout; the locks below may take longer.
 		var cancel context.CancelFunc
 		sendCtx, cancel = context.WithTimeout(context.WithoutCancel(ctx), finishTimeout)
 		defer cancel()
