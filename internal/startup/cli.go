@@ -53,6 +53,7 @@ type cli struct {
 			Purge outboxDeadPurgeCmd `cmd:"" help:"Delete DEAD events for good."`
 		} `cmd:"" help:"Inspect, requeue or delete dead-lettered events."`
 	} `cmd:"" help:"Operate the transactional outbox."`
+	Tasks   tasksCmd   `cmd:"" help:"Operate background tasks (River)."`
 	Version versionCmd `cmd:"" help:"Print the version and exit."`
 }
 

@@ -1,15 +1,21 @@
 package startup
 
-import "errors"
+import (
+	"errors"
+
+	"worker/internal/obs"
+)
 
 // Exit codes (sysexits), as documented in the README.
 const (
 	ExitOK          = 0
 	ExitInterrupted = 1  // a second signal during shutdown
 	ExitUsage       = 64 // bad command line
+	ExitNoInput     = 66 // a named item does not exist
 	ExitUnavailable = 69 // a dependency unreachable at start
 	ExitInternal    = 70
 	ExitUnsafe      = 72 // multi-instance without a shared lock provider
+	ExitTempFail    = 75 // refused for now (a full task queue); retry later
 	ExitConfig      = 78 // invalid configuration
 )
 
@@ -19,6 +25,7 @@ func ExitCode(err error) int {
 		ue *UnavailableError
 		se *SafetyError
 		us *usageError
+		nf *notFoundError
 	)
 	switch {
 	case err == nil:
@@ -31,6 +38,10 @@ func ExitCode(err error) int {
 		return ExitUnavailable
 	case errors.As(err, &us):
 		return ExitUsage
+	case errors.As(err, &nf):
+		return ExitNoInput
+	case obs.CodeOf(err) == obs.CodeJobExecutorRejected:
+		return ExitTempFail
 	}
 	return ExitInternal
 }
@@ -38,3 +49,7 @@ func ExitCode(err error) int {
 type usageError struct{ msg string }
 
 func (e *usageError) Error() string { return e.msg }
+
+type notFoundError struct{ msg string }
+
+func (e *notFoundError) Error() string { return e.msg }

@@ -61,7 +61,13 @@ func (runCmd) Run(e *cmdEnv) error {
 
 	reg := obs.NewRegistry()
 	ready := &readiness{}
-	srv := newOpsServer(cfg.HTTP.Addr, reg, ready)
+	var ui *uiMount
+	var uiHandler http.Handler
+	if cfg.UI.Enabled {
+		ui = &uiMount{}
+		uiHandler = basicAuth(cfg.UI.Username, cfg.UI.Password, ui)
+	}
+	srv := newOpsServer(cfg.HTTP.Addr, reg, ready, uiHandler)
 	ln, err := listen(srv)
 	if err != nil {
 		return fmt.Errorf("ops HTTP server on %s (APP_HTTP_ADDR): %w", cfg.HTTP.Addr, err)
@@ -112,6 +118,13 @@ func (runCmd) Run(e *cmdEnv) error {
 	if err != nil {
 		return err
 	}
+	if ui != nil {
+		part, err := ui.attach(pool, log)
+		if err != nil {
+			return fmt.Errorf("river UI: %w", err)
+		}
+		parts = append(parts, part)
+	}
 	// Components get a context that SIGTERM does not cancel: for the outbox
 	// relay, cancelling Start's ctx is a hard stop that cuts off publishes in
 	// flight. SIGTERM reaches them through Shutdown, which gives in-flight
@@ -155,7 +168,7 @@ func shutdownAll(parts []component, budget time.Duration, log *slog.Logger) {
 }
 
 func newLogger(e *cmdEnv, cfg *Config) (*slog.Logger, error) {
-	log, err := obs.NewLogger(e.Stderr, cfg.Log.Format, cfg.Log.Level, cfg.Instance.ID, cfg.Database.URL, cfg.Outbox.Webhook.Secret)
+	log, err := obs.NewLogger(e.Stderr, cfg.Log.Format, cfg.Log.Level, cfg.Instance.ID, cfg.Database.URL, cfg.Outbox.Webhook.Secret, cfg.UI.Password)
 	if err != nil {
 		return nil, configErrorf("%v", err)
 	}
