@@ -5,8 +5,9 @@
 --   SELECT worker_enqueue('send-receipt', '{"order": 42}'::jsonb,
 --                         metadata => '{"request_id": "..."}');
 --
--- which inserts the same river_job row River's own insert (InsertTx) would,
--- and the same insert notification, so a worker replica runs the task once
+-- which inserts the same river_job row River's own insert (InsertTx) would
+-- (its times from the database's clock rather than the producer's), and the
+-- same insert notification, so a worker replica runs the task once
 -- the transaction commits. River's tables are created by rivermigrate after
 -- these migrations; PL/pgSQL resolves them when the function first runs.
 
@@ -74,6 +75,9 @@ DECLARE
     admitted record;
     job_state text;
     job_id    bigint;
+    -- River's Go insert stamps created_at and scheduled_at with the
+    -- inserting process's clock at the insert; this is the database's.
+    inserted  timestamptz := clock_timestamp();
 BEGIN
     -- River's insert rules (insertParamsFromConfigArgsAndOptions).
     IF coalesce(kind, '') = '' THEN
@@ -101,9 +105,9 @@ BEGIN
     SELECT * INTO admitted FROM worker_task_admit(kind, queue, max_attempts);
     job_state := CASE WHEN scheduled_at IS NULL THEN 'available' ELSE 'scheduled' END;
 
-    INSERT INTO river_job (args, kind, max_attempts, metadata, priority, queue, scheduled_at, state, tags)
-    VALUES (worker_enqueue.args, worker_enqueue.kind, admitted.max_attempts, worker_enqueue.metadata,
-            worker_enqueue.priority, admitted.queue, coalesce(worker_enqueue.scheduled_at, now()), job_state::river_job_state,
+    INSERT INTO river_job (args, created_at, kind, max_attempts, metadata, priority, queue, scheduled_at, state, tags)
+    VALUES (worker_enqueue.args, inserted, worker_enqueue.kind, admitted.max_attempts, worker_enqueue.metadata,
+            worker_enqueue.priority, admitted.queue, coalesce(worker_enqueue.scheduled_at, inserted), job_state::river_job_state,
             worker_enqueue.tags::varchar(255)[])
     RETURNING id INTO job_id;
 

@@ -94,8 +94,10 @@ func New(opts Options) (*Runtime, error) {
 		return rt, nil // River refuses to run without a worker; nothing to run
 	}
 	client, err := river.NewClient(riverpgxv5.New(pool), &river.Config{
-		ID:          opts.InstanceID,
-		Logger:      log, // never River's default, which writes text to stdout
+		ID: opts.InstanceID,
+		// The worker's logger, never River's default, which writes text to
+		// stdout (where the log sink writes events).
+		Logger:      slog.New(warnAndAbove{log.Handler()}),
 		MaxAttempts: cfg.MaxAttempts,
 		// The observer applies each kind's timeout, so it can tell a
 		// timeout from other errors; River adds none of its own.
@@ -169,6 +171,7 @@ func (r *Runtime) Start(ctx context.Context) error {
 	if err := r.client.Start(ctx); err != nil {
 		return fmt.Errorf("tasks: start River: %w", err)
 	}
+	r.log.Info("tasks started", "queues", r.cfg.QueueNames(), "kinds", r.cfg.KindNames())
 	return nil
 }
 
@@ -212,4 +215,21 @@ func publishConfig(ctx context.Context, pool *pgxpool.Pool, cfg *Config) error {
 		}
 		return tx.SendBatch(ctx, b).Close()
 	})
+}
+
+// warnAndAbove keeps River's own log lines at warning and above. River logs
+// every retry and discard at info, without the task's propagated context;
+// the observer logs those, with it.
+type warnAndAbove struct{ slog.Handler }
+
+func (h warnAndAbove) Enabled(ctx context.Context, l slog.Level) bool {
+	return l >= slog.LevelWarn && h.Handler.Enabled(ctx, l)
+}
+
+func (h warnAndAbove) WithAttrs(attrs []slog.Attr) slog.Handler {
+	return warnAndAbove{h.Handler.WithAttrs(attrs)}
+}
+
+func (h warnAndAbove) WithGroup(name string) slog.Handler {
+	return warnAndAbove{h.Handler.WithGroup(name)}
 }
