@@ -15,6 +15,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgtype"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/riverqueue/river"
 	"github.com/riverqueue/river/riverdriver/riverpgxv5"
@@ -170,8 +171,14 @@ type sqlWorker struct {
 
 func (w *sqlWorker) Work(ctx context.Context, job *river.Job[rawArgs]) error {
 	err := pgx.BeginFunc(ctx, w.pool, func(tx pgx.Tx) error {
-		if _, err := tx.Exec(ctx, w.kind.SQL, string(job.EncodedArgs)); err != nil {
+		// $1 is declared jsonb when the statement is parsed, so the
+		// statement can use it as jsonb without a cast ($1->>'order').
+		conn := tx.Conn().PgConn()
+		if _, err := conn.Prepare(ctx, "", w.kind.SQL, []uint32{pgtype.JSONBOID}); err != nil {
 			return err
+		}
+		if res := conn.ExecPrepared(ctx, "", [][]byte{job.EncodedArgs}, []int16{pgtype.TextFormatCode}, nil).Read(); res.Err != nil {
+			return res.Err
 		}
 		_, err := river.JobCompleteTx[*riverpgxv5.Driver](ctx, tx, job)
 		return err
