@@ -99,6 +99,9 @@ func (c *Config) Validate() error {
 			return fmt.Errorf("%s=%s must be positive", key, d)
 		}
 	}
+	if c.Timeout >= c.RescueAfter {
+		return fmt.Errorf("tasks.timeout=%s must be shorter than tasks.rescue_after=%s, or a running task would be rescued while it runs", c.Timeout, c.RescueAfter)
+	}
 	if c.BackoffMax < c.BackoffBase {
 		return fmt.Errorf("tasks.backoff_max=%s is shorter than tasks.backoff_base=%s", c.BackoffMax, c.BackoffBase)
 	}
@@ -207,6 +210,15 @@ func (c *Config) TotalWorkers() int {
 		n += q.MaxWorkers
 	}
 	return n
+}
+
+// longestTimeout is the longest timeout any kind has.
+func (c *Config) longestTimeout() time.Duration {
+	longest := c.Timeout
+	for _, k := range c.Kinds {
+		longest = max(longest, k.Timeout)
+	}
+	return longest
 }
 
 func (c *Config) kind(name string) (Kind, bool) {

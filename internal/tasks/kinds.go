@@ -126,6 +126,9 @@ func (w *httpWorker) Work(ctx context.Context, job *river.Job[rawArgs]) error {
 	return river.JobCancel(fmt.Errorf("POST %s: status %s (permanent)", redact(w.kind.URL), resp.Status))
 }
 
+// Timeout is the kind's, for River's rescuer.
+func (w *httpWorker) Timeout(*river.Job[rawArgs]) time.Duration { return w.kind.Timeout }
+
 // NextRetry honours the endpoint's Retry-After; otherwise River asks the
 // client's retryPolicy.
 func (w *httpWorker) NextRetry(job *river.Job[rawArgs]) time.Time {
@@ -193,6 +196,9 @@ func (w *sqlWorker) Work(ctx context.Context, job *river.Job[rawArgs]) error {
 	}
 	return fmt.Errorf("sql task %s: %w", job.Kind, err)
 }
+
+// Timeout is the kind's, for River's rescuer.
+func (w *sqlWorker) Timeout(*river.Job[rawArgs]) time.Duration { return w.kind.Timeout }
 
 // isPermanentSQLError is true for errors a retry cannot fix: bad data (22),
 // a violated constraint (23), a wrong statement or missing object (42).

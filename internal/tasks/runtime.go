@@ -99,9 +99,12 @@ func New(opts Options) (*Runtime, error) {
 		// stdout (where the log sink writes events).
 		Logger:      slog.New(warnAndAbove{log.Handler()}),
 		MaxAttempts: cfg.MaxAttempts,
-		// The observer applies each kind's timeout, so it can tell a
-		// timeout from other errors; River adds none of its own.
-		JobTimeout:           -1,
+		// The observer applies each kind's timeout (so it can tell a
+		// timeout from other errors); River's, the longest of them, only
+		// bounds Go workers without a Timeout of their own and tells the
+		// rescuer when a running task is overdue. An infinite one would
+		// keep a dead replica's tasks from ever being rescued.
+		JobTimeout:           cfg.longestTimeout(),
 		RescueStuckJobsAfter: cfg.RescueAfter,
 		RetryPolicy:          retryPolicy{base: cfg.BackoffBase, max: cfg.BackoffMax},
 		Queues:               queues,
