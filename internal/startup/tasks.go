@@ -118,7 +118,7 @@ func withTasksAdmin(e *cmdEnv, f func(ctx context.Context, a *tasks.Admin, pool 
 		}
 		err = f(ctx, a, pool)
 		if errors.Is(err, tasks.ErrNotFound) {
-			return &notFoundError{msg: err.Error()}
+			return &NotFoundError{Msg: err.Error(), Err: err}
 		}
 		return err
 	})
