@@ -227,11 +227,11 @@ func TestTasksAndUIConfigErrorsExit78(t *testing.T) {
 	}{
 		{"ui without password", []string{"APP_UI_ENABLED=true"}, "APP_UI_PASSWORD"},
 		{"queue without workers", []string{writeConfig(t, "tasks:\n  queues:\n    mail: {max_workers: 0}\n")}, "tasks.queues.mail.max_workers"},
-		{"unknown queue key", []string{writeConfig(t, "tasks:\n  queues:\n    mail: {workers: 3}\n")}, `unknown key "workers"`},
-		{"kind of unknown type", []string{writeConfig(t, "tasks:\n  kinds:\n    - {name: x, type: ftp}\n")}, `type "ftp"`},
-		{"kind in unknown queue", []string{writeConfig(t, "tasks:\n  kinds:\n    - {name: x, type: sql, sql: SELECT $1, queue: nope}\n")}, `queue "nope"`},
+		{"unknown queue key", []string{writeConfig(t, "tasks:\n  queues:\n    mail: {workers: 3}\n")}, `tasks.queues.mail: unknown key`},
+		{"kind of unknown type", []string{writeConfig(t, "tasks:\n  kinds:\n    - {name: x, type: ftp}\n")}, `tasks.kinds[0]`},
+		{"kind in unknown queue", []string{writeConfig(t, "tasks:\n  kinds:\n    - {name: x, type: sql, sql: SELECT $1, queue: nope}\n")}, `is not under tasks.queues`},
 		{"go kind without worker", []string{writeConfig(t, "tasks:\n  kinds:\n    - {name: resize, type: go}\n")}, "no Go worker is registered"},
-		{"bad max attempts", []string{"APP_TASKS_MAX_ATTEMPTS=0"}, "tasks.max_attempts"},
+		{"bad max attempts", []string{"APP_TASKS_MAX_ATTEMPTS=0"}, "APP_TASKS_MAX_ATTEMPTS=0"},
 	}
 	for _, c := range cases {
 		code, out, errOut := runCLI(t, append([]string{"APP_DATABASE_URL=" + db.URL, "APP_HTTP_ADDR=127.0.0.1:0"}, c.env...))
