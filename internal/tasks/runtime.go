@@ -38,6 +38,10 @@ type Options struct {
 // more connection than the pool's size.
 const ExtraConns = 4
 
+// deadLetterRetention is how long River keeps dead letters before its
+// cleaner deletes them.
+const deadLetterRetention = 7 * 24 * time.Hour
+
 // Runtime is the River client as one of the worker's components: Start
 // runs it, Shutdown stops it within the shutdown budget.
 type Runtime struct {
@@ -106,10 +110,14 @@ func New(opts Options) (*Runtime, error) {
 		// keep a dead replica's tasks from ever being rescued.
 		JobTimeout:           cfg.longestTimeout(),
 		RescueStuckJobsAfter: cfg.RescueAfter,
-		RetryPolicy:          retryPolicy{base: cfg.BackoffBase, max: cfg.BackoffMax},
-		Queues:               queues,
-		Workers:              reg.workers,
-		Middleware:           []rivertype.Middleware{&observer{cfg: &rt.cfg, log: log, m: m}},
+		// Dead letters are discarded or cancelled tasks: keep both as long
+		// as River keeps discarded ones (its default for cancelled is 24h).
+		CancelledJobRetentionPeriod: deadLetterRetention,
+		DiscardedJobRetentionPeriod: deadLetterRetention,
+		RetryPolicy:                 retryPolicy{base: cfg.BackoffBase, max: cfg.BackoffMax},
+		Queues:                      queues,
+		Workers:                     reg.workers,
+		Middleware:                  []rivertype.Middleware{&observer{cfg: &rt.cfg, log: log, m: m}},
 	})
 	if err != nil {
 		pool.Close()
