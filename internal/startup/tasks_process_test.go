@@ -12,6 +12,7 @@ import (
 	"path/filepath"
 	"regexp"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -287,4 +288,54 @@ func TestRiverUIIsBehindBasicAuth(t *testing.T) {
 	if strings.Contains(w.out.String(), password) {
 		t.Error("the UI password reached the log")
 	}
+}
+
+// SIGTERM gives a running task the shutdown budget minus 1s, then cancels
+// it; the worker exits 0 within the budget, and the task is handed back
+// without using up its attempt, so the next replica runs it.
+func TestShutdownHandsBackARunningTask(t *testing.T) {
+	t.Parallel()
+	db := pgtest.New(t)
+	ctx := context.Background()
+	if _, err := db.Pool.Exec(ctx, "CREATE TABLE done (n int)"); err != nil {
+		t.Fatal(err)
+	}
+	env := []string{"APP_DATABASE_URL=" + db.URL, "APP_OUTBOX_ENABLED=false", "APP_SHUTDOWN_TIMEOUT=3s",
+		writeConfig(t, `
+tasks:
+  kinds:
+    - name: slow
+      type: sql
+      max_attempts: 1
+      sql: INSERT INTO done SELECT 1 FROM pg_sleep(($1->>'sleep')::float8)
+`)}
+	w := startWorker(t, env)
+	w.waitReady(t, 15*time.Second)
+	var id int64
+	if err := db.Pool.QueryRow(ctx, `SELECT worker_enqueue('slow', '{"sleep": 60}')`).Scan(&id); err != nil {
+		t.Fatal(err)
+	}
+	state := func() (s string, attempt int) {
+		if err := db.Pool.QueryRow(ctx, "SELECT state::text, attempt FROM river_job WHERE id = $1", id).Scan(&s, &attempt); err != nil {
+			t.Fatal(err)
+		}
+		return s, attempt
+	}
+	testkit.Eventually(t, 10*time.Second, "the task running", func() bool { s, _ := state(); return s == "running" })
+	sent := time.Now()
+	if err := w.cmd.Process.Signal(syscall.SIGTERM); err != nil {
+		t.Fatal(err)
+	}
+	if code := w.exitCode(t, 10*time.Second); code != 0 {
+		t.Fatalf("exit %d after SIGTERM, want 0", code)
+	}
+	t.Logf("exited %s after SIGTERM with a 3s budget", w.exitAt.Sub(sent))
+	if s, attempt := state(); s != "available" || attempt != 0 {
+		t.Fatalf("after shutdown: %s, attempt %d; want available, attempt 0", s, attempt)
+	}
+	if _, err := db.Pool.Exec(ctx, `UPDATE river_job SET args = '{"sleep": 0}' WHERE id = $1`, id); err != nil {
+		t.Fatal(err)
+	}
+	startWorker(t, env)
+	testkit.Eventually(t, 15*time.Second, "the task completed by the next replica", func() bool { s, _ := state(); return s == "completed" })
 }
