@@ -37,6 +37,20 @@ func TestRiverRunsTasksEnqueuedBySQL(t *testing.T) {
 	}
 }
 
+// A task of a kind this replica does not know is left available, attempts
+// untouched, for a replica that knows it; known kinds behind it still run.
+func TestUnknownKindWaitsForAReplicaThatKnowsIt(t *testing.T) {
+	t.Parallel()
+	db := pgtest.New(t)
+	start(t, db, testConfig(t, nil, Kind{Name: "known", Type: TypeSQL, SQL: "SELECT $1"}), nil)
+	unknown := enqueueSQL(t, db.Pool, "added-in-next-release", `{}`, `{}`)
+	known := enqueueSQL(t, db.Pool, "known", `{}`, `{}`)
+	waitState(t, db.Pool, known, "completed", 10*time.Second)
+	if r := rowOf(t, db.Pool, unknown); r.State != "available" || r.Attempt != 0 {
+		t.Fatalf("unknown kind: state %s attempt %d, want available and 0", r.State, r.Attempt)
+	}
+}
+
 type greetArgs struct {
 	Name string `json:"name"`
 }

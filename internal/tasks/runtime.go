@@ -115,9 +115,14 @@ func New(opts Options) (*Runtime, error) {
 		CancelledJobRetentionPeriod: deadLetterRetention,
 		DiscardedJobRetentionPeriod: deadLetterRetention,
 		RetryPolicy:                 retryPolicy{base: cfg.BackoffBase, max: cfg.BackoffMax},
-		Queues:                      queues,
-		Workers:                     reg.workers,
-		Middleware:                  []rivertype.Middleware{&observer{cfg: &rt.cfg, log: log, m: m}},
+		// A task of a kind this replica does not know stays available,
+		// without using up attempts, for a replica that knows it: during a
+		// rolling deploy that adds a kind, old replicas leave its tasks
+		// alone instead of dead-lettering them.
+		FetchOnlyKnownKinds: true,
+		Queues:              queues,
+		Workers:             reg.workers,
+		Middleware:          []rivertype.Middleware{&observer{cfg: &rt.cfg, log: log, m: m}},
 	})
 	if err != nil {
 		pool.Close()
