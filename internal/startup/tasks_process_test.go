@@ -285,6 +285,9 @@ func TestRiverUIIsBehindBasicAuth(t *testing.T) {
 	if strings.Contains(printed, password) || !strings.Contains(printed, "password: xxxxx") {
 		t.Errorf("config print shows the UI password or no masked entry:\n%s", printed)
 	}
+	if !strings.Contains(printed, "max_workers: 10") {
+		t.Errorf("config print does not show queues with their YAML keys:\n%s", printed)
+	}
 	if strings.Contains(w.out.String(), password) {
 		t.Error("the UI password reached the log")
 	}

@@ -45,11 +45,11 @@ type Config struct {
 type Queue struct {
 	// MaxWorkers is the most tasks of this queue running at once in one
 	// replica.
-	MaxWorkers int `koanf:"max_workers"`
+	MaxWorkers int `koanf:"max_workers" yaml:"max_workers"`
 	// MaxBacklog is the most available (waiting) tasks the queue accepts;
 	// an enqueue beyond it is refused with JOB_EXECUTOR_REJECTED. 0 means
 	// unbounded.
-	MaxBacklog int `koanf:"max_backlog"`
+	MaxBacklog int `koanf:"max_backlog" yaml:"max_backlog"`
 }
 
 // Default queue bounds, also used for a queue that names neither.
