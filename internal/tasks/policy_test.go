@@ -22,10 +22,13 @@ func TestRetryPolicyIsFullJitterExponential(t *testing.T) {
 		var lowest, highest time.Duration = ceiling, 0
 		for range 2000 {
 			before := time.Now()
-			d := p.NextRetry(job).Sub(before)
-			if d < 0 || d > ceiling+50*time.Millisecond {
-				t.Fatalf("after %d errors: delay %s outside [0, %s]", errs+1, d, ceiling)
+			at := p.NextRetry(job)
+			after := time.Now()
+			// The policy read the clock between before and after.
+			if at.Before(before) || at.Sub(after) > ceiling {
+				t.Fatalf("after %d errors: retry at %s, outside [now, now+%s]", errs+1, at, ceiling)
 			}
+			d := at.Sub(before)
 			lowest, highest = min(lowest, d), max(highest, d)
 		}
 		// Full jitter spreads over the whole range, not around the ceiling.
