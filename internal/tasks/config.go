@@ -60,14 +60,15 @@ const (
 
 // Kind is a named task kind configured in YAML.
 type Kind struct {
-	Name        string            `koanf:"name"`
-	Type        string            `koanf:"type"`
-	Queue       string            `koanf:"queue"`
-	Timeout     time.Duration     `koanf:"timeout"`
-	MaxAttempts int               `koanf:"max_attempts"`
-	URL         string            `koanf:"url"`     // http
-	Headers     map[string]string `koanf:"headers"` // http
-	SQL         string            `koanf:"sql"`     // sql
+	Name        string        `koanf:"name"`
+	Type        string        `koanf:"type"`
+	Queue       string        `koanf:"queue"`
+	Timeout     time.Duration `koanf:"timeout"`
+	MaxAttempts int           `koanf:"max_attempts"`
+	// The keys of one type; config print leaves out the others'.
+	URL     string            `koanf:"url" yaml:",omitempty"`     // http
+	Headers map[string]string `koanf:"headers" yaml:",omitempty"` // http
+	SQL     string            `koanf:"sql" yaml:",omitempty"`     // sql
 }
 
 // DefaultConfig holds the scalar defaults. The default queue is added by
