@@ -126,11 +126,19 @@ func (a *Admin) RetryAllDead(ctx context.Context, who string) (int, error) {
 		if err != nil || len(dead) == 0 {
 			return n, err
 		}
+		retried := 0
 		for _, t := range dead {
-			if _, err := a.Retry(ctx, t.ID, who); err != nil && !errors.Is(err, ErrNotFound) {
-				return n, err
+			_, err := a.Retry(ctx, t.ID, who)
+			switch {
+			case err == nil:
+				retried++
+			case !errors.Is(err, ErrNotFound): // deleted meanwhile: nothing to retry
+				return n + retried, err
 			}
-			n++
+		}
+		n += retried
+		if retried == 0 {
+			return n, nil
 		}
 	}
 }
