@@ -130,6 +130,11 @@ tasks:
 		}
 	}
 
+	// River logs through the worker's JSON logger, never as text on stdout
+	// (where the log sink writes events): Lines fails on a line that is not
+	// JSON.
+	w.out.Lines(t, "")
+
 	for _, c := range []struct {
 		args []string
 		want int

@@ -2,6 +2,7 @@ package tasks
 
 import (
 	"context"
+	"fmt"
 	"net/http"
 	"net/http/httptest"
 	"sync/atomic"
@@ -118,10 +119,10 @@ func TestFailingTaskIsRetriedThenDeadLettered(t *testing.T) {
 	t.Parallel()
 	db := pgtest.New(t)
 	var calls atomic.Int32
-	var traceparent atomic.Value
+	var last atomic.Value // the last request's headers
 	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		calls.Add(1)
-		traceparent.Store(r.Header.Get("Traceparent"))
+		last.Store(r.Header.Clone())
 		w.WriteHeader(http.StatusBadGateway)
 	}))
 	t.Cleanup(srv.Close)
@@ -133,8 +134,12 @@ func TestFailingTaskIsRetriedThenDeadLettered(t *testing.T) {
 	if row.Attempt != 3 || calls.Load() != 3 {
 		t.Fatalf("attempt %d after %d calls, want 3 and 3", row.Attempt, calls.Load())
 	}
-	if traceparent.Load() != tp {
-		t.Errorf("http task sent traceparent %q, want %q", traceparent.Load(), tp)
+	hdr := last.Load().(http.Header)
+	for name, want := range map[string]string{"Traceparent": tp, "X-Task-Id": fmt.Sprint(id), "X-Task-Kind": "notify",
+		"X-Task-Attempt": "3", "Content-Type": "application/json"} {
+		if got := hdr.Get(name); got != want {
+			t.Errorf("the last request's %s: %q, want %q", name, got, want)
+		}
 	}
 	testkit.Eventually(t, 5*time.Second, "metrics", func() bool {
 		return metric(t, h, "job_retry_total", map[string]string{"job_name": "notify", "outcome": "scheduled"}) == 2 &&
