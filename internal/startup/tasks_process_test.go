@@ -347,3 +347,22 @@ tasks:
 	startWorker(t, env)
 	testkit.Eventually(t, 15*time.Second, "the task completed by the next replica", func() bool { s, _ := state(); return s == "completed" })
 }
+
+// An enqueue into a queue at its max_backlog is refused: exit 75 with
+// JOB_EXECUTOR_REJECTED, a state to retry later rather than an error.
+func TestEnqueueIntoAFullQueueExits75(t *testing.T) {
+	t.Parallel()
+	db := pgtest.New(t)
+	// What a replica with `default: {max_backlog: 1}` publishes at start.
+	if _, err := db.Pool.Exec(context.Background(), "UPDATE worker_task_queue SET max_backlog = 1 WHERE queue = 'default'"); err != nil {
+		t.Fatal(err)
+	}
+	env := []string{"APP_DATABASE_URL=" + db.URL}
+	if code, out, errOut := runCLI(t, env, "tasks", "enqueue", "report"); code != 0 {
+		t.Fatalf("first enqueue: exit %d\n%s%s", code, out, errOut)
+	}
+	code, out, errOut := runCLI(t, env, "tasks", "enqueue", "report")
+	if code != 75 || !strings.Contains(errOut, "JOB_EXECUTOR_REJECTED") {
+		t.Fatalf("enqueue into a full queue: exit %d, want 75 with JOB_EXECUTOR_REJECTED\n%s%s", code, out, errOut)
+	}
+}
