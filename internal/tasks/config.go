@@ -54,8 +54,8 @@ type Queue struct {
 
 // Default queue bounds, also used for a queue that names neither.
 const (
-	DefaultMaxWorkers = 10
-	DefaultMaxBacklog = 10000
+	defaultMaxWorkers = 10
+	defaultMaxBacklog = 10000
 )
 
 // Kind is a named task kind configured in YAML.
@@ -110,7 +110,7 @@ func (c *Config) Validate() error {
 		c.Queues = map[string]Queue{}
 	}
 	if _, ok := c.Queues[DefaultQueue]; !ok {
-		c.Queues[DefaultQueue] = Queue{MaxWorkers: DefaultMaxWorkers, MaxBacklog: DefaultMaxBacklog}
+		c.Queues[DefaultQueue] = Queue{MaxWorkers: defaultMaxWorkers, MaxBacklog: defaultMaxBacklog}
 	}
 	for name, q := range c.Queues {
 		if len(name) > 64 || !queueNameRE.MatchString(name) {

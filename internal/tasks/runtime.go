@@ -32,11 +32,11 @@ type Options struct {
 	HTTPClient *http.Client
 }
 
-// ExtraConns is what River's pool holds beyond max_workers: its producers'
+// extraConns is what River's pool holds beyond max_workers: its producers'
 // fetches, the completer, leader election and maintenance. River's LISTEN
 // connection is taken from the pool and hijacked, so the server sees one
 // more connection than the pool's size.
-const ExtraConns = 4
+const extraConns = 4
 
 // deadLetterRetention is how long River keeps dead letters before its
 // cleaner deletes them.
@@ -68,7 +68,7 @@ func New(opts Options) (*Runtime, error) {
 	// River gets a pool of its own, so tasks (a sql task holds a connection
 	// for its whole run) never starve jobs and the relay of connections.
 	pcfg := opts.Pool.Config()
-	pcfg.MaxConns = int32(cfg.TotalWorkers() + ExtraConns)
+	pcfg.MaxConns = int32(cfg.TotalWorkers() + extraConns)
 	pcfg.MinConns, pcfg.MinIdleConns = 0, 0
 	pcfg.ConnConfig.RuntimeParams["application_name"] = "worker " + opts.InstanceID + " tasks"
 	pool, err := pgxpool.NewWithConfig(context.Background(), pcfg)
