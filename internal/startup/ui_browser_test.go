@@ -107,7 +107,6 @@ func TestRiverUIInABrowserShowsDeadLetters(t *testing.T) {
 	err := chromedp.Do(ctx,
 		chromedp.Navigate("http://"+w.addr+"/riverui/jobs?state=discarded"),
 		chromedp.WaitVisible(chromedp.Search(`//*[contains(text(), "sync-invoices")]`)),
-		chromedp.Sleep(300*time.Millisecond), // let the list finish painting for the screenshot
 	)
 	if err != nil {
 		t.Fatalf("browser: %v\nworker output:\n%s", err, w.out.String())
