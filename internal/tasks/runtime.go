@@ -7,6 +7,7 @@ import (
 	"log/slog"
 	"net/http"
 	"slices"
+	"strings"
 	"sync"
 	"time"
 
@@ -218,16 +219,19 @@ func (r *Runtime) Shutdown(ctx context.Context) error {
 // max_backlog where worker_enqueue and Enqueue read them.
 func publishConfig(ctx context.Context, pool *pgxpool.Pool, cfg *Config) error {
 	return pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+		// Rows in one order (defaults, then kinds and queues by name), so
+		// replicas starting together never deadlock on them.
 		b := &pgx.Batch{}
 		b.Queue(`INSERT INTO worker_task_kind VALUES ('*', 'default', $1)
 			ON CONFLICT (kind) DO UPDATE SET queue = excluded.queue, max_attempts = excluded.max_attempts`, cfg.MaxAttempts)
-		for _, k := range cfg.Kinds {
+		kinds := slices.SortedFunc(slices.Values(cfg.Kinds), func(a, b Kind) int { return strings.Compare(a.Name, b.Name) })
+		for _, k := range kinds {
 			b.Queue(`INSERT INTO worker_task_kind VALUES ($1, $2, $3)
 				ON CONFLICT (kind) DO UPDATE SET queue = excluded.queue, max_attempts = excluded.max_attempts`, k.Name, k.Queue, k.MaxAttempts)
 		}
-		for name, q := range cfg.Queues {
+		for _, name := range cfg.QueueNames() {
 			b.Queue(`INSERT INTO worker_task_queue VALUES ($1, $2)
-				ON CONFLICT (queue) DO UPDATE SET max_backlog = excluded.max_backlog`, name, q.MaxBacklog)
+				ON CONFLICT (queue) DO UPDATE SET max_backlog = excluded.max_backlog`, name, cfg.Queues[name].MaxBacklog)
 		}
 		return tx.SendBatch(ctx, b).Close()
 	})
