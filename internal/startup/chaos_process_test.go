@@ -286,10 +286,10 @@ func (c *chaosCluster) pauseJobRunner() pause {
 	}
 	pa.stopped = time.Since(stoppedAt)
 	c.faults.pauses++
-	c.eventually(30*time.Second, "the paused run's end in "+pa.replica+"'s log", func() bool {
+	c.eventually(30*time.Second, "the paused run's end in "+pa.replica+"'s log", atMostEvery(100*time.Millisecond, func() bool {
 		pa.outcome = jobOutcomes(c.t, p)[pa.token]
 		return pa.outcome != ""
-	})
+	}))
 	return pa
 }
 
