@@ -427,11 +427,18 @@ type jobRun struct {
 	start, commit time.Time
 }
 
+// jobFigures is what checkJobRuns found.
+type jobFigures struct {
+	committed    map[int64]jobRun // by token
+	late         int              // commits after a run with a later token started
+	contradicted int              // runs logged success but not committed, or committed but not logged success
+}
+
 // checkJobRuns checks the committed runs of the sql job: none committed
 // after a run with a later fencing token started (so none overlapped, and
 // none committed after losing its lease), and each replica logged a run as
-// success exactly when it committed. It returns the runs by token.
-func (c *chaosCluster) checkJobRuns() map[int64]jobRun {
+// success exactly when it committed.
+func (c *chaosCluster) checkJobRuns() jobFigures {
 	c.t.Helper()
 	if n := c.count(`SELECT count(*) FROM chaos_job_mark m WHERE phase = 'start'
 		AND NOT EXISTS (SELECT 1 FROM chaos_job_commit c WHERE c.token = m.token)`); n > 0 {
@@ -450,11 +457,12 @@ func (c *chaosCluster) checkJobRuns() map[int64]jobRun {
 	if len(runs) < 5 {
 		c.t.Errorf("only %d committed runs of the job", len(runs))
 	}
-	byToken := map[int64]jobRun{}
+	f := jobFigures{committed: map[int64]jobRun{}}
 	for i, a := range runs {
-		byToken[a.token] = a
+		f.committed[a.token] = a
 		for _, b := range runs[i+1:] {
 			if b.token > a.token && !a.commit.Before(b.start) {
+				f.late++
 				c.t.Errorf("the run with token %d committed %s after the run with token %d started",
 					a.token, a.commit.Sub(b.start), b.token)
 			}
@@ -462,12 +470,13 @@ func (c *chaosCluster) checkJobRuns() map[int64]jobRun {
 	}
 	for _, p := range c.every {
 		for token, outcome := range jobOutcomes(c.t, p) {
-			if _, ok := byToken[token]; ok != (outcome == "success") {
+			if _, ok := f.committed[token]; ok != (outcome == "success") {
+				f.contradicted++
 				c.t.Errorf("the run with token %d was logged %s; committed: %v", token, outcome, ok)
 			}
 		}
 	}
-	return byToken
+	return f
 }
 
 // jobOutcomes returns the outcome p logged for each run of the sql job, by
@@ -489,12 +498,17 @@ func jobOutcomes(t *testing.T, p *proc) map[int64]string {
 	return out
 }
 
+// deliveryFigures is what checkDeliveries found.
+type deliveryFigures struct {
+	arrived, dups, outOfOrder int
+	maxGap                    time.Duration // longest time without a first delivery
+	maxLatency                time.Duration // longest from a producer's commit to the event's first delivery
+}
+
 // checkDeliveries checks what the receiver got once every event arrived:
 // nothing in a form the contract does not allow, first deliveries in order
-// per aggregate, and duplicates within the bound. It returns the number of
-// duplicates, the longest time without a first delivery, and the longest
-// time from a producer's commit to the event's first delivery.
-func (c *chaosCluster) checkDeliveries(total int) (dups int, maxGap, maxLatency time.Duration) {
+// per aggregate, and duplicates within the bound.
+func (c *chaosCluster) checkDeliveries(total int) deliveryFigures {
 	c.t.Helper()
 	<-c.prod.done // every event arrived, so the producer has returned
 	r := c.recv
@@ -503,26 +517,27 @@ func (c *chaosCluster) checkDeliveries(total int) (dups int, maxGap, maxLatency 
 	for _, v := range r.invalid {
 		c.t.Errorf("receiver: %s", v)
 	}
+	f := deliveryFigures{arrived: len(r.eventID), dups: r.chaosDeliveries - len(r.eventID)}
 	for a, got := range r.order {
 		for i, n := range got {
 			if n != i {
+				f.outOfOrder++
 				c.t.Errorf("agg-%d: first deliveries out of order: %v", a, got[max(0, i-5):min(len(got), i+5)])
 				break
 			}
 		}
 	}
-	dups = r.chaosDeliveries - total
-	if dups > c.dupBound() {
-		c.t.Errorf("%d duplicate deliveries, more than the bound of %d", dups, c.dupBound())
+	if f.dups > c.dupBound() {
+		c.t.Errorf("%d duplicate deliveries, more than the bound of %d", f.dups, c.dupBound())
 	}
 	firsts := make([]time.Time, 0, total)
 	for g, at := range r.firstAt {
 		firsts = append(firsts, at)
-		maxLatency = max(maxLatency, at.Sub(c.prod.at[g]))
+		f.maxLatency = max(f.maxLatency, at.Sub(c.prod.at[g]))
 	}
 	slices.SortFunc(firsts, time.Time.Compare)
 	for i := 1; i < len(firsts); i++ {
-		maxGap = max(maxGap, firsts[i].Sub(firsts[i-1]))
+		f.maxGap = max(f.maxGap, firsts[i].Sub(firsts[i-1]))
 	}
-	return dups, maxGap, maxLatency
+	return f
 }

@@ -96,20 +96,22 @@ func TestChaos(t *testing.T) {
 	}))
 	c.checkHealthy()
 
-	dups, maxGap, maxLatency := c.checkDeliveries(total)
-	committed := c.checkJobRuns()
+	d := c.checkDeliveries(total)
+	j := c.checkJobRuns()
 
 	t.Logf("chaos figures, %s in all:", time.Since(began).Round(time.Second))
-	t.Logf("  events: %d over %d aggregates, all delivered, first deliveries in order", total, chaosAggregates)
-	t.Logf("  duplicates: %d (bound %d = %d relays x batch %d x (%d kills + %d pauses + %d sweeps x %d replicas))",
-		dups, c.dupBound(), chaosRelays, chaosBatch, c.faults.kills, c.faults.pauses, c.faults.sweeps, chaosReplicas)
-	t.Logf("  max gap between first deliveries: %s; max producer commit to first delivery: %s",
-		maxGap.Round(time.Millisecond), maxLatency.Round(time.Millisecond))
+	t.Logf("  events: %d over %d aggregates, %d arrived, %d aggregates with first deliveries out of order",
+		total, chaosAggregates, d.arrived, d.outOfOrder)
+	t.Logf("  duplicates: %d, bound %d = %d relays x batch %d x (%d kills + %d pauses + %d sweeps x %d replicas)",
+		d.dups, c.dupBound(), chaosRelays, chaosBatch, c.faults.kills, c.faults.pauses, c.faults.sweeps, chaosReplicas)
+	t.Logf("  longest time without a first delivery: %s; longest from producer commit to first delivery: %s",
+		d.maxGap.Round(time.Millisecond), d.maxLatency.Round(time.Millisecond))
 	t.Logf("  faults: %d SIGKILL+restart, %d SIGSTOP past in_flight_timeout %s and lease_ttl %s, %d pg_terminate_backend sweeps (%d sessions)",
 		c.faults.kills, c.faults.pauses, chaosInFlight, chaosLeaseTTL, c.faults.sweeps, c.faults.terminated)
-	t.Logf("  sql job: %d committed runs", len(committed))
+	t.Logf("  sql job: %d committed runs, %d commits after a later token's start, %d outcomes that contradict the commit",
+		len(j.committed), j.late, j.contradicted)
 	for _, p := range pauses {
-		_, ok := committed[p.token]
+		_, ok := j.committed[p.token]
 		t.Logf("    paused %s for %s in the run with token %d, holding %d relay batches: run logged %s, committed %v",
 			p.replica, p.stopped.Round(100*time.Millisecond), p.token, p.claims, p.outcome, ok)
 	}
