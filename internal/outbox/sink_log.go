@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"io"
 	"sync"
-	"time"
 )
 
 // LogSink writes one JSON line per event. It is the default sink: it needs
@@ -30,21 +29,26 @@ type logLine struct {
 	AggregateType string            `json:"aggregate_type"`
 	AggregateID   string            `json:"aggregate_id"`
 	EventType     string            `json:"event_type"`
-	OccurredAt    time.Time         `json:"occurred_at"`
+	OccurredAt    string            `json:"occurred_at"` // RFC 3339, UTC
 	Headers       map[string]string `json:"headers"`
 	Payload       json.RawMessage   `json:"payload"`
 }
 
-// Publish implements Sink. A payload that is not valid JSON is a permanent
+// Publish implements Sink. A payload that is not valid JSON, or an
+// occurred_at outside years 0001-9999 (no RFC 3339 form), is a permanent
 // error, because writing it again cannot make it valid; a failed write is
 // transient.
 func (s *LogSink) Publish(_ context.Context, e Event) error {
+	occurred, err := rfc3339(e.OccurredAt)
+	if err != nil {
+		return fmt.Errorf("log sink: event %s: %w", e.EventID, err)
+	}
 	l := logLine{
 		EventID:       e.EventID,
 		AggregateType: e.AggregateType,
 		AggregateID:   e.AggregateID,
 		EventType:     e.EventType,
-		OccurredAt:    e.OccurredAt.UTC(),
+		OccurredAt:    occurred,
 		Headers:       e.Headers,
 		Payload:       e.Payload,
 	}
