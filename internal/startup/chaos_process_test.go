@@ -110,11 +110,21 @@ func TestChaos(t *testing.T) {
 		c.faults.kills, c.faults.pauses, chaosInFlight, chaosLeaseTTL, c.faults.sweeps, c.faults.terminated)
 	t.Logf("  sql job: %d committed runs, %d commits after a later token's start, %d outcomes that contradict the commit",
 		len(j.committed), j.late, j.contradicted)
+	var (
+		pausedCommitted, claims int
+		longest                 time.Duration
+		outcomes                = map[string]int{}
+	)
 	for _, p := range pauses {
-		_, ok := j.committed[p.token]
-		t.Logf("    paused %s for %s in the run with token %d, holding %d relay batches: run logged %s, committed %v",
-			p.replica, p.stopped.Round(100*time.Millisecond), p.token, p.claims, p.outcome, ok)
+		if _, ok := j.committed[p.token]; ok {
+			pausedCommitted++
+		}
+		claims += p.claims
+		longest = max(longest, p.stopped)
+		outcomes[p.outcome]++
 	}
+	t.Logf("  paused runs: %d (stopped up to %s, the replica holding %d relay batches in all), %d committed, logged %v",
+		len(pauses), longest.Round(100*time.Millisecond), claims, pausedCommitted, outcomes)
 	t.Logf("  malformed rows refused at INSERT: %s", strings.Join(refused, "; "))
 	t.Logf("  malformed rows already in the table: %d dead-lettered, %d published", dead, len(preexisting)-dead)
 }
