@@ -57,17 +57,27 @@ func newReceiver(t *testing.T) *receiver {
 const receiverLatency = 10 * time.Millisecond
 
 func (r *receiver) ServeHTTP(w http.ResponseWriter, req *http.Request) {
-	now := time.Now()
+	arrived := time.Now()
 	time.Sleep(receiverLatency)
 	body, err := io.ReadAll(req.Body)
-	id, ceTime := req.Header.Get("Ce-Id"), req.Header.Get("Ce-Time")
+	if err != nil {
+		w.WriteHeader(http.StatusServiceUnavailable) // transient: the relay sends it again
+		return
+	}
+	r.record(arrived, req.Header, body)
+	// Answered once recorded: the relay sends an aggregate's next event only
+	// after this answer, so first deliveries are recorded in the order sent.
+	w.WriteHeader(http.StatusNoContent)
+}
+
+func (r *receiver) record(arrived time.Time, h http.Header, body []byte) {
+	id, ceTime := h.Get("Ce-Id"), h.Get("Ce-Time")
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	w.WriteHeader(http.StatusNoContent)
-	if _, terr := time.Parse(time.RFC3339Nano, ceTime); ceTime != "" && terr != nil {
+	if _, err := time.Parse(time.RFC3339Nano, ceTime); ceTime != "" && err != nil {
 		r.invalid = append(r.invalid, fmt.Sprintf("event %s: ce-time %q is not RFC 3339", id, ceTime))
 	}
-	if req.Header.Get("Ce-Source") != "chaos" {
+	if h.Get("Ce-Source") != "chaos" {
 		r.others[id] = ceTime
 		return
 	}
@@ -75,7 +85,7 @@ func (r *receiver) ServeHTTP(w http.ResponseWriter, req *http.Request) {
 		A int `json:"a"`
 		N int `json:"n"`
 	}
-	if err != nil || json.Unmarshal(body, &ev) != nil || ev.A < 0 || ev.A >= chaosAggregates || ev.N < 0 {
+	if json.Unmarshal(body, &ev) != nil || ev.A < 0 || ev.A >= chaosAggregates || ev.N < 0 {
 		r.invalid = append(r.invalid, fmt.Sprintf("event %s: payload %q", id, body))
 		return
 	}
@@ -83,7 +93,7 @@ func (r *receiver) ServeHTTP(w http.ResponseWriter, req *http.Request) {
 	g := ev.N*chaosAggregates + ev.A
 	switch first, seen := r.eventID[g]; {
 	case !seen:
-		r.eventID[g], r.firstAt[g] = id, now
+		r.eventID[g], r.firstAt[g] = id, arrived
 		r.order[ev.A] = append(r.order[ev.A], ev.N)
 	case first != id:
 		r.invalid = append(r.invalid, fmt.Sprintf("agg-%d event %d arrived as event_id %s and %s", ev.A, ev.N, first, id))
