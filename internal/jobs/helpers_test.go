@@ -32,7 +32,7 @@ func metric(t *testing.T, reg *prometheus.Registry, name string, labels map[stri
 
 func runs(t *testing.T, reg *prometheus.Registry, job, outcome string) float64 {
 	t.Helper()
-	return metric(t, reg, "job_runs_total", map[string]string{"job": job, "outcome": outcome})
+	return metric(t, reg, "job_runs_total", map[string]string{"job_name": job, "outcome": outcome})
 }
 
 // replica is one Scheduler with its own registry and log.

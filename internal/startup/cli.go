@@ -9,7 +9,6 @@ import (
 	"log/slog"
 	"os"
 	"os/user"
-	"runtime/debug"
 	"strings"
 	"text/tabwriter"
 	"time"
@@ -57,7 +56,8 @@ type cli struct {
 			Purge outboxDeadPurgeCmd `cmd:"" help:"Delete DEAD events for good."`
 		} `cmd:"" help:"Inspect, requeue or delete dead-lettered events."`
 	} `cmd:"" help:"Operate the transactional outbox."`
-	Version versionCmd `cmd:"" help:"Print the version and exit."`
+	Healthcheck healthcheckCmd `cmd:"" help:"Exit 0 if the local worker's /readyz answers 200, 1 otherwise (for a container HEALTHCHECK)."`
+	Version     versionCmd     `cmd:"" help:"Print the version and exit."`
 }
 
 // Main parses args, runs the chosen command and returns the exit code.
@@ -131,15 +131,8 @@ func parseArgs(p *kong.Kong, args []string) (kctx *kong.Context, err error) {
 type versionCmd struct{}
 
 func (versionCmd) Run(e *cmdEnv) error {
-	v := Version
-	if bi, ok := debug.ReadBuildInfo(); ok && v == "dev" {
-		for _, s := range bi.Settings {
-			if s.Key == "vcs.revision" {
-				v = "dev-" + s.Value
-			}
-		}
-	}
-	fmt.Fprintln(e.Stdout, "worker", v)
+	b := currentBuild()
+	fmt.Fprintln(e.Stdout, "worker", b.version, "revision", b.revision, b.goVersion)
 	return nil
 }
 

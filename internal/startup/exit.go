@@ -9,6 +9,7 @@ import (
 const (
 	ExitOK          = 0
 	ExitInterrupted = 1  // a second signal during shutdown, or a signal to an operator command
+	ExitUnhealthy   = 1  // worker healthcheck: the local worker is not ready
 	ExitUsage       = 64 // bad command line or argument
 	ExitNoInput     = 66 // a named item (event, database) does not exist
 	ExitUnavailable = 69 // a dependency unreachable at start
@@ -29,10 +30,13 @@ func ExitCode(err error) int {
 		oe *OSError
 		ue *UnavailableError
 		us *usageError
+		uh *unhealthyError
 	)
 	switch {
 	case err == nil:
 		return ExitOK
+	case errors.As(err, &uh):
+		return ExitUnhealthy
 	case errors.Is(err, errInterrupted):
 		return ExitInterrupted
 	case errors.As(err, &ce):
