@@ -490,7 +490,8 @@ func (c *chaosCluster) checkJobRuns() jobFigures {
 }
 
 // jobOutcomes returns the outcome p logged for each run of the sql job, by
-// fencing token.
+// fencing token; an outcome other than success or lease_lost comes with its
+// error, for the figures.
 func jobOutcomes(t *testing.T, p *proc) map[int64]string {
 	t.Helper()
 	out := map[int64]string{}
@@ -503,7 +504,11 @@ func jobOutcomes(t *testing.T, p *proc) map[int64]string {
 		if err != nil {
 			t.Fatalf("job run finished without a fencing token: %v", l)
 		}
-		out[token], _ = l["outcome"].(string)
+		outcome, _ := l["outcome"].(string)
+		if outcome != "success" && outcome != "lease_lost" {
+			outcome = fmt.Sprintf("%s (%v)", outcome, l["error"])
+		}
+		out[token] = outcome
 	}
 	return out
 }
