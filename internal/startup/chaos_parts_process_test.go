@@ -251,7 +251,7 @@ func insertPreexisting(t *testing.T, db *pgtest.DB) []string {
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer tx.Rollback(ctx) //nolint:errcheck // a no-op after Commit
+	defer tx.Rollback(ctx)
 	rows, _ := tx.Query(ctx, `SELECT conname::text, pg_get_constraintdef(oid) FROM pg_constraint
 		WHERE conrelid = 'outbox_event'::regclass AND contype = 'c'`)
 	checks, err := pgx.CollectRows(rows, pgx.RowToStructByPos[struct{ Name, Def string }])
