@@ -10,7 +10,7 @@ import (
 // Config is the `outbox:` section of configs/worker.yaml (APP_OUTBOX_*).
 type Config struct {
 	Enabled   bool   `koanf:"enabled" yaml:"enabled"`
-	Sink      string `koanf:"sink" yaml:"sink"` // log | webhook
+	Sink      string `koanf:"sink" yaml:"sink"` // log | webhook | river
 	Relays    int    `koanf:"relays" yaml:"relays"`
 	BatchSize int    `koanf:"batch_size" yaml:"batch_size"`
 	// MaxInFlight bounds the publishes in progress at once in this
@@ -30,6 +30,15 @@ type Config struct {
 	// and outbox_publisher_lag_seconds from the table.
 	MetricsInterval time.Duration `koanf:"metrics_interval" yaml:"metrics_interval"`
 	Webhook         WebhookConfig `koanf:"webhook" yaml:"webhook"`
+	River           RiverConfig   `koanf:"river" yaml:"river"`
+}
+
+// RiverConfig configures the river sink, which turns each event into a
+// River task in the relay's own transaction (internal/tasks).
+type RiverConfig struct {
+	// Routes maps an event type to the task kind its tasks get; "*" is the
+	// default. YAML-only.
+	Routes map[string]string `koanf:"routes" yaml:"routes"`
 }
 
 // WebhookConfig configures the webhook sink.
@@ -83,8 +92,12 @@ func (c Config) Validate() error {
 		if err := atLeast("webhook.timeout", c.Webhook.Timeout, time.Millisecond); err != nil {
 			return err
 		}
+	case "river":
+		if len(c.River.Routes) == 0 {
+			return fmt.Errorf(`outbox.river.routes is empty: sink river needs a task kind per event type, or a "*" default`)
+		}
 	default:
-		return fmt.Errorf("outbox.sink=%q: want log or webhook", c.Sink)
+		return fmt.Errorf("outbox.sink=%q: want log, webhook or river", c.Sink)
 	}
 	for _, err := range []error{
 		between("relays", c.Relays, 1, 64),

@@ -271,7 +271,12 @@ func (r *Relay) runBatch(ctx context.Context, st *loopState) (int, error) {
 	r.m.batchSize.Observe(float64(n))
 	r.m.claimed.Add(float64(n))
 
-	out := r.publish(runs, claimedAt, skew)
+	var out *outcomes
+	if ts, ok := r.sink.(TxSink); ok {
+		out = r.publishTx(ts, st.conn.Conn(), runs, skew)
+	} else {
+		out = r.publish(runs, claimedAt, skew)
+	}
 	out.claimed = n
 	st.pending = out
 	if r.claimCtx.Err() != nil {

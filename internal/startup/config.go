@@ -205,7 +205,7 @@ func LoadConfig(path string, environ []string) (*Config, error) {
 
 	var cfg Config
 	dec := &mapstructure.DecoderConfig{
-		DecodeHook:       mapstructure.StringToTimeDurationHookFunc(),
+		DecodeHook:       mapstructure.ComposeDecodeHookFunc(mapstructure.StringToTimeDurationHookFunc(), joinRouteKeys),
 		WeaklyTypedInput: true,
 		ErrorUnused:      true,
 		Result:           &cfg,
@@ -230,7 +230,7 @@ func LoadConfig(path string, environ []string) (*Config, error) {
 func checkFileKeys(fk *koanf.Koanf, defaults map[string]any, path string, lines lineFinder) error {
 	known := slices.Sorted(maps.Keys(defaults))
 	for _, key := range fk.Keys() {
-		if key == "jobs" || strings.HasPrefix(key, "jobs.") || isTaskListKey(key) {
+		if key == "jobs" || strings.HasPrefix(key, "jobs.") || isTaskListKey(key) || strings.HasPrefix(key, tasks.RoutesKey+".") {
 			continue
 		}
 		if _, ok := defaults[key]; !ok {
@@ -394,6 +394,11 @@ func (c *Config) validate(source func(string) string) error {
 	if err := c.Tasks.Validate(); err != nil {
 		return configErrorf("%v", err)
 	}
+	if c.Outbox.Sink == "river" {
+		if _, err := tasks.NewOutboxSink(c.Tasks, c.Outbox.River.Routes); err != nil {
+			return configErrorf("%v", err)
+		}
+	}
 	if c.UI.Enabled && (c.UI.Username == "" || c.UI.Password == "") {
 		return configErrorf("ui.enabled=true needs %s and %s: River UI is only served behind authentication",
 			source("ui.username"), "APP_UI_PASSWORD")
@@ -456,4 +461,27 @@ func instanceHost() string {
 		host = "worker"
 	}
 	return host
+}
+
+// joinRouteKeys undoes koanf's split of keys at dots for the river sink's
+// routes, whose keys are event types such as order.shipped: YAML
+// {order.shipped: k} arrives as {order: {shipped: k}}.
+func joinRouteKeys(_, to reflect.Type, data any) (any, error) {
+	m, ok := data.(map[string]any)
+	if !ok || to != reflect.TypeFor[map[string]string]() {
+		return data, nil
+	}
+	flat := map[string]any{}
+	var walk func(prefix string, m map[string]any)
+	walk = func(prefix string, m map[string]any) {
+		for k, v := range m {
+			if sub, ok := v.(map[string]any); ok {
+				walk(prefix+k+".", sub)
+				continue
+			}
+			flat[prefix+k] = v
+		}
+	}
+	walk("", m)
+	return flat, nil
 }

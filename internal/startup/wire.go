@@ -13,6 +13,7 @@ import (
 	"worker/internal/jobs"
 	"worker/internal/lock"
 	"worker/internal/outbox"
+	"worker/internal/tasks"
 )
 
 // Housekeeping cadence. Both jobs delete in bounded chunks.
@@ -126,6 +127,8 @@ func newSink(cfg *Config, stdout io.Writer) (outbox.Sink, error) {
 			return nil, err
 		}
 		return s, nil
+	case "river":
+		return tasks.NewOutboxSink(cfg.Tasks, cfg.Outbox.River.Routes)
 	default:
 		return outbox.NewLogSink(stdout), nil
 	}
