@@ -22,8 +22,8 @@ import (
 // under their kind's policy; they run in parallel, so an aggregate's
 // events are inserted in order but not run in order (docs/sinks.md).
 type OutboxSink struct {
-	routes      map[string]Kind // event type -> kind; "*" for the rest
-	maxBacklog  map[string]int  // queue -> max_backlog (0: unbounded)
+	routes     map[string]Kind // event type -> kind; "*" for the rest
+	maxBacklog map[string]int  // queue -> max_backlog (0: unbounded)
 }
 
 var _ outbox.TxSink = (*OutboxSink)(nil)

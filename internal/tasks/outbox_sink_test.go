@@ -305,4 +305,3 @@ func TestOutboxSinkUnknownRouteTarget(t *testing.T) {
 		t.Fatalf("error %v; want %s", err, want)
 	}
 }
-
