@@ -108,7 +108,9 @@ func (s *OutboxSink) PublishTx(ctx context.Context, tx pgx.Tx, events []outbox.E
 				errs[i] = outbox.Permanent(err)
 				break
 			}
-			room[k.Queue]--
+			if bounded {
+				room[k.Queue]--
+			}
 			params = append(params, p)
 		}
 		if errs[i] != nil {

@@ -131,7 +131,8 @@ func sinkTasks(t *testing.T, pool *pgxpool.Pool) []sinkTask {
 func TestOutboxSinkTurnsEventsIntoTasks(t *testing.T) {
 	t.Parallel()
 	db := pgtest.New(t)
-	cfg := testConfig(t, map[string]Queue{"mail": {MaxWorkers: 1, MaxBacklog: 100}},
+	// mail is bounded, default is not: both kinds of queue admit tasks.
+	cfg := testConfig(t, map[string]Queue{"mail": {MaxWorkers: 1, MaxBacklog: 100}, DefaultQueue: {MaxWorkers: 1}},
 		Kind{Name: "ship", Type: TypeGo, Queue: "mail", MaxAttempts: 7},
 		Kind{Name: "audit", Type: TypeGo})
 	occurred := time.Date(2026, 11, 30, 12, 0, 0, 0, time.UTC)
