@@ -147,6 +147,13 @@ func TestOutboxSinkTurnsEventsIntoTasks(t *testing.T) {
 		waitEventStatus(t, db.Pool, id, outbox.StatusPublished)
 	}
 
+	var retried int
+	if err := db.Pool.QueryRow(t.Context(), "SELECT count(*) FROM outbox_event WHERE attempts <> 1").Scan(&retried); err != nil {
+		t.Fatal(err)
+	}
+	if retried != 0 {
+		t.Errorf("%d events needed more than one attempt", retried)
+	}
 	got := sinkTasks(t, db.Pool)
 	if len(got) != 3 {
 		t.Fatalf("%d tasks, want 3: %+v", len(got), got)
