@@ -33,6 +33,7 @@ const finishTimeout = 5 * time.Second
 // them, and if this process dies the database drops them at once, so the
 // rows are immediately claimable again. A publish still outstanding after
 // detach_after is marked IN_FLIGHT and finishes on its own (publish.go).
+// A TxSink instead writes the batch in the claim transaction (sink_tx.go).
 type Relay struct {
 	pool       *pgxpool.Pool
 	sink       Sink

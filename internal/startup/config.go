@@ -230,7 +230,7 @@ func LoadConfig(path string, environ []string) (*Config, error) {
 func checkFileKeys(fk *koanf.Koanf, defaults map[string]any, path string, lines lineFinder) error {
 	known := slices.Sorted(maps.Keys(defaults))
 	for _, key := range fk.Keys() {
-		if key == "jobs" || strings.HasPrefix(key, "jobs.") || isTaskListKey(key) || strings.HasPrefix(key, tasks.RoutesKey+".") {
+		if key == "jobs" || strings.HasPrefix(key, "jobs.") || isTaskListKey(key) || isRoutesKey(key) {
 			continue
 		}
 		if _, ok := defaults[key]; !ok {
@@ -461,6 +461,12 @@ func instanceHost() string {
 		host = "worker"
 	}
 	return host
+}
+
+// isRoutesKey is true for the river sink's routes, a YAML-only map whose
+// keys are event types.
+func isRoutesKey(key string) bool {
+	return key == tasks.RoutesKey || strings.HasPrefix(key, tasks.RoutesKey+".")
 }
 
 // joinRouteKeys undoes koanf's split of keys at dots for the river sink's
