@@ -58,11 +58,8 @@ FROM generate_series(1, $1) g`, n, aggs)
 // from exactly the same rows without paying for the trigger path again.
 func saveBacklog(tb testing.TB, pool *pgxpool.Pool, table string) {
 	tb.Helper()
-	for _, q := range []string{"CREATE TABLE " + table + " AS SELECT * FROM outbox_event", "TRUNCATE outbox_event"} {
-		if _, err := pool.Exec(context.Background(), q); err != nil {
-			tb.Fatal(err)
-		}
-	}
+	exec(tb, pool, "CREATE TABLE "+table+" AS SELECT * FROM outbox_event")
+	exec(tb, pool, "TRUNCATE outbox_event")
 }
 
 // restoreBacklog replaces the table's contents with a saved backlog, then
@@ -79,9 +76,7 @@ func restoreBacklog(tb testing.TB, pool *pgxpool.Pool, table string) {
 		"VACUUM ANALYZE outbox_event",
 		"CHECKPOINT",
 	} {
-		if _, err := pool.Exec(context.Background(), q); err != nil {
-			tb.Fatal(err)
-		}
+		exec(tb, pool, q)
 	}
 }
 

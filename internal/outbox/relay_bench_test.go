@@ -50,6 +50,7 @@ type scalePhase struct {
 	webhook bool     // webhook sink to a local receiver instead of the log sink to /dev/null
 	delay   time.Duration
 	slow    bool // the 2,000-event backlog instead of the 200,000-event one
+	extra   bool // run only when -phases names it
 }
 
 var batch500 = []string{"APP_OUTBOX_BATCH_SIZE=500"}
@@ -66,6 +67,8 @@ var scalePhases = []scalePhase{
 	{key: "default", name: "default configuration", procs: 1},
 	{key: "wh0", name: "webhook 0 ms, 1 relay, batch 500", procs: 1, env: relays(1, batch500...), webhook: true},
 	{key: "wh20", name: "webhook 20 ms, default configuration, 2,000 events / 200 aggregates", procs: 1, webhook: true, delay: 20 * time.Millisecond, slow: true},
+	{key: "wh0r4", name: "webhook 0 ms, 4 relays, batch 500", procs: 1, env: relays(4, batch500...), webhook: true, extra: true},
+	{key: "wh20r4", name: "webhook 20 ms, 4 relays, 2,000 events / 200 aggregates", procs: 1, env: relays(4), webhook: true, delay: 20 * time.Millisecond, slow: true, extra: true},
 }
 
 // phaseRun is one phase in one round, with the ceiling run next to it.
@@ -112,7 +115,7 @@ func BenchmarkRelayScale(b *testing.B) {
 
 func selectedPhases(tb testing.TB) []scalePhase {
 	if *benchPhases == "" {
-		return scalePhases
+		return slices.DeleteFunc(slices.Clone(scalePhases), func(p scalePhase) bool { return p.extra })
 	}
 	var out []scalePhase
 	for key := range strings.SplitSeq(*benchPhases, ",") {
@@ -263,9 +266,7 @@ func BenchmarkRelayLatency(b *testing.B) {
 // commit-to-arrival p50, p99 and maximum.
 func latencyRun(tb testing.TB, db *pgtest.DB, sink string) (p50, p99, worst time.Duration) {
 	tb.Helper()
-	if _, err := db.Pool.Exec(context.Background(), "TRUNCATE outbox_event"); err != nil {
-		tb.Fatal(err)
-	}
+	exec(tb, db.Pool, "TRUNCATE outbox_event")
 	arrivals := newArrivals()
 	var stdout io.Writer = arrivals
 	var env []string
