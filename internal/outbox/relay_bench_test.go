@@ -103,6 +103,8 @@ func BenchmarkRelayScale(b *testing.B) {
 				run := runScalePhase(b, db, phases[i], idle)
 				run.ceiling = ceiling
 				runs[i] = append(runs[i], run)
+				fmt.Printf("round %d, %s: %.0f events/s, ceiling %.0f, ratio %.2f\n",
+					round+1, phases[i].name, run.phase.rate, ceiling.rate, run.phase.rate/ceiling.rate)
 			}
 		}
 		printScale(os.Stdout, phases, runs, idle, before, machineConditions(b, db.Pool))
