@@ -7,11 +7,13 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"math"
 	"text/tabwriter"
 	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgtype"
 	"github.com/jackc/pgx/v5/pgxpool"
 )
 
@@ -60,19 +62,34 @@ func ReadStats(ctx context.Context, pool *pgxpool.Pool) (Stats, error) {
 	if err := rows.Err(); err != nil {
 		return s, err
 	}
+	// An infinite occurred_at (a row from before the producer rules, which
+	// the relay dead-letters) has no age: it is left out.
 	var oldest *time.Time
 	var age *float64
 	err = pool.QueryRow(ctx, `
 SELECT min(occurred_at), extract(epoch FROM now() - min(occurred_at))::float8
-FROM outbox_event WHERE `+unfinished).Scan(&oldest, &age)
+FROM outbox_event WHERE `+unfinished+` AND isfinite(occurred_at)`).Scan(&oldest, &age)
 	if err != nil {
 		return s, err
 	}
 	if oldest != nil {
 		s.OldestPending = *oldest
-		s.OldestPendingAge = time.Duration(*age * float64(time.Second))
+		s.OldestPendingAge = secondsToDuration(*age)
 	}
 	return s, nil
+}
+
+// secondsToDuration converts, saturating where a time.Duration ends
+// (some 292 years): an occurred_at may lie centuries away.
+func secondsToDuration(s float64) time.Duration {
+	const limit = float64(math.MaxInt64) / float64(time.Second)
+	switch {
+	case s >= limit:
+		return math.MaxInt64
+	case s <= -limit:
+		return math.MinInt64
+	}
+	return time.Duration(s * float64(time.Second))
 }
 
 // PrintStats writes s as a small table, one status per line, then the age
@@ -90,8 +107,12 @@ func PrintStats(w io.Writer, s Stats) error {
 		_, err := fmt.Fprintln(w, "oldest unfinished event: none")
 		return err
 	}
+	age := s.OldestPendingAge.Round(time.Millisecond).String()
+	if s.OldestPendingAge == math.MaxInt64 {
+		age = "over 292 years"
+	}
 	_, err := fmt.Fprintf(w, "oldest unfinished event: %s old (occurred_at %s)\n",
-		s.OldestPendingAge.Round(time.Millisecond), s.OldestPending.UTC().Format(time.RFC3339))
+		age, s.OldestPending.UTC().Format(time.RFC3339))
 	return err
 }
 
@@ -110,36 +131,39 @@ type DeadEvent struct {
 	DeadAt        time.Time // when it went DEAD
 }
 
-// ListDead returns up to limit DEAD events, oldest first.
-func ListDead(ctx context.Context, pool *pgxpool.Pool, limit int) ([]DeadEvent, error) {
+// ListDead returns up to limit DEAD events, oldest first, and how many DEAD
+// events there are in all.
+func ListDead(ctx context.Context, pool *pgxpool.Pool, limit int) (list []DeadEvent, total int64, err error) {
 	if limit <= 0 {
-		return nil, fmt.Errorf("outbox: list dead: limit must be positive, got %d", limit)
+		return nil, 0, fmt.Errorf("outbox: list dead: limit must be positive, got %d", limit)
 	}
-	// next_attempt_at of a DEAD row is when it was marked dead.
+	// next_attempt_at of a DEAD row is when it was marked dead. The window
+	// count is taken before LIMIT, so it is the total.
 	rows, err := pool.Query(ctx, `
 SELECT id, event_id::text, aggregate_type, aggregate_id, event_type, payload, headers, occurred_at,
-       attempts, coalesce(last_error, ''), next_attempt_at
+       attempts, coalesce(last_error, ''), next_attempt_at, count(*) OVER ()
 FROM outbox_event WHERE status = 'DEAD'
 ORDER BY id LIMIT $1`, limit)
 	if err != nil {
-		return nil, err
+		return nil, 0, err
 	}
 	defer rows.Close()
-	var out []DeadEvent
 	for rows.Next() {
 		var d DeadEvent
 		var payload, headers []byte
+		var occurred pgtype.Timestamptz
 		if err := rows.Scan(&d.Seq, &d.EventID, &d.AggregateType, &d.AggregateID, &d.EventType, &payload, &headers,
-			&d.OccurredAt, &d.Attempts, &d.LastError, &d.DeadAt); err != nil {
-			return nil, err
+			&occurred, &d.Attempts, &d.LastError, &d.DeadAt, &total); err != nil {
+			return nil, 0, err
 		}
+		d.OccurredAt, _ = occurredAt(occurred) // zero when unreadable; last_error says why
 		d.Payload = payload
 		if d.Headers, err = decodeHeaders(headers); err != nil {
-			return nil, err
+			return nil, 0, err
 		}
-		out = append(out, d)
+		list = append(list, d)
 	}
-	return out, rows.Err()
+	return list, total, rows.Err()
 }
 
 // ErrNotDead is returned when the one event to retry or purge is not DEAD

@@ -31,7 +31,8 @@ RETURNING event_id::text`
 
 // Append inserts e into the outbox inside the caller's transaction, so the
 // event exists exactly when the business change commits. It returns the
-// event_id consumers will dedupe on.
+// event_id consumers will dedupe on. An event that breaks a producer rule
+// (docs/outbox.md) is refused with a *RuleError naming the rule.
 //
 // Appending locks e's aggregate until tx ends (see the migration), so keep
 // the transaction short after appending, and append to several aggregates in
@@ -56,18 +57,16 @@ func Append(ctx context.Context, tx pgx.Tx, e NewEvent) (eventID string, err err
 	}
 	err = tx.QueryRow(ctx, appendSQL, e.AggregateType, e.AggregateID, e.EventType,
 		string(e.Payload), id, headers, occurred).Scan(&eventID)
-	return eventID, err
+	return eventID, asRuleError(err)
 }
 
+// validate checks e before the round trip: the producer rules (rules.go),
+// which the table enforces anyway, and a payload that is JSON.
 func (e NewEvent) validate() error {
-	switch {
-	case e.AggregateType == "":
-		return errors.New("outbox: aggregate_type is required")
-	case e.AggregateID == "":
-		return errors.New("outbox: aggregate_id is required")
-	case e.EventType == "":
-		return errors.New("outbox: event_type is required")
-	case !json.Valid(e.Payload):
+	if err := checkRules(e); err != nil {
+		return err
+	}
+	if !json.Valid(e.Payload) {
 		return errors.New("outbox: payload must be valid JSON")
 	}
 	return nil

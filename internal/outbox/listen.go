@@ -17,33 +17,12 @@ import (
 // worker at PostgreSQL directly or accept polling latency.
 func (r *Relay) listen() {
 	defer r.background.Done()
-	ctx := r.claimCtx
-	failures := 0
-	for ctx.Err() == nil {
-		err := r.listenOnce(ctx, &failures)
-		if ctx.Err() != nil {
-			return
-		}
-		failures++
-		d := backoff(100*time.Millisecond, 5*time.Second, failures)
-		r.log.Warn("outbox listener disconnected; reconnecting", "error", err, "retry_in", d, "consecutive_failures", failures)
-		wait(ctx, d)
-	}
-}
-
-func (r *Relay) listenOnce(ctx context.Context, failures *int) error {
 	cfg := r.pool.Config().ConnConfig
 	cfg.RuntimeParams["application_name"] = "outbox-listener"
-	_, err := pglisten.Session(ctx, cfg, NotifyChannel, pglisten.DefaultIdle,
-		func() {
-			if *failures > 0 {
-				r.log.Info("outbox listener reconnected")
-			}
-			*failures = 0
-			r.wakeAll() // rows inserted while we were not listening woke nobody
-		},
-		func(string) { r.wakeAll() })
-	return err
+	l := pglisten.Listener{Name: "outbox listener", Config: cfg, Channel: NotifyChannel, Log: r.log,
+		Fallback: "relays poll every outbox.poll_interval"}
+	// Rows inserted while nobody listened woke nobody: wake on connect.
+	l.Run(r.claimCtx, r.wakeAll, func(string) { r.wakeAll() })
 }
 
 // refreshMetrics keeps the table-derived gauges current: one grouped query
@@ -66,8 +45,12 @@ func (r *Relay) refreshMetrics() {
 	}
 }
 
+// gaugesSQL counts rows and measures lag. The lag skips an infinite
+// occurred_at (PostgreSQL cannot subtract it, and the relay dead-letters
+// such rows) and reads 0 for one in the future.
 const gaugesSQL = `
-SELECT status, event_type, count(*), extract(epoch FROM now() - min(occurred_at))::float8
+SELECT status, event_type, count(*),
+       greatest(extract(epoch FROM now() - min(occurred_at) FILTER (WHERE isfinite(occurred_at))), 0)::float8
 FROM outbox_event WHERE ` + unfinished + `
 GROUP BY status, event_type
 UNION ALL

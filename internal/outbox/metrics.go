@@ -2,7 +2,11 @@ package outbox
 
 import (
 	"errors"
+	"math"
+	"strings"
 	"sync"
+	"time"
+	"unicode"
 
 	"github.com/prometheus/client_golang/prometheus"
 )
@@ -112,11 +116,56 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 	}
 	m.retry.WithLabelValues(RelayJobName, "scheduled")
 	m.dlq.WithLabelValues(RelayJobName)
+	// Event types come from data, so their series cannot all exist from
+	// the start. The "other" series (the overflow label value) do, so that
+	// outbox_publish_failures_total has both kinds before the first
+	// failure; and an event type's series start at zero when the type is
+	// first seen (eventType), so rate() sees its first failure too.
+	m.initEventType(otherEventType)
 	return m, nil
 }
 
-// eventType returns the label value for an event type, bounded by the cap.
-func (m *metrics) eventType(t string) string { return m.eventTypes.value(t) }
+// eventType returns the label value for an event type: control characters
+// replaced (rows from before the producer rules may have them), bounded by
+// the cap. A value seen for the first time gets its counters at zero.
+func (m *metrics) eventType(t string) string {
+	v, first := m.eventTypes.value(labelSafe(t))
+	if first {
+		m.initEventType(v)
+	}
+	return v
+}
+
+func (m *metrics) initEventType(v string) {
+	m.published.WithLabelValues(v)
+	m.failures.WithLabelValues(v, kindTransient)
+	m.failures.WithLabelValues(v, kindPermanent)
+}
+
+// observeLatency records one publish latency. A negative one (an
+// occurred_at in the future) or one too large for a time.Duration (which
+// time.Time.Sub saturates, some 292 years) says nothing about the relay
+// and would distort the histogram's sum, so it is left out.
+func (m *metrics) observeLatency(d time.Duration) {
+	if d < 0 || d == math.MaxInt64 {
+		return
+	}
+	m.latency.Observe(d.Seconds())
+}
+
+// labelSafe replaces control characters with '_', so a label value stays
+// one readable line in the exposition, dashboards and alerts.
+func labelSafe(s string) string {
+	if !hasControl(s) {
+		return s
+	}
+	return strings.Map(func(r rune) rune {
+		if unicode.IsControl(r) {
+			return '_'
+		}
+		return r
+	}, s)
+}
 
 // register adds c to reg, or returns the equal collector registered before.
 func register[T prometheus.Collector](reg prometheus.Registerer, c T) (T, error) {
@@ -140,17 +189,19 @@ type labelCap struct {
 	seen map[string]bool
 }
 
-func (l *labelCap) value(v string) string {
+// value returns the label value for v, and whether v was admitted just
+// now.
+func (l *labelCap) value(v string) (string, bool) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	if l.seen[v] {
-		return v
+		return v, false
 	}
 	if len(l.seen) >= l.max {
-		return otherEventType
+		return otherEventType, false
 	}
 	l.seen[v] = true
-	return v
+	return v, true
 }
 
 // known returns the admitted values.

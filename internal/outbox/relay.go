@@ -448,7 +448,10 @@ func (r *Relay) publish(runs [][]claimedRow, claimedAt time.Time, skew time.Dura
 				out.handBack = append(out.handBack, ev)
 				continue
 			}
-			err := r.sink.Publish(pctx, ev.Event)
+			err := ev.unreadable // permanent: DEAD without reaching the sink
+			if err == nil {
+				err = r.sink.Publish(pctx, ev.Event)
+			}
 			if err == nil {
 				out.published = append(out.published, ev)
 				out.at = append(out.at, time.Now().Add(skew))
@@ -534,7 +537,7 @@ func (r *Relay) record(out *outcomes) {
 	counts := map[string]int{}
 	for i, ev := range out.published {
 		counts[ev.EventType]++
-		r.m.latency.Observe(out.at[i].Sub(ev.OccurredAt).Seconds())
+		r.m.observeLatency(out.at[i].Sub(ev.OccurredAt))
 	}
 	for t, n := range counts {
 		r.m.published.WithLabelValues(r.m.eventType(t)).Add(float64(n))

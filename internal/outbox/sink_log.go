@@ -9,7 +9,6 @@ import (
 	"io"
 	"slices"
 	"sync"
-	"time"
 )
 
 // LogSink writes one JSON line per event. It is the default sink: it needs
@@ -32,17 +31,22 @@ var lineBuffers = sync.Pool{New: func() any { return new([]byte) }}
 // maxPooledLine keeps an occasional huge payload's buffer out of the pool.
 const maxPooledLine = 64 << 10
 
-// Publish implements Sink. A payload that is not valid JSON is a permanent
+// Publish implements Sink. A payload that is not valid JSON, or an
+// occurred_at outside years 0001-9999 (no RFC 3339 form), is a permanent
 // error, because writing it again cannot make it valid; a failed write is
 // transient.
 func (s *LogSink) Publish(_ context.Context, e Event) error {
+	occurred, err := rfc3339(e.OccurredAt)
+	if err != nil {
+		return fmt.Errorf("log sink: event %s: %w", e.EventID, err)
+	}
 	buf := lineBuffers.Get().(*[]byte)
 	defer func() {
 		if cap(*buf) <= maxPooledLine {
 			lineBuffers.Put(buf)
 		}
 	}()
-	line, err := appendLogLine((*buf)[:0], e)
+	line, err := appendLogLine((*buf)[:0], e, occurred)
 	*buf = line
 	if err != nil {
 		return Permanent(fmt.Errorf("log sink: event %s: encode: %w", e.EventID, err))
@@ -56,16 +60,13 @@ func (s *LogSink) Publish(_ context.Context, e Event) error {
 	return nil
 }
 
-// appendLogLine appends e as one line of JSON, fields in a fixed order so
-// that lines are easy to read and to grep. It writes the JSON itself
+// appendLogLine appends e as one line of JSON, with occurred as its
+// occurred_at, fields in a fixed order so that lines are easy to read and
+// to grep. It writes the JSON itself
 // instead of going through encoding/json: this runs once per event, and
 // the payload is already JSON (PostgreSQL prints jsonb), so it is copied
 // through as it is.
-func appendLogLine(b []byte, e Event) ([]byte, error) {
-	occurred := e.OccurredAt.UTC()
-	if y := occurred.Year(); y < 0 || y > 9999 {
-		return b, fmt.Errorf("occurred_at %s has no RFC 3339 form", occurred)
-	}
+func appendLogLine(b []byte, e Event, occurred string) ([]byte, error) {
 	b = append(b, `{"event_id":`...)
 	b = appendJSONString(b, e.EventID)
 	b = append(b, `,"aggregate_type":`...)
@@ -75,7 +76,7 @@ func appendLogLine(b []byte, e Event) ([]byte, error) {
 	b = append(b, `,"event_type":`...)
 	b = appendJSONString(b, e.EventType)
 	b = append(b, `,"occurred_at":"`...)
-	b = occurred.AppendFormat(b, time.RFC3339Nano)
+	b = append(b, occurred...)
 	b = append(b, `","headers":`...)
 	b = appendHeaders(b, e.Headers)
 	b = append(b, `,"payload":`...)

@@ -253,15 +253,3 @@ func TestLogSinkCopiesPayloadThrough(t *testing.T) {
 		}
 	}
 }
-
-func TestLogSinkOccurredAtWithoutRFC3339FormIsPermanent(t *testing.T) {
-	var buf bytes.Buffer
-	e := logSinkEvent(7)
-	e.OccurredAt = time.Date(10000, 1, 1, 0, 0, 0, 0, time.UTC)
-	if err := NewLogSink(&buf).Publish(context.Background(), e); !IsPermanent(err) {
-		t.Fatalf("err = %v, want a permanent error", err)
-	}
-	if buf.Len() != 0 {
-		t.Errorf("nothing should be written for a bad event, got %q", buf.String())
-	}
-}

@@ -158,6 +158,14 @@ func (s *WebhookSink) Publish(ctx context.Context, e Event) error {
 		// ce-id, ce-type and ce-source are required CloudEvents attributes.
 		return Permanent(fmt.Errorf("webhook: event seq %d lacks event_id, event_type or aggregate_type", e.Seq))
 	}
+	var ceTime string
+	if !e.OccurredAt.IsZero() {
+		t, err := rfc3339(e.OccurredAt)
+		if err != nil {
+			return fmt.Errorf("webhook: event %s: %w", e.EventID, err)
+		}
+		ceTime = t
+	}
 	body := []byte(e.Payload)
 	if len(body) == 0 {
 		body = []byte("null")
@@ -169,7 +177,7 @@ func (s *WebhookSink) Publish(ctx context.Context, e Event) error {
 	if err != nil {
 		return Permanent(fmt.Errorf("webhook: build request: %w", err))
 	}
-	req.Header = s.headers(e, body)
+	req.Header = s.headers(e, ceTime, body)
 
 	resp, err := s.client.Do(req)
 	if err != nil {
@@ -205,11 +213,12 @@ func (s *WebhookSink) Publish(ctx context.Context, e Event) error {
 	}
 }
 
-// headers builds the request headers for e. Stored event headers go
+// headers builds the request headers for e; ceTime is its occurred_at in
+// RFC 3339, or empty to leave ce-time out. Stored event headers go
 // first, so the ones the protocol owns (ce-*, webhook-*, Content-Type)
 // always overwrite them. Keys are written in canonical form directly, and
 // all single values share one backing array: this runs once per event.
-func (s *WebhookSink) headers(e Event, body []byte) http.Header {
+func (s *WebhookSink) headers(e Event, ceTime string, body []byte) http.Header {
 	h := make(http.Header, len(e.Headers)+11)
 	vals := make([]string, 0, 11)
 	set := func(k, v string) {
@@ -230,8 +239,8 @@ func (s *WebhookSink) headers(e Event, body []byte) http.Header {
 	if e.AggregateID != "" {
 		set("Ce-Subject", ceEncode(e.AggregateID))
 	}
-	if !e.OccurredAt.IsZero() {
-		set("Ce-Time", e.OccurredAt.UTC().Format(time.RFC3339Nano))
+	if ceTime != "" {
+		set("Ce-Time", ceTime)
 	}
 	if s.key != nil {
 		id, ts := e.EventID, strconv.FormatInt(s.now().Unix(), 10)

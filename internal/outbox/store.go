@@ -3,6 +3,7 @@ package outbox
 import (
 	"encoding/json"
 	"fmt"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgtype"
@@ -192,6 +193,10 @@ type claimedRow struct {
 	Event
 	tid    pgtype.TID
 	status string
+	// unreadable says why the relay cannot publish this row (a permanent
+	// error): it goes DEAD without reaching the sink. Only rows written
+	// before the producer rules, or changed by hand since, can be such.
+	unreadable error
 }
 
 // windowRow is one row of the window.
@@ -267,9 +272,10 @@ func readEvents(rows pgx.Rows, err error) (heads, others []claimedRow, _ error) 
 	for rows.Next() {
 		var c claimedRow
 		var payload, headers []byte
+		var occurred pgtype.Timestamptz
 		isHead := true
 		dest := []any{&c.tid, &c.Seq, &c.EventID, &c.AggregateType, &c.AggregateID, &c.EventType, &payload,
-			&headers, &c.OccurredAt, &c.Attempts, &c.status}
+			&headers, &occurred, &c.Attempts, &c.status}
 		if tagged {
 			dest = append([]any{&isHead}, dest...)
 		}
@@ -277,8 +283,13 @@ func readEvents(rows pgx.Rows, err error) (heads, others []claimedRow, _ error) 
 			return nil, nil, err
 		}
 		c.Payload = payload
-		if c.Headers, err = decodeHeaders(headers); err != nil {
-			return nil, nil, err
+		// A row the relay cannot decode fails alone (it goes DEAD), never
+		// the batch: the other aggregates keep flowing.
+		c.OccurredAt, c.unreadable = occurredAt(occurred)
+		if h, err := decodeHeaders(headers); err != nil {
+			c.unreadable = Permanent(err)
+		} else {
+			c.Headers = h
 		}
 		if isHead {
 			heads = append(heads, c)
@@ -287,6 +298,21 @@ func readEvents(rows pgx.Rows, err error) (heads, others []claimedRow, _ error) 
 		}
 	}
 	return heads, others, rows.Err()
+}
+
+// occurredAt converts a stored occurred_at. The producer rules keep it
+// finite and within years 0001-9999; a row from before them, or edited by
+// hand, may hold 'infinity' (which time.Time cannot hold) or a year that
+// no sink can express (RFC 3339 has four digits): that is a permanent
+// error for the row, not a scan error for the whole batch.
+func occurredAt(ts pgtype.Timestamptz) (time.Time, error) {
+	switch {
+	case ts.InfinityModifier != pgtype.Finite:
+		return time.Time{}, occurredAtRangeError(ts.InfinityModifier.String())
+	case !inRFC3339Range(ts.Time):
+		return time.Time{}, occurredAtRangeError(ts.Time.UTC().String())
+	}
+	return ts.Time, nil
 }
 
 // parseStringObject parses a flat JSON object whose keys and values are
@@ -362,7 +388,8 @@ func parseStringObject(b []byte) (map[string]string, bool) {
 }
 
 // decodeHeaders turns the headers object into the sink's string map.
-// Non-string values keep their JSON text, so nothing is dropped.
+// Non-string values (only rows from before the producer rules can have
+// them) keep their JSON text, so nothing is dropped.
 func decodeHeaders(b []byte) (map[string]string, error) {
 	if len(b) == 0 || string(b) == "{}" {
 		return nil, nil

@@ -228,7 +228,7 @@ func TestAdminPurgeAndMisuse(t *testing.T) {
 	if st.ByStatus[StatusDead] != 0 || st.ByStatus[StatusPending] != 1 || len(st.ByStatus) != 5 {
 		t.Errorf("after purging: %v", st.ByStatus)
 	}
-	if dead, err := ListDead(ctx, db.Pool, 0); err == nil {
+	if dead, _, err := ListDead(ctx, db.Pool, 0); err == nil {
 		t.Errorf("ListDead with limit 0: %v", dead)
 	}
 }

@@ -1,14 +1,16 @@
-// Package pglisten runs one LISTEN session on a dedicated connection, for
+// Package pglisten keeps a LISTEN session on a dedicated connection, for
 // the wake-ups that the lock provider and the outbox relay take from
-// NOTIFY. Callers loop over Session with their own backoff; a lost
-// notification costs them latency, never correctness.
+// NOTIFY. Run reconnects with backoff and logs each outage; a lost
+// notification costs the callers latency, never correctness.
 package pglisten
 
 import (
 	"context"
 	"fmt"
+	"log/slog"
 	"time"
 
+	"github.com/cenkalti/backoff/v5"
 	"github.com/jackc/pgx/v5"
 )
 
@@ -18,6 +20,69 @@ const DefaultIdle = 15 * time.Second
 
 // connectTimeout bounds the connect and the LISTEN statement.
 const connectTimeout = 10 * time.Second
+
+// Listener describes a LISTEN session that Run keeps alive.
+type Listener struct {
+	Name    string // for log lines, e.g. "lock listener"
+	Config  *pgx.ConnConfig
+	Channel string
+	Idle    time.Duration // DefaultIdle when 0
+	Log     *slog.Logger  // discard when nil
+	// Fallback tells the log reader what happens while disconnected, e.g.
+	// "waiters fall back to polling".
+	Fallback string
+}
+
+// Run keeps a session on l.Channel until ctx ends: it calls connected each
+// time LISTEN succeeds (notifications sent while disconnected are lost, so
+// callers re-check there) and notify with each payload. After a session
+// ends it logs "disconnected" and reconnects with backoff; when LISTEN
+// succeeds again it logs "reconnected" with how long it was down.
+func (l Listener) Run(ctx context.Context, connected func(), notify func(payload string)) {
+	log := l.Log
+	if log == nil {
+		log = slog.New(slog.DiscardHandler)
+	}
+	idle := l.Idle
+	if idle <= 0 {
+		idle = DefaultIdle
+	}
+	retry := &backoff.ExponentialBackOff{
+		InitialInterval: 100 * time.Millisecond, RandomizationFactor: 0.5,
+		Multiplier: 2, MaxInterval: 5 * time.Second,
+	}
+	retry.Reset()
+	var downSince time.Time // zero while connected, and before the first session
+	for ctx.Err() == nil {
+		listening, err := Session(ctx, l.Config, l.Channel, idle, func() {
+			if !downSince.IsZero() {
+				log.Info(l.Name+" reconnected", "channel", l.Channel,
+					"down_for", time.Since(downSince).Round(time.Millisecond).String())
+				downSince = time.Time{}
+			}
+			connected()
+		}, notify)
+		if ctx.Err() != nil {
+			return
+		}
+		if listening {
+			retry.Reset()
+		}
+		if downSince.IsZero() {
+			downSince = time.Now()
+		}
+		d := retry.NextBackOff()
+		log.Warn(l.Name+" disconnected; "+l.Fallback+" until it reconnects", "channel", l.Channel,
+			"error", err, "retry_in", d.Round(time.Millisecond).String())
+		t := time.NewTimer(d)
+		select {
+		case <-ctx.Done():
+			t.Stop()
+			return
+		case <-t.C:
+		}
+	}
+}
 
 // Session connects with cfg (outside any pool, so it never takes a slot
 // that statements need), LISTENs on channel, calls connected, then calls

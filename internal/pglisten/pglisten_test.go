@@ -3,6 +3,7 @@ package pglisten
 import (
 	"context"
 	"errors"
+	"fmt"
 	"io"
 	"net"
 	"strconv"
@@ -196,4 +197,61 @@ func TestSessionEndsOnSilentConnection(t *testing.T) {
 		t.Errorf("noticed after %s, want within about 2 x idle (%s)", took, idle)
 	}
 	t.Logf("silent connection noticed after %s: %v", time.Since(frozen).Round(time.Millisecond), ended)
+}
+
+// Run logs a lost connection, reconnects, and says so with how long it was
+// down; notifications flow again afterwards.
+func TestRunLogsReconnectWithDowntime(t *testing.T) {
+	t.Parallel()
+	db := pgtest.New(t)
+	cfg, err := pgx.ParseConfig(db.URL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg.RuntimeParams["application_name"] = "pglisten-run-test"
+	var logs testkit.LogBuffer
+	ctx, cancel := context.WithCancel(context.Background())
+	connects := make(chan struct{}, 10)
+	payloads := make(chan string, 10)
+	ended := make(chan struct{})
+	l := Listener{Name: "test listener", Config: cfg, Channel: "pglisten_test", Log: logs.Logger(), Fallback: "nothing happens"}
+	go func() {
+		defer close(ended)
+		l.Run(ctx, func() { connects <- struct{}{} }, func(p string) { payloads <- p })
+	}()
+	t.Cleanup(func() { cancel(); <-ended })
+
+	<-connects
+	if lines := logs.Lines(t, "test listener reconnected"); len(lines) != 0 {
+		t.Fatalf("the first connect is not a reconnect: %v", lines)
+	}
+	if _, err := db.Pool.Exec(context.Background(),
+		`SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = 'pglisten-run-test' AND datname = current_database()`); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case <-connects:
+	case <-time.After(15 * time.Second):
+		t.Fatal("no reconnect after the connection was terminated")
+	}
+	if n := len(logs.Lines(t, "test listener disconnected; nothing happens until it reconnects")); n != 1 {
+		t.Errorf("%d disconnect lines, want 1:\n%s", n, logs.String())
+	}
+	up := logs.Lines(t, "test listener reconnected")
+	if len(up) != 1 {
+		t.Fatalf("%d reconnect lines, want 1:\n%s", len(up), logs.String())
+	}
+	down, err := time.ParseDuration(fmt.Sprint(up[0]["down_for"]))
+	if err != nil || down <= 0 || up[0]["channel"] != "pglisten_test" {
+		t.Errorf("reconnect line %v: want channel and a positive down_for (%v)", up[0], err)
+	}
+	notify(t, db, "after reconnect")
+	select {
+	case got := <-payloads:
+		if got != "after reconnect" {
+			t.Fatalf("payload %q", got)
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("no notification after the reconnect")
+	}
 }

@@ -16,9 +16,11 @@ import (
 
 	"github.com/alecthomas/kong"
 	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"worker/internal/jobs"
+	"worker/internal/obs"
 	"worker/internal/outbox"
 )
 
@@ -31,6 +33,8 @@ type cmdEnv struct {
 	Stdout     io.Writer
 	Stderr     io.Writer
 	Environ    []string
+
+	log *slog.Logger // set once the command has built its logger
 }
 
 type cli struct {
@@ -82,10 +86,32 @@ func Main(args []string, stdout, stderr io.Writer, environ []string) int {
 	}
 	e := &cmdEnv{ConfigPath: c.Config, Stdout: stdout, Stderr: stderr, Environ: environ}
 	if err := kctx.Run(e); err != nil {
-		fmt.Fprintln(stderr, "worker:", err)
-		return ExitCode(err)
+		code := ExitCode(err)
+		e.fatalLogger().Error("exiting", "error", err, "exit_code", code)
+		return code
 	}
 	return ExitOK
+}
+
+// fatalLogger is the logger for the one line that reports why a command
+// failed: the command's own, or, when it failed before building one (bad
+// configuration), one in the log format that the file or environment asks
+// for, JSON when that cannot be read either.
+func (e *cmdEnv) fatalLogger() *slog.Logger {
+	if e.log != nil {
+		return e.log
+	}
+	env := map[string]string{}
+	for _, kv := range e.Environ {
+		name, v, _ := strings.Cut(kv, "=")
+		env[name] = v
+	}
+	log, err := obs.NewLogger(e.Stderr, earlyLogFormat(e.ConfigPath, e.Environ), "info", env["APP_INSTANCE_ID"],
+		logSecrets(env["APP_DATABASE_URL"], env["APP_OUTBOX_WEBHOOK_SECRET"])...)
+	if err != nil {
+		panic(err) // earlyLogFormat returns only formats NewLogger knows
+	}
+	return log
 }
 
 type kongExit struct{}
@@ -147,12 +173,29 @@ type outboxEmitCmd struct {
 }
 
 func (c outboxEmitCmd) Run(e *cmdEnv) error {
+	for _, f := range []struct{ flag, v string }{
+		{"--aggregate-type", c.AggregateType}, {"--aggregate-id", c.AggregateID}, {"--event-type", c.EventType},
+	} {
+		if strings.TrimSpace(f.v) == "" {
+			return &usageError{msg: f.flag + " is empty; give a value"}
+		}
+	}
 	if !json.Valid([]byte(c.Payload)) {
 		return &usageError{msg: "--payload is not valid JSON"}
 	}
 	return withPool(e, func(ctx context.Context, pool *pgxpool.Pool, _ *slog.Logger) error {
 		id, err := outbox.Emit(ctx, pool, outbox.NewEvent{AggregateType: c.AggregateType, AggregateID: c.AggregateID,
 			EventType: c.EventType, Payload: json.RawMessage(c.Payload)})
+		// The producer rules, checked before the insert, and any other
+		// constraint of the table name the rule the event breaks.
+		var ruleErr *outbox.RuleError
+		var pgErr *pgconn.PgError
+		switch {
+		case errors.As(err, &ruleErr):
+			return &usageError{msg: fmt.Sprintf("the event breaks a rule of outbox_event (%s): %s", ruleErr.Constraint, ruleErr.Problem)}
+		case errors.As(err, &pgErr) && strings.HasPrefix(pgErr.Code, "23"):
+			return &usageError{msg: fmt.Sprintf("the event breaks a rule of outbox_event (%s): %s", pgErr.ConstraintName, pgErr.Message)}
+		}
 		if err != nil {
 			return err
 		}
@@ -174,16 +217,19 @@ func (outboxStatsCmd) Run(e *cmdEnv) error {
 }
 
 type outboxDeadListCmd struct {
-	Limit int `default:"50" help:"Most events to list."`
+	Limit int `default:"50" help:"Most events to list (at least 1)."`
 }
 
 func (c outboxDeadListCmd) Run(e *cmdEnv) error {
+	if c.Limit < 1 {
+		return &usageError{msg: fmt.Sprintf("--limit %d: want at least 1", c.Limit)}
+	}
 	return withPool(e, func(ctx context.Context, pool *pgxpool.Pool, _ *slog.Logger) error {
-		list, err := outbox.ListDead(ctx, pool, c.Limit)
+		list, total, err := outbox.ListDead(ctx, pool, c.Limit)
 		if err != nil {
 			return err
 		}
-		return printDead(e.Stdout, list)
+		return printDead(e.Stdout, list, total)
 	})
 }
 
@@ -215,6 +261,9 @@ func deadAction(e *cmdEnv, sel deadSelection, verb string,
 	}
 	return withPool(e, func(ctx context.Context, pool *pgxpool.Pool, log *slog.Logger) error {
 		n, err := act(ctx, pool, sel.EventID, operator(), log)
+		if errors.Is(err, outbox.ErrNotDead) {
+			return &NotFoundError{Err: err, Msg: fmt.Sprintf("no DEAD event with event_id %s; `worker outbox dead list` shows them", sel.EventID)}
+		}
 		if err != nil {
 			return err
 		}
@@ -245,12 +294,22 @@ func operator() string {
 	return who + "@" + host
 }
 
-func printDead(w io.Writer, list []outbox.DeadEvent) error {
+// printDead writes the listed DEAD events as a table, then how many there
+// are in all and, when some are not shown, how to see them.
+func printDead(w io.Writer, list []outbox.DeadEvent, total int64) error {
 	tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
 	fmt.Fprintln(tw, "EVENT ID\tAGGREGATE\tEVENT TYPE\tATTEMPTS\tDEAD AT\tLAST ERROR")
 	for _, d := range list {
 		fmt.Fprintf(tw, "%s\t%s/%s\t%s\t%d\t%s\t%s\n", d.EventID, d.AggregateType, d.AggregateID, d.EventType,
 			d.Attempts, d.DeadAt.UTC().Format(time.RFC3339), strings.Join(strings.Fields(d.LastError), " "))
 	}
-	return tw.Flush()
+	if err := tw.Flush(); err != nil {
+		return err
+	}
+	if int64(len(list)) < total {
+		_, err := fmt.Fprintf(w, "%d of %d DEAD events shown, oldest first; see more with --limit %d\n", len(list), total, total)
+		return err
+	}
+	_, err := fmt.Fprintf(w, "%d DEAD event(s)\n", total)
+	return err
 }

@@ -5,6 +5,7 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"maps"
 	"net"
 	"os"
 	"reflect"
@@ -61,6 +62,11 @@ type Config struct {
 	} `koanf:"async_executor"`
 	Outbox outbox.Config     `koanf:"outbox"`
 	Jobs   []jobs.Definition `koanf:"jobs"`
+
+	// instanceIDDerived is set when instance.id was empty and LoadConfig
+	// derived one, so `config print` can say how rather than show a value
+	// that changes on every call.
+	instanceIDDerived bool
 }
 
 // Lock providers.
@@ -114,13 +120,6 @@ func flatten(prefix string, v reflect.Value) []setting {
 	return out
 }
 
-// ConfigError is invalid configuration: exit 78.
-type ConfigError struct{ Msg string }
-
-func (e *ConfigError) Error() string { return "invalid configuration: " + e.Msg }
-
-func configErrorf(format string, a ...any) error { return &ConfigError{Msg: fmt.Sprintf(format, a...)} }
-
 // DefaultConfigFile is read when it exists and no other file is named.
 const DefaultConfigFile = "configs/worker.yaml"
 
@@ -150,7 +149,7 @@ func LoadConfig(path string, environ []string) (*Config, error) {
 		if err := fk.Load(file.Provider(path), yaml.Parser()); err != nil {
 			return nil, configErrorf("config file %s: %v", path, err)
 		}
-		if err := checkFileKeys(fk, defaults, path); err != nil {
+		if err := checkFileKeys(fk, defaults, path, fileLines(path)); err != nil {
 			return nil, err
 		}
 		if err := k.Merge(fk); err != nil {
@@ -196,26 +195,30 @@ func LoadConfig(path string, environ []string) (*Config, error) {
 		TagName:          "koanf",
 	}
 	if err := k.UnmarshalWithConf("", &cfg, koanf.UnmarshalConf{DecoderConfig: dec}); err != nil {
-		return nil, configErrorf("%v", err)
+		return nil, configErrorf("%w", err)
 	}
 	if cfg.Instance.ID == "" {
 		cfg.Instance.ID = defaultInstanceID()
+		cfg.instanceIDDerived = true
 	}
 	if err := cfg.validate(source); err != nil {
-		return nil, err
+		return nil, nameEnvSources(err, fromEnv)
 	}
 	return &cfg, nil
 }
 
 // checkFileKeys rejects keys the worker does not know, so a typo in the YAML
-// file is an error instead of a silently ignored setting.
-func checkFileKeys(fk *koanf.Koanf, defaults map[string]any, path string) error {
+// file is an error instead of a silently ignored setting. The message names
+// the line and the nearest known key.
+func checkFileKeys(fk *koanf.Koanf, defaults map[string]any, path string, lines lineFinder) error {
+	known := slices.Sorted(maps.Keys(defaults))
 	for _, key := range fk.Keys() {
 		if key == "jobs" || strings.HasPrefix(key, "jobs.") {
 			continue
 		}
 		if _, ok := defaults[key]; !ok {
-			return configErrorf("%s: unknown key %q; known keys are listed in %s and the README", path, key, DefaultConfigFile)
+			return configErrorf("%s: unknown key %q%s; known keys are listed in %s and the README",
+				lines.at(strings.Split(key, ".")...), key, didYouMean(key, known), DefaultConfigFile)
 		}
 	}
 	raw := fk.Get("jobs")
@@ -224,21 +227,23 @@ func checkFileKeys(fk *koanf.Koanf, defaults map[string]any, path string) error 
 	}
 	list, ok := raw.([]any)
 	if !ok {
-		return configErrorf("%s: jobs must be a list of job entries", path)
+		return configErrorf("%s: jobs must be a list of job entries", lines.at("jobs"))
 	}
 	allowed := tagNames(reflect.TypeFor[jobs.Definition]())
 	for i, item := range list {
 		m, ok := item.(map[string]any)
 		if !ok {
-			return configErrorf("%s: jobs[%d] must be a mapping with name, kind, delay, ...", path, i)
+			return configErrorf("%s: jobs[%d] must be a mapping with name, kind, delay, ...", lines.at("jobs", strconv.Itoa(i)), i)
 		}
 		for key, v := range m {
+			where := lines.at("jobs", strconv.Itoa(i), key)
 			if !slices.Contains(allowed, key) {
-				return configErrorf("%s: jobs[%d] %q: unknown key %q; allowed: %s", path, i, fmt.Sprint(m["name"]), key, strings.Join(allowed, ", "))
+				return configErrorf("%s: jobs[%d] %q: unknown key %q%s; allowed: %s",
+					where, i, fmt.Sprint(m["name"]), key, didYouMean(key, allowed), strings.Join(allowed, ", "))
 			}
 			if slices.Contains([]string{"delay", "initial_delay", "timeout", "lease_ttl"}, key) {
 				if err := checkUnitless(v); err != nil {
-					return configErrorf("%s: jobs[%d] %q: %s %v %v", path, i, fmt.Sprint(m["name"]), key, v, err)
+					return configErrorf("%s: jobs[%d] %q: %s %v %v", where, i, fmt.Sprint(m["name"]), key, v, err)
 				}
 			}
 		}
@@ -353,7 +358,7 @@ func (c *Config) validate(source func(string) string) error {
 		return configErrorf("%s=%q: %q is not a port; want host:port or :port", source("http.addr"), c.HTTP.Addr, port)
 	}
 	if err := c.Outbox.Validate(); err != nil {
-		return configErrorf("%v", err)
+		return configErrorf("%w", err)
 	}
 	// Relay loops keep their connection while there is backlog; jobs,
 	// leases and the metrics refresh must still get one.
@@ -362,12 +367,12 @@ func (c *Config) validate(source func(string) string) error {
 			source("database.max_conns"), c.Database.MaxConns, source("outbox.relays"), c.Outbox.Relays)
 	}
 	if c.Outbox.Sink == "webhook" {
-		if _, err := outbox.NewWebhookSink(c.Outbox.Webhook, nil); err != nil {
-			return configErrorf("%v", err)
+		if _, err := newWebhookSink(c.Outbox.Webhook); err != nil {
+			return err
 		}
 	}
 	if err := jobs.ValidateDefinitions(c.Jobs); err != nil {
-		return configErrorf("%v", err)
+		return configErrorf("%w", err)
 	}
 	// The worker's own jobs share the name space (the name is the lock key).
 	reserved := []string{outbox.ReaperJobName, lockReaperName}
@@ -387,17 +392,41 @@ func (c *Config) validate(source func(string) string) error {
 	return nil
 }
 
+// defaultInstanceID is used when instance.id is empty: unique per process,
+// and still recognisable by its host.
 func defaultInstanceID() string {
+	b := make([]byte, 3)
+	_, _ = rand.Read(b)
+	return instanceHost() + "-" + hex.EncodeToString(b)
+}
+
+// earlyLogFormat is log.format read as far as it can be when the full
+// configuration is invalid: from the environment, then the file, else the
+// default. Only a valid value counts.
+func earlyLogFormat(path string, environ []string) string {
+	valid := func(f string) bool { return f == "json" || f == "text" }
+	for _, kv := range slices.Backward(environ) {
+		if v, ok := strings.CutPrefix(kv, "APP_LOG_FORMAT="); ok {
+			if valid(v) {
+				return v
+			}
+			return "json" // the environment wins over the file, even when wrong
+		}
+	}
+	if path == "" {
+		path = DefaultConfigFile
+	}
+	fk := koanf.New(".")
+	if fk.Load(file.Provider(path), yaml.Parser()) == nil && valid(fk.String("log.format")) {
+		return fk.String("log.format")
+	}
+	return "json"
+}
+
+func instanceHost() string {
 	host, err := os.Hostname()
 	if err != nil || host == "" {
 		host = "worker"
 	}
-	b := make([]byte, 3)
-	_, _ = rand.Read(b)
-	return host + "-" + hex.EncodeToString(b)
-}
-
-func isConfigError(err error) bool {
-	var ce *ConfigError
-	return errors.As(err, &ce)
+	return host
 }

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"os"
 	"path/filepath"
+	"reflect"
 	"strings"
 	"testing"
 	"time"
@@ -13,6 +14,9 @@ import (
 	"github.com/knadh/koanf/parsers/yaml"
 	"github.com/knadh/koanf/providers/file"
 	"github.com/knadh/koanf/v2"
+	yamlv3 "go.yaml.in/yaml/v3"
+
+	"worker/internal/jobs"
 )
 
 func writeFile(t *testing.T, body string) string {
@@ -274,5 +278,125 @@ func TestJobNamedLikeBuiltinIsConfigError(t *testing.T) {
 	_, err := LoadConfig(writeFile(t, "jobs:\n  - {name: outbox-reaper, kind: sql, sql: SELECT 1, delay: 1m}\n"), nil)
 	if ExitCode(err) != ExitConfig || !strings.Contains(err.Error(), "outbox-reaper") {
 		t.Fatalf("got exit %d: %v; want 78 naming the job", ExitCode(err), err)
+	}
+}
+
+// A configuration error keeps its cause: an invalid job definition still
+// reaches callers as a *jobs.DefinitionError.
+func TestConfigErrorKeepsItsCause(t *testing.T) {
+	t.Parallel()
+	_, err := LoadConfig(writeFile(t, "jobs:\n  - {name: a, kind: sql, sql: SELECT 1}\n"), nil)
+	var de *jobs.DefinitionError
+	if ExitCode(err) != ExitConfig || !errors.As(err, &de) || de.Key != "delay" {
+		t.Fatalf("got %v (exit %d), want exit 78 wrapping the definition error for delay", err, ExitCode(err))
+	}
+}
+
+// A value from the environment is named by its variable, also in messages
+// built by other packages, which know only key names.
+func TestConfigErrorsNameTheEnvironmentVariable(t *testing.T) {
+	t.Parallel()
+	cases := []struct {
+		file string
+		env  []string
+		want string
+	}{
+		{"{}", []string{"APP_OUTBOX_BATCH_SIZE=-1"}, "APP_OUTBOX_BATCH_SIZE=-1"},
+		{"outbox:\n  batch_size: -1\n", nil, "outbox.batch_size=-1"},
+		{"{}", []string{"APP_OUTBOX_BACKOFF_BASE=2s", "APP_OUTBOX_BACKOFF_MAX=1s"}, "APP_OUTBOX_BACKOFF_MAX=1s: want at least APP_OUTBOX_BACKOFF_BASE (2s)"},
+		{"{}", []string{"APP_OUTBOX_SINK=webhook", "APP_OUTBOX_WEBHOOK_URL=ftp://h/x"}, `APP_OUTBOX_WEBHOOK_URL "ftp://h/x"`},
+	}
+	for _, c := range cases {
+		_, err := LoadConfig(writeFile(t, c.file), c.env)
+		if ExitCode(err) != ExitConfig || !strings.Contains(err.Error(), c.want) {
+			t.Errorf("%v: got %v, want exit 78 with %q", c.env, err, c.want)
+		}
+	}
+}
+
+// A typo in the file names its line and the nearest known key.
+func TestUnknownKeySuggestsNearestKeyAndLine(t *testing.T) {
+	t.Parallel()
+	cases := []struct{ file, want string }{
+		{"log:\n  level: info\nlock:\n  lease_tll: 30s\n", `:4: unknown key "lock.lease_tll" (did you mean lock.lease_ttl?)`},
+		{"databse:\n  url: x\n", `:2: unknown key "databse.url" (did you mean database.url?)`},
+		{"lease_ttl: 30s\n", `:1: unknown key "lease_ttl" (did you mean lock.lease_ttl?)`},
+		{"jobs:\n  - name: a\n    kind: sql\n    delay: 1s\n    sql: SELECT 1\n    dealy: 2s\n", `:6: jobs[0] "a": unknown key "dealy" (did you mean delay?)`},
+	}
+	for _, c := range cases {
+		path := writeFile(t, c.file)
+		_, err := LoadConfig(path, nil)
+		if ExitCode(err) != ExitConfig || !strings.Contains(err.Error(), path+c.want) {
+			t.Errorf("%q: got %v, want %q", c.file, err, path+c.want)
+		}
+	}
+	_, err := LoadConfig(writeFile(t, "zzz: 1\n"), nil)
+	if err == nil || strings.Contains(err.Error(), "did you mean") {
+		t.Errorf("a key like no other should get no suggestion: %v", err)
+	}
+}
+
+// A bad webhook URL is shown as config print shows it: no credentials, no
+// query string.
+func TestBadWebhookURLIsMasked(t *testing.T) {
+	t.Parallel()
+	for _, raw := range []string{"ftp://bot:pass-word@hooks.test/x?token=query-token", "https://hooks.test/%zz?token=query-token"} {
+		_, err := LoadConfig(writeFile(t, "{}"), []string{"APP_OUTBOX_SINK=webhook", "APP_OUTBOX_WEBHOOK_URL=" + raw})
+		if ExitCode(err) != ExitConfig {
+			t.Fatalf("%s: got %v, want exit 78", raw, err)
+		}
+		for _, secret := range []string{"query-token", "pass-word", "bot"} {
+			if strings.Contains(err.Error(), secret) {
+				t.Errorf("message leaks %q: %v", secret, err)
+			}
+		}
+		if !strings.Contains(err.Error(), "?xxxxx") {
+			t.Errorf("message should show where the masked query was: %v", err)
+		}
+	}
+}
+
+// config print shows what the worker will use: each job with its
+// effective defaults and only the keys of its kind, and instance.id as how
+// it is derived, the same on every call.
+func TestPrintConfigShowsEffectiveValues(t *testing.T) {
+	t.Parallel()
+	path := writeFile(t, `
+jobs:
+  - {name: a, kind: sql, sql: SELECT 1, delay: 1m}
+  - {name: b, kind: http, url: "https://x.test/p", delay: 1m, timeout: 3s, lease_ttl: 9s, enabled: false, method: post}
+`)
+	print := func() string {
+		cfg, err := LoadConfig(path, []string{"APP_LOCK_LEASE_TTL=40s"})
+		if err != nil {
+			t.Fatal(err)
+		}
+		var out bytes.Buffer
+		if err := PrintConfig(&out, cfg); err != nil {
+			t.Fatal(err)
+		}
+		return out.String()
+	}
+	first := print()
+	if second := print(); second != first {
+		t.Errorf("two calls print different configurations:\n%s\n---\n%s", first, second)
+	}
+	var doc struct {
+		Instance struct{ ID string }
+		Jobs     []map[string]any
+	}
+	if err := yamlv3.Unmarshal([]byte(first), &doc); err != nil {
+		t.Fatal(err)
+	}
+	host, _ := os.Hostname()
+	if doc.Instance.ID != host+"-<random>" || !strings.Contains(first, "# derived at each start") {
+		t.Errorf("instance.id printed as %q, want %q with a comment saying how it is derived", doc.Instance.ID, host+"-<random>")
+	}
+	want := []map[string]any{
+		{"name": "a", "kind": "sql", "delay": "1m0s", "initial_delay": "0s", "timeout": "5m0s", "lease_ttl": "40s", "enabled": true, "sql": "SELECT 1"},
+		{"name": "b", "kind": "http", "delay": "1m0s", "initial_delay": "0s", "timeout": "3s", "lease_ttl": "9s", "enabled": false, "url": "https://x.test/p", "method": "POST"},
+	}
+	if !reflect.DeepEqual(doc.Jobs, want) {
+		t.Errorf("jobs printed as\n%v\nwant\n%v", doc.Jobs, want)
 	}
 }

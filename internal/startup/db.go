@@ -2,24 +2,31 @@ package startup
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"log/slog"
+	"strings"
 	"time"
 
 	"github.com/cenkalti/backoff/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"worker/internal/obs"
 )
 
-// UnavailableError is a dependency that stayed unreachable: exit 69.
-type UnavailableError struct{ Msg string }
-
-func (e *UnavailableError) Error() string { return e.Msg }
+// Connect attempts: at most pingTimeout each, and at least lastPing for the
+// one made when the budget runs out, so it can fail with the real cause
+// rather than with our own deadline.
+const (
+	pingTimeout = 5 * time.Second
+	lastPing    = time.Second
+)
 
 // connectDB opens the pool and waits, with exponential backoff, until the
-// database answers or cfg.Database.ConnectTimeout has passed. The error never
-// carries the password.
+// database answers or cfg.Database.ConnectTimeout has passed. Refused
+// credentials and an unknown database end the wait at once: they are not an
+// outage. The error never carries the password.
 func connectDB(ctx context.Context, cfg *Config, log *slog.Logger) (*pgxpool.Pool, error) {
 	pcfg, err := pgxpool.ParseConfig(cfg.Database.URL)
 	if err != nil {
@@ -31,28 +38,84 @@ func connectDB(ctx context.Context, cfg *Config, log *slog.Logger) (*pgxpool.Poo
 	if err != nil {
 		return nil, configErrorf("database.url: %s", obs.MaskDSN(err.Error()))
 	}
+	if err := waitForDB(ctx, pool, cfg, log); err != nil {
+		pool.Close()
+		return nil, err
+	}
+	return pool, nil
+}
+
+// waitForDB pings until the database answers, a permanent error comes back,
+// or the connect budget is spent. The last attempt is made when the budget
+// runs out, so the worker really keeps trying for the whole budget.
+func waitForDB(ctx context.Context, pool *pgxpool.Pool, cfg *Config, log *slog.Logger) error {
+	budget := cfg.Database.ConnectTimeout
 	start := time.Now()
-	_, err = backoff.Retry(ctx, func() (struct{}, error) {
-		pctx, cancel := context.WithTimeout(ctx, 5*time.Second)
-		defer cancel()
-		err := pool.Ping(pctx)
-		if err != nil {
-			log.Warn("database not reachable yet, retrying", "error", err, "elapsed_ms", time.Since(start).Milliseconds())
-		}
-		return struct{}{}, err
-	}, backoff.WithBackOff(&backoff.ExponentialBackOff{
+	deadline := start.Add(budget)
+	wait := &backoff.ExponentialBackOff{
 		InitialInterval:     100 * time.Millisecond,
 		RandomizationFactor: 0.2,
 		Multiplier:          2,
 		MaxInterval:         3 * time.Second,
-	}), backoff.WithMaxElapsedTime(cfg.Database.ConnectTimeout))
-	if err != nil {
-		pool.Close()
-		if ctx.Err() != nil {
-			return nil, ctx.Err()
-		}
-		return nil, &UnavailableError{Msg: fmt.Sprintf("database %s unreachable after %s (APP_DATABASE_CONNECT_TIMEOUT): %s",
-			obs.MaskDSN(cfg.Database.URL), cfg.Database.ConnectTimeout, obs.MaskDSN(err.Error()))}
 	}
-	return pool, nil
+	wait.Reset()
+	for {
+		pctx, cancel := context.WithTimeout(ctx, min(pingTimeout, max(time.Until(deadline), lastPing)))
+		err := pool.Ping(pctx)
+		cancel()
+		switch {
+		case err == nil:
+			return nil
+		case ctx.Err() != nil:
+			return ctx.Err()
+		}
+		if perr := permanentDBError(err, cfg.Database.URL); perr != nil {
+			return perr
+		}
+		remaining := time.Until(deadline)
+		if remaining <= 0 {
+			elapsed := time.Since(start).Round(100 * time.Millisecond)
+			return &UnavailableError{Err: err, Msg: fmt.Sprintf("database %s unreachable after %s (APP_DATABASE_CONNECT_TIMEOUT=%s): %s",
+				obs.MaskDSN(cfg.Database.URL), elapsed, budget, obs.MaskDSN(err.Error()))}
+		}
+		log.Warn("database not reachable yet, retrying", "error", err, "elapsed_ms", time.Since(start).Milliseconds())
+		t := time.NewTimer(min(wait.NextBackOff(), remaining))
+		select {
+		case <-ctx.Done():
+			t.Stop()
+			return ctx.Err()
+		case <-t.C:
+		}
+	}
+}
+
+// permanentDBError classifies what no retry can fix: refused credentials
+// (SQLSTATE class 28: wrong password, unknown role, no pg_hba entry) exit
+// 77, and a database that does not exist (3D000) exits 66. It returns nil
+// for everything else.
+func permanentDBError(err error, url string) error {
+	var pgErr *pgconn.PgError
+	if !errors.As(err, &pgErr) {
+		return nil
+	}
+	shown := obs.MaskDSN(url)
+	switch {
+	case strings.HasPrefix(pgErr.Code, "28"):
+		return &AuthError{Err: err, Msg: fmt.Sprintf("database %s: authentication failed for user %q (APP_DATABASE_URL): %s (SQLSTATE %s)",
+			shown, userOf(url), obs.MaskDSN(pgErr.Message), pgErr.Code)}
+	case pgErr.Code == "3D000":
+		return &NotFoundError{Err: err, Msg: fmt.Sprintf("database %s (APP_DATABASE_URL): %s; create it or fix the URL",
+			shown, obs.MaskDSN(pgErr.Message))}
+	}
+	return nil
+}
+
+// userOf is the role the URL connects as, as pgx resolves it (a default
+// from PGUSER or the OS user when the URL names none).
+func userOf(url string) string {
+	c, err := pgconn.ParseConfig(url)
+	if err != nil {
+		return ""
+	}
+	return c.User
 }

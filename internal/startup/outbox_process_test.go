@@ -72,3 +72,76 @@ func TestOutboxCommandsEndToEnd(t *testing.T) {
 		t.Errorf("purged event still has %d row(s)", left)
 	}
 }
+
+// dead list says when it shows only some of the DEAD events and how to see
+// the rest; retry and purge of an event that is not DEAD exit 66.
+func TestDeadEventCommandsOnWhatIsThere(t *testing.T) {
+	t.Parallel()
+	db := pgtest.New(t)
+	for _, sql := range []string{
+		`INSERT INTO outbox_event (aggregate_type, aggregate_id, event_type, payload)
+		 SELECT 'order', g::text, 'order.paid', '{}' FROM generate_series(1, 3) g`,
+		`UPDATE outbox_event SET status = 'DEAD', attempts = 3, last_error = 'sink said no'`,
+	} {
+		if _, err := db.Pool.Exec(context.Background(), sql); err != nil {
+			t.Fatal(err)
+		}
+	}
+	run := func(want int, args ...string) string {
+		t.Helper()
+		p := startWorker(t, []string{"APP_DATABASE_URL=" + db.URL}, args...)
+		if code := p.exitCode(t, 15*time.Second); code != want {
+			t.Fatalf("worker %v: exit %d, want %d\n%s", args, code, want, p.out.String())
+		}
+		return p.out.String()
+	}
+	if out := run(0, "outbox", "dead", "list", "--limit", "2"); !strings.Contains(out, "2 of 3 DEAD events shown, oldest first; see more with --limit 3") ||
+		strings.Count(out, "sink said no") != 2 {
+		t.Errorf("dead list --limit 2:\n%s", out)
+	}
+	if out := run(0, "outbox", "dead", "list"); !strings.Contains(out, "3 DEAD event(s)") || strings.Count(out, "sink said no") != 3 {
+		t.Errorf("dead list:\n%s", out)
+	}
+	const unknown = "0b6a3c5e-2f4d-4e61-9d9a-7c1c2f0e8b11"
+	for _, verb := range []string{"retry", "purge"} {
+		if out := run(66, "outbox", "dead", verb, unknown); !strings.Contains(out, "no DEAD event with event_id "+unknown) {
+			t.Errorf("dead %s of an unknown event:\n%s", verb, out)
+		}
+	}
+	var dead int
+	if err := db.Pool.QueryRow(context.Background(), `SELECT count(*) FROM outbox_event WHERE status = 'DEAD'`).Scan(&dead); err != nil || dead != 3 {
+		t.Errorf("%d DEAD events left (%v), want the 3 untouched", dead, err)
+	}
+}
+
+// An event the table's constraints refuse is a bad argument (64) named by
+// the constraint, not an internal error.
+func TestEmitRefusedByAConstraintExits64(t *testing.T) {
+	t.Parallel()
+	db := pgtest.New(t)
+	if _, err := db.Pool.Exec(context.Background(),
+		`ALTER TABLE outbox_event ADD CONSTRAINT outbox_event_test_rule CHECK (aggregate_id <> 'forbidden')`); err != nil {
+		t.Fatal(err)
+	}
+	p := startWorker(t, []string{"APP_DATABASE_URL=" + db.URL},
+		"outbox", "emit", "--aggregate-type", "order", "--aggregate-id", "forbidden", "--event-type", "order.paid")
+	if code := p.exitCode(t, 15*time.Second); code != 64 {
+		t.Fatalf("exit %d, want 64", code)
+	}
+	if out := p.out.String(); !strings.Contains(out, "breaks a rule of outbox_event (outbox_event_test_rule)") {
+		t.Errorf("message should name the constraint:\n%s", out)
+	}
+}
+
+func TestEmitBreakingAProducerRuleExits64(t *testing.T) {
+	t.Parallel()
+	db := pgtest.New(t)
+	p := startWorker(t, []string{"APP_DATABASE_URL=" + db.URL},
+		"outbox", "emit", "--aggregate-type", "order", "--aggregate-id", strings.Repeat("x", 600), "--event-type", "order.paid")
+	if code := p.exitCode(t, 15*time.Second); code != 64 {
+		t.Fatalf("exit %d, want 64", code)
+	}
+	if out := p.out.String(); !strings.Contains(out, "breaks a rule of outbox_event (outbox_event_aggregate_id_length)") {
+		t.Errorf("message should name the rule:\n%s", out)
+	}
+}

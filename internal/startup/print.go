@@ -1,24 +1,69 @@
 package startup
 
 import (
+	"cmp"
 	"fmt"
 	"io"
+	"net/http"
 	"net/url"
 	"reflect"
+	"strings"
 	"time"
 
 	"go.yaml.in/yaml/v3"
 
+	"worker/internal/jobs"
 	"worker/internal/obs"
 )
 
-// PrintConfig writes the effective configuration as YAML, with durations in
+// PrintConfig writes the configuration the worker will use as YAML: with
+// each job's defaults filled in and only the keys of its kind, durations in
 // their text form and secrets masked.
 func PrintConfig(w io.Writer, cfg *Config) error {
+	eff := *cfg
+	eff.Jobs = make([]jobs.Definition, len(cfg.Jobs))
+	for i, d := range cfg.Jobs {
+		eff.Jobs[i] = effectiveJob(d, cfg.Lock.LeaseTTL)
+	}
+	root := printable(reflect.ValueOf(&eff).Elem(), "").(*yaml.Node)
+	if cfg.instanceIDDerived {
+		// A derived id is new at every start: say how it is made instead of
+		// showing one that the worker will not use.
+		id := child(child(root, "instance"), "id")
+		id.Value, id.Tag, id.Style = instanceHost()+"-<random>", "!!str", 0
+		id.LineComment = "derived at each start: hostname, '-', 6 random hex digits (set instance.id to fix it)"
+	}
 	enc := yaml.NewEncoder(w)
 	enc.SetIndent(2)
 	defer enc.Close()
-	return enc.Encode(printable(reflect.ValueOf(cfg).Elem(), ""))
+	return enc.Encode(root)
+}
+
+// effectiveJob is d with the defaults the scheduler applies filled in (see
+// jobs.Spec and jobs.FromDefinitions).
+func effectiveJob(d jobs.Definition, leaseTTL time.Duration) jobs.Definition {
+	if d.Timeout == 0 {
+		d.Timeout = jobs.DefaultTimeout
+	}
+	if d.LeaseTTL == 0 {
+		d.LeaseTTL = leaseTTL
+	}
+	enabled := d.IsEnabled()
+	d.Enabled = &enabled
+	if d.Kind == jobs.KindHTTP {
+		d.Method = strings.ToUpper(cmp.Or(d.Method, http.MethodGet))
+	}
+	return d
+}
+
+// child returns the value of key in a YAML mapping node.
+func child(n *yaml.Node, key string) *yaml.Node {
+	for i := 0; i+1 < len(n.Content); i += 2 {
+		if n.Content[i].Value == key {
+			return n.Content[i+1]
+		}
+	}
+	panic("config print: no key " + key)
 }
 
 var durationType = reflect.TypeFor[time.Duration]()
@@ -39,6 +84,9 @@ func printable(v reflect.Value, secret string) any {
 		node := &yaml.Node{Kind: yaml.MappingNode}
 		for i := range v.NumField() {
 			f := v.Type().Field(i)
+			if !f.IsExported() || omitted(f, v.Field(i)) {
+				continue
+			}
 			name := f.Tag.Get("koanf")
 			sec := f.Tag.Get("secret")
 			switch {
@@ -80,10 +128,20 @@ func printable(v reflect.Value, secret string) any {
 	return v.Interface()
 }
 
+// omitted reports whether a field tagged yaml:",omitempty" is empty: a job's
+// keys of the other kind.
+func omitted(f reflect.StructField, v reflect.Value) bool {
+	_, opts, _ := strings.Cut(f.Tag.Get("yaml"), ",")
+	return opts == "omitempty" && v.IsZero()
+}
+
 // maskURL hides a URL's password and query, which may carry credentials.
 func maskURL(raw string) string {
 	u, err := url.Parse(raw)
 	if err != nil {
+		if i := strings.IndexAny(raw, "?#"); i >= 0 {
+			raw = raw[:i] + "?xxxxx"
+		}
 		return obs.MaskDSN(raw)
 	}
 	if u.User != nil {

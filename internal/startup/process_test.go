@@ -2,13 +2,16 @@ package startup_test
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
 	"io"
 	"net"
 	"net/http"
+	"net/url"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"regexp"
 	"strings"
 	"syscall"
 	"testing"
@@ -189,6 +192,9 @@ func TestExitCodes(t *testing.T) {
 		{"dead purge without a selection", nil, []string{"outbox", "dead", "purge"}, 64, "exactly one of <event_id> or --all"},
 		{"dead retry with both", nil, []string{"outbox", "dead", "retry", "--all", "0b6a3c5e-2f4d-4e61-9d9a-7c1c2f0e8b11"}, 64, "exactly one"},
 		{"dead purge of a non-uuid", nil, []string{"outbox", "dead", "purge", "order-42"}, 64, "not an event_id"},
+		{"dead list with limit 0", nil, []string{"outbox", "dead", "list", "--limit", "0"}, 64, "--limit 0: want at least 1"},
+		{"emit with an empty aggregate type", nil, []string{"outbox", "emit", "--aggregate-type", "", "--aggregate-id", "42", "--event-type", "order.paid"}, 64, "--aggregate-type is empty"},
+		{"emit with a blank event type", nil, []string{"outbox", "emit", "--aggregate-type", "order", "--aggregate-id", "42", "--event-type", " "}, 64, "--event-type is empty"},
 		{"help", nil, []string{"--help"}, 0, "Usage: worker"},
 		{"subcommand help", nil, []string{"migrate", "--help"}, 0, "Apply database migrations"},
 		{"version", nil, []string{"version"}, 0, "worker"},
@@ -207,22 +213,147 @@ func TestExitCodes(t *testing.T) {
 	}
 }
 
+// The worker keeps trying for the whole connect budget and reports the time
+// it really waited.
 func TestUnreachableDatabaseExits69WithoutPassword(t *testing.T) {
+	t.Parallel()
+	const budget = 2 * time.Second
 	start := time.Now()
 	p := startWorker(t, []string{
 		"APP_DATABASE_URL=postgres://app:hunter2-secret@127.0.0.1:1/app?sslmode=disable",
-		"APP_DATABASE_CONNECT_TIMEOUT=1s",
+		"APP_DATABASE_CONNECT_TIMEOUT=" + budget.String(),
 	})
 	if code := p.exitCode(t, 15*time.Second); code != 69 {
 		t.Fatalf("exit %d, want 69", code)
 	}
-	t.Logf("gave up after %s", time.Since(start))
+	took := time.Since(start)
+	t.Logf("gave up after %s", took)
+	if took < budget {
+		t.Errorf("gave up after %s, before the %s budget was spent", took, budget)
+	}
 	out := p.out.String()
 	if strings.Contains(out, "hunter2") {
 		t.Fatalf("password printed:\n%s", out)
 	}
-	if !strings.Contains(out, "APP_DATABASE_CONNECT_TIMEOUT") || !strings.Contains(out, "app:xxxxx@127.0.0.1:1") {
+	if !strings.Contains(out, "APP_DATABASE_CONNECT_TIMEOUT=2s") || !strings.Contains(out, "app:xxxxx@127.0.0.1:1") {
 		t.Errorf("message should say what was unreachable and which knob bounds the wait:\n%s", out)
+	}
+	m := regexp.MustCompile(`unreachable after ([0-9.]+s)`).FindStringSubmatch(out)
+	if m == nil {
+		t.Fatalf("message does not say how long it waited:\n%s", out)
+	}
+	if waited, err := time.ParseDuration(m[1]); err != nil || waited < budget-100*time.Millisecond || waited > took {
+		t.Errorf("reported %s; it ran for %s with a budget of %s", m[1], took, budget)
+	}
+}
+
+// Refused credentials and a missing database are not an outage: the worker
+// exits at once, with its own code, instead of retrying for the budget.
+func TestDatabaseRefusalExitsAtOnce(t *testing.T) {
+	t.Parallel()
+	// Local PostgreSQL trusts 127.0.0.1, so a wrong password cannot be
+	// provoked; an unknown role gets the same SQLSTATE class 28.
+	admin, err := url.Parse(pgtest.AdminURL())
+	if err != nil {
+		t.Fatal(err)
+	}
+	role := *admin
+	role.User = url.UserPassword("no_such_role_for_worker", "hunter2-secret")
+	db := *admin
+	db.Path = "/no_such_database_for_worker"
+	cases := []struct {
+		name, url string
+		want      int
+		msg       string
+	}{
+		{"unknown role", role.String(), 77, `authentication failed for user \"no_such_role_for_worker\"`},
+		{"unknown database", db.String(), 66, `database \"no_such_database_for_worker\" does not exist`},
+	}
+	for _, c := range cases { // msg as it appears in the JSON line
+		t.Run(c.name, func(t *testing.T) {
+			t.Parallel()
+			// A budget far beyond the wait below: a retry would show.
+			p := startWorker(t, []string{"APP_DATABASE_URL=" + c.url, "APP_DATABASE_CONNECT_TIMEOUT=5m"})
+			if code := p.exitCode(t, 30*time.Second); code != c.want {
+				t.Fatalf("exit %d, want %d", code, c.want)
+			}
+			out := p.out.String()
+			if !strings.Contains(out, c.msg) || strings.Contains(out, "hunter2") || strings.Contains(out, "retrying") {
+				t.Errorf("want %q once, no retry and no password:\n%s", c.msg, out)
+			}
+		})
+	}
+}
+
+// A taken ops port is the system refusing a resource (71), not an internal
+// error.
+func TestPortInUseExits71(t *testing.T) {
+	t.Parallel()
+	taken, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer taken.Close()
+	p := startWorker(t, []string{"APP_HTTP_ADDR=" + taken.Addr().String()})
+	if code := p.exitCode(t, 10*time.Second); code != 71 {
+		t.Fatalf("exit %d, want 71", code)
+	}
+	if out := p.out.String(); !strings.Contains(out, "APP_HTTP_ADDR") || !strings.Contains(out, "address already in use") {
+		t.Errorf("message should name the address and the cause:\n%s", out)
+	}
+}
+
+// A fatal error is printed once, as one line in the configured log format,
+// also when the configuration itself is what failed.
+func TestFatalErrorIsOneLogLine(t *testing.T) {
+	t.Parallel()
+	textFile := configFile(t, "log:\n  format: text\n")
+	taken, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { taken.Close() })
+	cases := []struct {
+		name string
+		env  []string
+		text bool
+		code int
+	}{
+		{"config error, default format", []string{"APP_OUTBOX_BATCH_SIZE=-1"}, false, 78},
+		{"config error, text from the environment", []string{"APP_OUTBOX_BATCH_SIZE=-1", "APP_LOG_FORMAT=text"}, true, 78},
+		{"config error, text from the file", []string{"APP_OUTBOX_BATCH_SIZE=-1", "APP_CONFIG_FILE=" + textFile}, true, 78},
+		{"config error, invalid format in the environment", []string{"APP_OUTBOX_BATCH_SIZE=-1", "APP_LOG_FORMAT=xml", "APP_CONFIG_FILE=" + textFile}, false, 78},
+		{"unsafe setup", []string{"APP_MULTI_INSTANCE_ENABLED=true"}, false, 72},
+		{"port in use", []string{"APP_HTTP_ADDR=" + taken.Addr().String()}, false, 71},
+		{"port in use, text", []string{"APP_HTTP_ADDR=" + taken.Addr().String(), "APP_LOG_FORMAT=text"}, true, 71},
+		{"database unreachable", []string{"APP_DATABASE_URL=postgres://127.0.0.1:1/x", "APP_DATABASE_CONNECT_TIMEOUT=1s", "APP_LOG_LEVEL=error"}, false, 69},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			t.Parallel()
+			p := startWorker(t, c.env)
+			if code := p.exitCode(t, 15*time.Second); code != c.code {
+				t.Fatalf("exit %d, want %d", code, c.code)
+			}
+			out := strings.TrimSpace(p.out.String())
+			if strings.Count(out, "\n") != 0 {
+				t.Fatalf("want one line:\n%s", out)
+			}
+			if c.text {
+				if !strings.HasPrefix(out, "time=") || !strings.Contains(out, "level=ERROR") || !strings.Contains(out, fmt.Sprintf("exit_code=%d", c.code)) {
+					t.Errorf("want a text log line:\n%s", out)
+				}
+				return
+			}
+			var line struct {
+				Level    string `json:"level"`
+				Error    string `json:"error"`
+				ExitCode int    `json:"exit_code"`
+			}
+			if err := json.Unmarshal([]byte(out), &line); err != nil || line.Level != "ERROR" || line.ExitCode != c.code || line.Error == "" {
+				t.Errorf("want a JSON log line with level, error and exit_code (%v):\n%s", err, out)
+			}
+		})
 	}
 }
 
@@ -236,5 +367,24 @@ func TestMigrateCommandIsIdempotent(t *testing.T) {
 	}
 	if pending, err := migrate.Pending(context.Background(), db.Pool); err != nil || pending {
 		t.Fatalf("pending=%v err=%v", pending, err)
+	}
+}
+
+// Ctrl-C on an operator command that waits for the database stops it with
+// exit 1, not as an internal error.
+func TestInterruptedOperatorCommandExits1(t *testing.T) {
+	t.Parallel()
+	p := startWorker(t, []string{"APP_DATABASE_URL=postgres://127.0.0.1:1/x", "APP_DATABASE_CONNECT_TIMEOUT=5m"}, "outbox", "stats")
+	testkit.Eventually(t, 10*time.Second, "the command to wait for the database", func() bool {
+		return strings.Contains(p.out.String(), "database not reachable yet")
+	})
+	if err := p.cmd.Process.Signal(syscall.SIGINT); err != nil {
+		t.Fatal(err)
+	}
+	if code := p.exitCode(t, 10*time.Second); code != 1 {
+		t.Fatalf("exit %d, want 1", code)
+	}
+	if !strings.Contains(p.out.String(), "interrupted by a signal") {
+		t.Errorf("message should say it was interrupted:\n%s", p.out.String())
 	}
 }

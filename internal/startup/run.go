@@ -6,12 +6,14 @@ import (
 	"fmt"
 	"log/slog"
 	"net/http"
+	"net/url"
 	"os"
 	"os/signal"
 	"sync"
 	"syscall"
 	"time"
 
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"worker/internal/lock"
@@ -39,7 +41,6 @@ func (runCmd) Run(e *cmdEnv) error {
 		return err
 	}
 	if err := CheckLockProvider(cfg); err != nil {
-		log.Error("refusing to start", "error", err)
 		return err
 	}
 
@@ -64,7 +65,7 @@ func (runCmd) Run(e *cmdEnv) error {
 	srv := newOpsServer(cfg.HTTP.Addr, reg, ready)
 	ln, err := listen(srv)
 	if err != nil {
-		return fmt.Errorf("ops HTTP server on %s (APP_HTTP_ADDR): %w", cfg.HTTP.Addr, err)
+		return &OSError{Err: err, Msg: fmt.Sprintf("ops HTTP server on %s (APP_HTTP_ADDR): %v", cfg.HTTP.Addr, err)}
 	}
 	go func() {
 		if err := srv.Serve(ln); err != nil && !errors.Is(err, http.ErrServerClosed) {
@@ -82,7 +83,6 @@ func (runCmd) Run(e *cmdEnv) error {
 		if ctx.Err() != nil {
 			return nil // asked to stop while still connecting: a clean exit
 		}
-		log.Error("database unavailable", "error", err)
 		return err
 	}
 	defer closeBounded(pool, time.Second, log)
@@ -101,7 +101,6 @@ func (runCmd) Run(e *cmdEnv) error {
 		if ctx.Err() != nil {
 			return nil // SIGTERM while checking: not an unsafe setup
 		}
-		log.Error("refusing to start", "error", err)
 		return err
 	}
 	if cfg.Lock.Provider == ProviderPostgres {
@@ -155,11 +154,24 @@ func shutdownAll(parts []component, budget time.Duration, log *slog.Logger) {
 }
 
 func newLogger(e *cmdEnv, cfg *Config) (*slog.Logger, error) {
-	log, err := obs.NewLogger(e.Stderr, cfg.Log.Format, cfg.Log.Level, cfg.Instance.ID, cfg.Database.URL, cfg.Outbox.Webhook.Secret)
+	log, err := obs.NewLogger(e.Stderr, cfg.Log.Format, cfg.Log.Level, cfg.Instance.ID,
+		logSecrets(cfg.Database.URL, cfg.Outbox.Webhook.Secret)...)
 	if err != nil {
-		return nil, configErrorf("%v", err)
+		return nil, configErrorf("%w", err)
 	}
+	e.log = log
 	return log, nil
+}
+
+// logSecrets are the literal values the logger hides wherever they appear:
+// the database password (from the URL, a key=value DSN or the passfile) and
+// the webhook secret. The rest of a database URL stays readable.
+func logSecrets(databaseURL, webhookSecret string) []string {
+	secrets := []string{webhookSecret}
+	if c, err := pgconn.ParseConfig(databaseURL); err == nil && c.Password != "" {
+		secrets = append(secrets, c.Password, url.QueryEscape(c.Password))
+	}
+	return secrets
 }
 
 // closeBounded closes the pool without letting a stuck connection hold the
@@ -200,9 +212,17 @@ func withPool(e *cmdEnv, f func(ctx context.Context, pool *pgxpool.Pool, log *sl
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
 	defer stop()
 	pool, err := connectDB(ctx, cfg, log)
-	if err != nil {
-		return err
+	if err == nil {
+		defer pool.Close()
+		err = f(ctx, pool, log)
 	}
-	defer pool.Close()
-	return f(ctx, pool, log)
+	if err != nil && ctx.Err() != nil {
+		return fmt.Errorf("%w: %w", errInterrupted, err)
+	}
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) && pgErr.Code == "42P01" { // undefined_table
+		return &NotFoundError{Err: err, Msg: fmt.Sprintf("database %s has no worker tables (%s); run `worker migrate` or check APP_DATABASE_URL",
+			obs.MaskDSN(cfg.Database.URL), pgErr.Message)}
+	}
+	return err
 }

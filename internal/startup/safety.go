@@ -8,12 +8,6 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 )
 
-// SafetyError means multi-instance mode lacks a shared lock: exit 72. Every
-// replica would otherwise run every job, so the worker refuses to start.
-type SafetyError struct{ Msg string }
-
-func (e *SafetyError) Error() string { return "unsafe multi-instance setup: " + e.Msg }
-
 // CheckLockProvider is the first half of the startup safety check and runs
 // before anything connects: with APP_MULTI_INSTANCE_ENABLED=true the lock
 // provider must be a shared one.
@@ -38,7 +32,7 @@ func CheckLockStore(ctx context.Context, cfg *Config, storeReady func(context.Co
 	}
 	if err := storeReady(ctx); err != nil {
 		hint := "run `worker migrate` or set APP_DATABASE_MIGRATE_ON_START=true"
-		return &SafetyError{Msg: fmt.Sprintf("APP_LOCK_PROVIDER=%s cannot be used: %v; %s", cfg.Lock.Provider, err, hint)}
+		return &SafetyError{Msg: fmt.Sprintf("APP_LOCK_PROVIDER=%s cannot be used: %v; %s", cfg.Lock.Provider, err, hint), Err: err}
 	}
 	return nil
 }

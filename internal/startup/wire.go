@@ -93,7 +93,7 @@ func wire(cfg *Config, pool *pgxpool.Pool, log *slog.Logger, reg prometheus.Regi
 
 	configured, err := jobs.FromDefinitions(cfg.Jobs, pool, nil)
 	if err != nil {
-		return nil, cleanup, configErrorf("%v", err)
+		return nil, cleanup, configErrorf("%w", err)
 	}
 	sched, err := jobs.New(jobs.Options{
 		Pool:          pool,
@@ -114,9 +114,9 @@ func wire(cfg *Config, pool *pgxpool.Pool, log *slog.Logger, reg prometheus.Regi
 func newSink(cfg *Config, stdout io.Writer) (outbox.Sink, error) {
 	switch cfg.Outbox.Sink {
 	case "webhook":
-		s, err := outbox.NewWebhookSink(cfg.Outbox.Webhook, nil)
+		s, err := newWebhookSink(cfg.Outbox.Webhook)
 		if err != nil {
-			return nil, configErrorf("%v", err)
+			return nil, err
 		}
 		return s, nil
 	default:
