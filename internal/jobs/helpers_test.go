@@ -10,6 +10,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"worker/internal/lock"
+	"worker/internal/pgtest"
 	"worker/internal/testkit"
 )
 
@@ -32,7 +33,7 @@ func metric(t *testing.T, reg *prometheus.Registry, name string, labels map[stri
 
 func runs(t *testing.T, reg *prometheus.Registry, job, outcome string) float64 {
 	t.Helper()
-	return metric(t, reg, "job_runs_total", map[string]string{"job": job, "outcome": outcome})
+	return metric(t, reg, "job_runs_total", map[string]string{"job_name": job, "outcome": outcome})
 }
 
 // replica is one Scheduler with its own registry and log.
@@ -67,6 +68,30 @@ func startReplica(t *testing.T, opts Options, specs ...Spec) *replica {
 }
 
 func inProcess() lock.Locker { return lock.NewInProcess("test", nil) }
+
+// runContext returns the context of a run of job name that holds lease
+// job:<name> from locker, as the scheduler gives it to Run.
+func runContext(t *testing.T, locker lock.Locker, name string) (context.Context, lock.Lease, *runInfo) {
+	t.Helper()
+	lease, err := locker.TryAcquire(context.Background(), lock.JobKey(name), 0, time.Minute)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = lease.Release(context.Background()) })
+	ctx, ri := withRun(context.Background(), lease, "run-"+name)
+	return ctx, lease, ri
+}
+
+// postgresLocker is a PostgreSQL lock provider on db, closed with t.
+func postgresLocker(t *testing.T, db *pgtest.DB, opts ...lock.Option) *lock.Postgres {
+	t.Helper()
+	pg, err := lock.NewPostgres(db.Pool, "test", nil, opts...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(pg.Close)
+	return pg
+}
 
 // state reads one job_state row.
 func state(t *testing.T, pool *pgxpool.Pool, name string) Status {

@@ -2,7 +2,10 @@ package jobs
 
 import (
 	"context"
+	"sync/atomic"
 	"time"
+
+	"worker/internal/lock"
 )
 
 // Job is one unit of scheduled work. Run must honour ctx: it is cancelled
@@ -46,13 +49,23 @@ func (f funcJob) Run(ctx context.Context) error { return f.run(ctx) }
 
 type runKey struct{}
 
+// runInfo is what a run's context carries for the job: its lease (for the
+// fencing token and InTx's fence) and id, and whether a fenced transaction
+// committed, which decides the outcome if the lease is lost afterwards.
 type runInfo struct {
-	token int64
-	runID string
+	lease     lock.Lease
+	runID     string
+	committed atomic.Bool
 }
 
-func withRun(ctx context.Context, token int64, runID string) context.Context {
-	return context.WithValue(ctx, runKey{}, runInfo{token, runID})
+func withRun(ctx context.Context, lease lock.Lease, runID string) (context.Context, *runInfo) {
+	ri := &runInfo{lease: lease, runID: runID}
+	return context.WithValue(ctx, runKey{}, ri), ri
+}
+
+func runOf(ctx context.Context) (*runInfo, bool) {
+	ri, ok := ctx.Value(runKey{}).(*runInfo)
+	return ri, ok
 }
 
 // FencingToken returns the fencing token of the lease the current run
@@ -61,12 +74,18 @@ func withRun(ctx context.Context, token int64, runID string) context.Context {
 // example `UPDATE ... WHERE last_token < $token`) and a run that lost its
 // lease cannot overwrite the work of the run that took over.
 func FencingToken(ctx context.Context) (int64, bool) {
-	ri, ok := ctx.Value(runKey{}).(runInfo)
-	return ri.token, ok
+	ri, ok := runOf(ctx)
+	if !ok {
+		return 0, false
+	}
+	return ri.lease.Token(), true
 }
 
 // RunID returns the id (a UUID) of the current run, as logged in run_id.
 func RunID(ctx context.Context) (string, bool) {
-	ri, ok := ctx.Value(runKey{}).(runInfo)
-	return ri.runID, ok
+	ri, ok := runOf(ctx)
+	if !ok {
+		return "", false
+	}
+	return ri.runID, true
 }

@@ -57,10 +57,12 @@ func FromDefinitions(defs []Definition, pool *pgxpool.Pool, httpClient *http.Cli
 	return specs, nil
 }
 
-// SQLJob runs SQL (one or more statements) in one transaction. Before the
-// SQL runs, the transaction-local settings worker.fencing_token and
+// SQLJob runs SQL (one or more statements) in one transaction, through
+// InTx: the transaction-local settings worker.fencing_token and
 // worker.run_id are set, so the SQL can guard its writes with
-// current_setting('worker.fencing_token')::bigint.
+// current_setting('worker.fencing_token')::bigint, statement_timeout is the
+// job's timeout, and the COMMIT is fenced by the run's lease. The SQL must
+// not contain transaction control (COMMIT, ROLLBACK).
 type SQLJob struct {
 	JobName string
 	SQL     string
@@ -72,13 +74,7 @@ func (j *SQLJob) Name() string { return j.JobName }
 
 // Run implements Job.
 func (j *SQLJob) Run(ctx context.Context) error {
-	token, _ := FencingToken(ctx)
-	runID, _ := RunID(ctx)
-	return pgx.BeginFunc(ctx, j.Pool, func(tx pgx.Tx) error {
-		if _, err := tx.Exec(ctx, "SELECT set_config('worker.fencing_token', $1, true), set_config('worker.run_id', $2, true)",
-			strconv.FormatInt(token, 10), runID); err != nil {
-			return err
-		}
+	return InTx(ctx, j.Pool, func(tx pgx.Tx) error {
 		// No arguments: pgx uses the simple protocol, which allows several
 		// statements in one string.
 		_, err := tx.Exec(ctx, j.SQL)
@@ -86,7 +82,16 @@ func (j *SQLJob) Run(ctx context.Context) error {
 	})
 }
 
-// HTTPJob calls a URL; any 2xx status is success.
+// Headers of every http job call. A database cannot fence an HTTP call, so
+// the receiver does: it should reject a call whose token is lower than the
+// highest it has seen for the job (docs/jobs.md).
+const (
+	HeaderFencingToken = "Worker-Fencing-Token"
+	HeaderRunID        = "Worker-Run-Id"
+)
+
+// HTTPJob calls a URL; any 2xx status is success. It sends the run's
+// fencing token and run id as HeaderFencingToken and HeaderRunID.
 type HTTPJob struct {
 	JobName string
 	Method  string
@@ -110,6 +115,12 @@ func (j *HTTPJob) Run(ctx context.Context) error {
 			continue
 		}
 		req.Header.Set(k, v)
+	}
+	// Set last, so configured headers cannot forge them. The receiver
+	// fences with the token: see docs/jobs.md.
+	if ri, ok := runOf(ctx); ok {
+		req.Header.Set(HeaderFencingToken, strconv.FormatInt(ri.lease.Token(), 10))
+		req.Header.Set(HeaderRunID, ri.runID)
 	}
 	resp, err := j.Client.Do(req)
 	if err != nil {

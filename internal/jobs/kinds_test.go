@@ -4,6 +4,7 @@ import (
 	"context"
 	"net/http"
 	"net/http/httptest"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -61,6 +62,30 @@ func TestHTTPJob(t *testing.T) {
 	}
 }
 
+// A database cannot fence an HTTP call: the job sends its fencing token and
+// run id, and configured headers cannot forge them.
+func TestHTTPJobSendsFencingToken(t *testing.T) {
+	t.Parallel()
+	got := make(chan http.Header, 1)
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		got <- r.Header.Clone()
+	}))
+	defer srv.Close()
+	j := &HTTPJob{JobName: "ping", Method: http.MethodPost, URL: srv.URL, Client: srv.Client(),
+		Headers: map[string]string{HeaderFencingToken: "999999999999999999"}}
+	ctx, lease, _ := runContext(t, inProcess(), "ping")
+	if err := j.Run(ctx); err != nil {
+		t.Fatal(err)
+	}
+	h := <-got
+	if want := strconv.FormatInt(lease.Token(), 10); h.Get("Worker-Fencing-Token") != want || len(h.Values("Worker-Fencing-Token")) != 1 {
+		t.Errorf("Worker-Fencing-Token = %q, want %s once", h.Values("Worker-Fencing-Token"), want)
+	}
+	if h.Get("Worker-Run-Id") != "run-ping" {
+		t.Errorf("Worker-Run-Id = %q, want run-ping", h.Get("Worker-Run-Id"))
+	}
+}
+
 func TestHTTPJobHonoursContext(t *testing.T) {
 	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		<-r.Context().Done()
@@ -83,19 +108,26 @@ func TestSQLJobRunsInOneTransaction(t *testing.T) {
 	ok := &SQLJob{JobName: "ok", Pool: db.Pool, SQL: `
 INSERT INTO t VALUES (current_setting('worker.fencing_token')::bigint, current_setting('worker.run_id'));
 INSERT INTO t VALUES (0, 'second statement');`}
-	if err := ok.Run(withRun(ctx, 42, "run-1")); err != nil {
+	locker := postgresLocker(t, db)
+	okCtx, okLease, _ := runContext(t, locker, "ok")
+	if err := ok.Run(okCtx); err != nil {
 		t.Fatal(err)
 	}
 	bad := &SQLJob{JobName: "bad", Pool: db.Pool, SQL: `INSERT INTO t VALUES (7, 'rolled back'); SELECT 1/0;`}
-	if err := bad.Run(withRun(ctx, 43, "run-2")); err == nil {
+	badCtx, _, _ := runContext(t, locker, "bad")
+	if err := bad.Run(badCtx); err == nil {
 		t.Fatal("division by zero succeeded")
 	}
-	var n, token int64
-	if err := db.Pool.QueryRow(ctx, "SELECT count(*), max(token) FROM t").Scan(&n, &token); err != nil {
+	var (
+		n, token int64
+		runID    string
+	)
+	if err := db.Pool.QueryRow(ctx, "SELECT count(*), max(token), max(run_id) FILTER (WHERE token > 0) FROM t").Scan(&n, &token, &runID); err != nil {
 		t.Fatal(err)
 	}
-	if n != 2 || token != 42 {
-		t.Fatalf("rows=%d max token=%d; want the two rows of the committed run with its token 42 and nothing from the failed one", n, token)
+	if n != 2 || token != okLease.Token() || runID != "run-ok" {
+		t.Fatalf("rows=%d max token=%d run_id=%q; want the two rows of the committed run with its token %d and run id, and nothing from the failed one",
+			n, token, runID, okLease.Token())
 	}
 }
 

@@ -33,26 +33,34 @@ type metrics struct {
 	duration    *prometheus.HistogramVec
 	lastSuccess *prometheus.GaugeVec
 	running     *prometheus.GaugeVec
+	delay       *prometheus.GaugeVec
 	rejected    prometheus.Counter
 	saturation  prometheus.Gauge
 }
 
-func newMetrics(reg prometheus.Registerer, names []string) (*metrics, error) {
+// jobLabel names the job on every job metric. Not "job": Prometheus owns
+// that label (the scrape job) and renames ours to exported_job.
+const jobLabel = "job_name"
+
+func newMetrics(reg prometheus.Registerer, entries []*entry) (*metrics, error) {
 	m := &metrics{
 		runs: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "job_runs_total", Help: "Scheduled job attempts by outcome.",
-		}, []string{"job", "outcome"}),
+		}, []string{jobLabel, "outcome"}),
 		duration: prometheus.NewHistogramVec(prometheus.HistogramOpts{
 			Name: "job_duration_seconds", Help: "Duration of job runs that started, whatever their outcome.",
 			// Jobs run from milliseconds (a small UPDATE) to many minutes.
 			Buckets: []float64{.01, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60, 300, 900, 1800},
-		}, []string{"job"}),
+		}, []string{jobLabel}),
 		lastSuccess: prometheus.NewGaugeVec(prometheus.GaugeOpts{
 			Name: "job_last_success_timestamp_seconds", Help: "Unix time of the last successful run on this replica (0: none yet).",
-		}, []string{"job"}),
+		}, []string{jobLabel}),
 		running: prometheus.NewGaugeVec(prometheus.GaugeOpts{
 			Name: "job_running", Help: "1 while the job runs on this replica.",
-		}, []string{"job"}),
+		}, []string{jobLabel}),
+		delay: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "job_delay_seconds", Help: "The job's configured delay between runs, so alerts can compare the time since its last success with it.",
+		}, []string{jobLabel}),
 		rejected: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "executor_rejected_total", Help: "Job runs refused because APP_ASYNC_EXECUTOR_MAX_SIZE jobs were already running.",
 		}),
@@ -60,20 +68,21 @@ func newMetrics(reg prometheus.Registerer, names []string) (*metrics, error) {
 			Name: "executor_saturation", Help: "Running jobs divided by APP_ASYNC_EXECUTOR_MAX_SIZE.",
 		}),
 	}
-	for _, c := range []prometheus.Collector{m.runs, m.duration, m.lastSuccess, m.running, m.rejected, m.saturation} {
+	for _, c := range []prometheus.Collector{m.runs, m.duration, m.lastSuccess, m.running, m.delay, m.rejected, m.saturation} {
 		if err := reg.Register(c); err != nil {
 			return nil, err
 		}
 	}
 	// Every series exists from the start, so dashboards and alerts see
 	// zeros rather than gaps before the first event.
-	for _, n := range names {
+	for _, e := range entries {
 		for _, o := range outcomes {
-			m.runs.WithLabelValues(n, o)
+			m.runs.WithLabelValues(e.name, o)
 		}
-		m.duration.WithLabelValues(n)
-		m.lastSuccess.WithLabelValues(n)
-		m.running.WithLabelValues(n)
+		m.duration.WithLabelValues(e.name)
+		m.lastSuccess.WithLabelValues(e.name)
+		m.running.WithLabelValues(e.name)
+		m.delay.WithLabelValues(e.name).Set(e.spec.Delay.Seconds())
 	}
 	return m, nil
 }

@@ -190,13 +190,13 @@ func (s *Scheduler) attempt(e *entry) {
 		<-s.sem
 		s.m.saturation.Set(float64(len(s.sem)) / float64(cap(s.sem)))
 	}()
-	s.run(ctx, e, lease.Token())
+	s.run(ctx, e, lease)
 }
 
 // run executes one run of a due job and records it. leaseCtx is the
 // attempt's context, cancelled when the lease is lost or at shutdown.
-func (s *Scheduler) run(leaseCtx context.Context, e *entry, token int64) {
-	runID := uuid.NewString()
+func (s *Scheduler) run(leaseCtx context.Context, e *entry, lease lock.Lease) {
+	runID, token := uuid.NewString(), lease.Token()
 	log := s.log.With("job", e.name, "run_id", runID, "fencing_token", token)
 	ok, err := s.st.start(leaseCtx, e.name, e.spec.Delay, s.opts.InstanceID, token, runID)
 	if err != nil {
@@ -211,7 +211,8 @@ func (s *Scheduler) run(leaseCtx context.Context, e *entry, token int64) {
 
 	ctx, cancel := context.WithTimeoutCause(leaseCtx, e.spec.Timeout, errTimeout)
 	defer cancel()
-	ctx = obs.WithLogger(withRun(ctx, token, runID), log)
+	ctx, ri := withRun(ctx, lease, runID)
+	ctx = obs.WithLogger(ctx, log)
 	e.run.Store(true)
 	s.m.running.WithLabelValues(e.name).Set(1)
 	began := time.Now()
@@ -220,7 +221,10 @@ func (s *Scheduler) run(leaseCtx context.Context, e *entry, token int64) {
 	s.m.running.WithLabelValues(e.name).Set(0)
 	e.run.Store(false)
 
-	outcome, code := classify(ctx, err, stack != nil)
+	outcome, code := classify(ctx, err, stack != nil, ri.committed.Load())
+	if outcome == OutcomeSuccess && errors.Is(context.Cause(ctx), lock.ErrLeaseLost) {
+		log.Warn("job lease lost after the run's fenced transaction committed; the run counts as a success")
+	}
 	var errText string
 	if err != nil {
 		errText = oneLine(err.Error(), 1000)
@@ -279,11 +283,15 @@ func call(ctx context.Context, j Job) (stack []byte, err error) {
 	return nil, j.Run(ctx)
 }
 
-func classify(ctx context.Context, err error, panicked bool) (outcome, code string) {
+// classify names the outcome of a run. committed: a transaction of the run
+// committed under the lease's fence (InTx).
+func classify(ctx context.Context, err error, panicked, committed bool) (outcome, code string) {
 	cause := context.Cause(ctx)
 	switch {
-	case errors.Is(cause, lock.ErrLeaseLost):
-		// Even if the job returned nil: part of it ran unprotected.
+	case errors.Is(cause, lock.ErrLeaseLost) && (err != nil || !committed),
+		errors.Is(err, lock.ErrLeaseLost): // a failed fence, before Lost reached ctx
+		// Even if the job returned nil: unless its writes committed under
+		// the fence, part of it may have run unprotected.
 		return OutcomeLeaseLost, obs.CodeOf(err)
 	case err == nil:
 		return OutcomeSuccess, ""

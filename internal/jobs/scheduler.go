@@ -128,11 +128,7 @@ func New(opts Options, specs ...Spec) (*Scheduler, error) {
 	if err != nil {
 		return nil, err
 	}
-	names := make([]string, len(entries))
-	for i, e := range entries {
-		names[i] = e.name
-	}
-	m, err := newMetrics(opts.Registerer, names)
+	m, err := newMetrics(opts.Registerer, entries)
 	if err != nil {
 		return nil, fmt.Errorf("jobs: metrics: %w", err)
 	}

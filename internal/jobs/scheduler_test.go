@@ -78,10 +78,10 @@ func TestFixedDelayNoOverlap(t *testing.T) {
 	if got := runs(t, r.reg, "tick", OutcomeSuccess); got != float64(len(spans)) {
 		t.Errorf("job_runs_total{outcome=success} = %v, want %d", got, len(spans))
 	}
-	if got := metric(t, r.reg, "job_duration_seconds", map[string]string{"job": "tick"}); got != float64(len(spans)) {
+	if got := metric(t, r.reg, "job_duration_seconds", map[string]string{"job_name": "tick"}); got != float64(len(spans)) {
 		t.Errorf("job_duration_seconds count = %v, want %d", got, len(spans))
 	}
-	if got := metric(t, r.reg, "job_last_success_timestamp_seconds", map[string]string{"job": "tick"}); got < float64(spans[0][0].Unix()) {
+	if got := metric(t, r.reg, "job_last_success_timestamp_seconds", map[string]string{"job_name": "tick"}); got < float64(spans[0][0].Unix()) {
 		t.Errorf("job_last_success_timestamp_seconds = %v", got)
 	}
 
@@ -312,13 +312,16 @@ func TestMetricsInitializedAtZero(t *testing.T) {
 	for _, job := range []string{"a", "b"} {
 		for _, o := range outcomes {
 			if got := runs(t, r.reg, job, o); got != 0 {
-				t.Errorf("job_runs_total{job=%q,outcome=%q} = %v, want 0", job, o, got)
+				t.Errorf("job_runs_total{job_name=%q,outcome=%q} = %v, want 0", job, o, got)
 			}
 		}
 		for _, name := range []string{"job_duration_seconds", "job_last_success_timestamp_seconds", "job_running"} {
-			if got := metric(t, r.reg, name, map[string]string{"job": job}); got != 0 {
-				t.Errorf("%s{job=%q} = %v, want 0", name, job, got)
+			if got := metric(t, r.reg, name, map[string]string{"job_name": job}); got != 0 {
+				t.Errorf("%s{job_name=%q} = %v, want 0", name, job, got)
 			}
+		}
+		if got := metric(t, r.reg, "job_delay_seconds", map[string]string{"job_name": job}); got != 3600 {
+			t.Errorf("job_delay_seconds{job_name=%q} = %v, want the job's delay, 3600", job, got)
 		}
 	}
 	for _, name := range []string{"executor_rejected_total", "executor_saturation"} {

@@ -13,6 +13,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
+
 	"worker/internal/obs"
 	"worker/internal/pgtest"
 	"worker/internal/testkit"
@@ -25,7 +27,10 @@ type env struct {
 	replica func(t *testing.T, opts ...Option) Locker
 	// forceExpire ends key's current grant now, behind the holder's back.
 	forceExpire func(t *testing.T, key string)
-	logs        *testkit.LogBuffer
+	// begin opens a transaction in the store's database for Fence (nil for
+	// the in-process store, which does not use it).
+	begin func(t *testing.T) pgx.Tx
+	logs  *testkit.LogBuffer
 }
 
 func inProcessEnv(t *testing.T) *env {
@@ -37,6 +42,7 @@ func inProcessEnv(t *testing.T) *env {
 			return base.sibling("replica", log, opts...)
 		},
 		forceExpire: func(t *testing.T, key string) { base.tab.forceExpire(key) },
+		begin:       func(*testing.T) pgx.Tx { return nil },
 		logs:        logs,
 	}
 }
@@ -53,6 +59,14 @@ func postgresEnv(t *testing.T) *env {
 			if _, err := db.Pool.Exec(testCtx(t), `UPDATE worker_lock SET expires_at = clock_timestamp() WHERE key = $1`, key); err != nil {
 				t.Fatal(err)
 			}
+		},
+		begin: func(t *testing.T) pgx.Tx {
+			tx, err := db.Pool.Begin(testCtx(t))
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() { _ = tx.Rollback(context.Background()) })
+			return tx
 		},
 		logs: logs,
 	}
@@ -94,6 +108,7 @@ func runContractSuite(t *testing.T, newEnv func(*testing.T) *env) {
 		{"ReleaseWakesWaiter", testReleaseWakesWaiter},
 		{"WaiterWakesAtHolderExpiry", testWakeAtHolderExpiry},
 		{"BadArguments", testBadArguments},
+		{"Fence", testFence},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()
@@ -484,5 +499,36 @@ func testBadArguments(t *testing.T, e *env) {
 		if _, err := l.TryAcquire(ctx, tc.key, time.Second, tc.ttl); err == nil || IsTimeout(err) {
 			t.Errorf("TryAcquire(%q, ttl %s) = %v, want an argument error", tc.key, tc.ttl, err)
 		}
+	}
+}
+
+// Fence passes while the lease is held, and fails with ErrLeaseLost (and
+// fires Lost) once the grant expired, or with ErrLeaseReleased after
+// Release.
+func testFence(t *testing.T, e *env) {
+	ctx := testCtx(t)
+	l := e.replica(t, WithoutHeartbeat())
+	lease, err := l.TryAcquire(ctx, "k", 0, 30*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := lease.Fence(ctx, e.begin(t)); err != nil {
+		t.Fatalf("Fence of a held lease: %v", err)
+	}
+	e.forceExpire(t, "k")
+	if err := lease.Fence(ctx, e.begin(t)); !errors.Is(err, ErrLeaseLost) {
+		t.Fatalf("Fence of an expired lease = %v, want ErrLeaseLost", err)
+	}
+	waitClosed(t, lease.Lost(), time.Second, "Lost after a failed fence")
+
+	held, err := l.TryAcquire(ctx, "k2", 0, 30*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := held.Release(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if err := held.Fence(ctx, e.begin(t)); !errors.Is(err, ErrLeaseReleased) {
+		t.Fatalf("Fence after Release = %v, want ErrLeaseReleased", err)
 	}
 }

@@ -5,6 +5,8 @@ import (
 	"log/slog"
 	"sync"
 	"time"
+
+	"github.com/jackc/pgx/v5"
 )
 
 // InProcess is the single-instance provider: the same contract as the
@@ -136,6 +138,17 @@ func (t *memTable) release(_ context.Context, key string, token int64, owner str
 	close(r.freed)
 	delete(t.rows, key)
 	return true, nil
+}
+
+// fence checks the grant in memory: tx is not the store here. The check
+// cannot hold the grant until tx commits, so it leaves the gap of one
+// COMMIT round trip; single-instance mode has no other process that could
+// take the key over in it (see docs/lock.md).
+func (t *memTable) fence(_ context.Context, _ pgx.Tx, key string, token int64, owner string, _ time.Duration) (bool, error) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	r, _ := t.valid(key, token, owner)
+	return r != nil, nil
 }
 
 // forceExpire ends key's grant now, as if its ttl had run out (tests).

@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/cenkalti/backoff/v5"
+	"github.com/jackc/pgx/v5"
 )
 
 // store is what a provider contributes to a lease: the two statements that
@@ -17,6 +18,9 @@ import (
 type store interface {
 	renew(ctx context.Context, key string, token int64, owner string, ttl time.Duration) (ok bool, err error)
 	release(ctx context.Context, key string, token int64, owner string) (ok bool, err error)
+	// fence checks, inside tx, that the grant is still valid, and keeps it
+	// from being taken over until tx ends. ok=false: it is not valid.
+	fence(ctx context.Context, tx pgx.Tx, key string, token int64, owner string, ttl time.Duration) (ok bool, err error)
 }
 
 // lease is the provider-independent half of a grant: the holder's local
@@ -142,6 +146,31 @@ func (l *lease) Release(ctx context.Context) error {
 		l.log.Warn("lock lease released after it expired; the protected work may have overlapped another holder",
 			"lost", l.isLost)
 		return ErrLeaseExpired
+	}
+	return nil
+}
+
+// Fence implements Lease. The store is the authority: a lease this holder
+// already considers lost, because its pessimistic estimate ran out, may
+// still pass if the store says it is held, which is safe because nobody
+// can take it over before tx ends. A lease found no longer held is marked
+// lost, so Lost fires and the protected work stops.
+func (l *lease) Fence(ctx context.Context, tx pgx.Tx) error {
+	l.mu.Lock()
+	released := l.released
+	l.mu.Unlock()
+	if released {
+		return ErrLeaseReleased
+	}
+	ok, err := l.st.fence(ctx, tx, l.key, l.token, l.owner, l.ttl)
+	if err != nil {
+		return fmt.Errorf("lock: fence %q: %w", l.key, err)
+	}
+	if !ok {
+		l.mu.Lock()
+		l.markLostLocked("fence found the lease no longer held")
+		l.mu.Unlock()
+		return fmt.Errorf("lock: fence %q token %d: %w", l.key, l.token, ErrLeaseLost)
 	}
 	return nil
 }

@@ -9,6 +9,8 @@ import (
 	"fmt"
 	"time"
 
+	"github.com/jackc/pgx/v5"
+
 	"worker/internal/obs"
 )
 
@@ -35,6 +37,11 @@ type Lease interface {
 	// Lost is closed when the lease is known to be no longer held: a renewal
 	// found it expired or taken, or renewal kept failing until the ttl ran out.
 	Lost() <-chan struct{}
+	// Fence proves, as a statement of tx, that the lease is still held,
+	// and keeps it held until tx ends: run it as the last statement before
+	// COMMIT. It returns an error wrapping ErrLeaseLost when the lease is
+	// no longer held; then the caller must roll back. See docs/lock.md.
+	Fence(ctx context.Context, tx pgx.Tx) error
 }
 
 var (

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"strconv"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -116,6 +117,24 @@ UPDATE worker_lock SET expires_at = clock_timestamp()
  WHERE key = $1 AND token = $2 AND owner = $3 AND expires_at > clock_timestamp()
 RETURNING CASE WHEN awaited THEN pg_notify('` + notifyChannel + `', key) END,
           set_config('synchronous_commit', 'off', true)`
+
+	// fenceSQL runs inside the caller's transaction, as its last statement
+	// before COMMIT. It returns a row only while the grant is held, and
+	// locks that row FOR SHARE until the transaction ends: acquire, renew
+	// and release all UPDATE the row, so a takeover waits for the caller's
+	// COMMIT (or rollback) and then re-checks the expiry. There is no gap
+	// between the check and the commit. A renewal waits too, for the one
+	// COMMIT round trip.
+	//
+	// It also bounds how long the transaction may then sit idle. Only the
+	// COMMIT is left to send, so a longer idle spell means the holder is
+	// paused (SIGSTOP, a frozen VM) while it keeps the lease from being
+	// taken over: after one ttl the server ends the session, rolling back.
+	fenceSQL = `
+SELECT set_config('idle_in_transaction_session_timeout', $4, true)
+  FROM worker_lock
+ WHERE key = $1 AND token = $2 AND owner = $3 AND expires_at > clock_timestamp()
+   FOR SHARE`
 
 	// reapSQL deletes one bounded batch of long-expired rows. SKIP LOCKED
 	// keeps it out of the way of acquires; the repeated expiry test makes
@@ -385,6 +404,16 @@ func (p *Postgres) renew(ctx context.Context, key string, token int64, owner str
 func (p *Postgres) release(ctx context.Context, key string, token int64, owner string) (bool, error) {
 	tag, err := p.pool.Exec(ctx, releaseSQL, key, token, owner)
 	return tag.RowsAffected() == 1, err
+}
+
+func (p *Postgres) fence(ctx context.Context, tx pgx.Tx, key string, token int64, owner string, ttl time.Duration) (bool, error) {
+	idle := strconv.FormatInt(max(ttl.Milliseconds(), 1), 10)
+	var set string
+	err := tx.QueryRow(ctx, fenceSQL, key, token, owner, idle).Scan(&set)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return false, nil
+	}
+	return err == nil, err
 }
 
 // Reap deletes lease rows that expired more than olderThan ago, in bounded

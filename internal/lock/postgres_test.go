@@ -489,3 +489,95 @@ func TestPostgresFailedReleaseStillReportsLoss(t *testing.T) {
 		return metricValue(t, reg, "lock_lease_lost_total") == 1 && metricValue(t, reg, "lock_held") == 0
 	})
 }
+
+// fencedTx takes key "k" with a 1s ttl from l and opens a transaction on
+// db that has passed the lease's fence.
+func fencedTx(t *testing.T, db *pgtest.DB, l Locker) (Lease, pgx.Tx) {
+	t.Helper()
+	ctx := testCtx(t)
+	lease, err := l.TryAcquire(ctx, "k", 0, time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	tx, err := db.Pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = tx.Rollback(context.Background()) })
+	if err := lease.Fence(ctx, tx); err != nil {
+		t.Fatal(err)
+	}
+	return lease, tx
+}
+
+// A fenced transaction keeps its lease until it ends: a takeover of the
+// expired grant waits on the row lock for the COMMIT, so it cannot slip in
+// between the fence and the commit. The grant it then makes starts after
+// that commit.
+func TestPostgresFenceHoldsOffTakeoverUntilCommit(t *testing.T) {
+	t.Parallel()
+	db := pgtest.New(t)
+	ctx := testCtx(t)
+	lease, tx := fencedTx(t, db, newPostgres(t, db, nil, WithoutHeartbeat()))
+	type grant struct {
+		lease Lease
+		err   error
+	}
+	taken := make(chan grant, 1)
+	go func() {
+		l, err := newPostgres(t, db, nil).TryAcquire(ctx, "k", 30*time.Second, time.Minute)
+		taken <- grant{l, err}
+	}()
+	// The grant expires after 1s; from then on the taker's UPDATE waits
+	// for the fenced transaction's row lock.
+	testkit.Eventually(t, 10*time.Second, "the takeover blocked on the lease row", func() bool {
+		var waiting bool
+		err := db.Pool.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM pg_stat_activity
+			WHERE datname = current_database() AND wait_event_type = 'Lock' AND query LIKE '%worker_lock%')`).Scan(&waiting)
+		return err == nil && waiting
+	})
+	select {
+	case g := <-taken:
+		t.Fatalf("takeover returned (%v) while the fenced transaction was open", g.err)
+	default:
+	}
+	var committedAt time.Time
+	if err := tx.QueryRow(ctx, `SELECT clock_timestamp()`).Scan(&committedAt); err != nil {
+		t.Fatal(err)
+	}
+	if err := tx.Commit(ctx); err != nil {
+		t.Fatalf("commit of the fenced transaction: %v", err)
+	}
+	g := <-taken
+	if g.err != nil {
+		t.Fatalf("takeover after the commit: %v", g.err)
+	}
+	defer g.lease.Release(ctx)
+	if g.lease.Token() <= lease.Token() {
+		t.Errorf("taker token %d not greater than %d", g.lease.Token(), lease.Token())
+	}
+	r, _ := readRow(t, db, "k")
+	if !r.acquired.After(committedAt) {
+		t.Errorf("takeover granted at %s, before the fenced transaction committed (after %s)", r.acquired, committedAt)
+	}
+}
+
+// A fenced transaction that then sits idle (its holder paused before
+// sending COMMIT) is ended by the server after one ttl, so it cannot keep
+// the lease from being taken over forever.
+func TestPostgresFencedTransactionIdleIsBounded(t *testing.T) {
+	t.Parallel()
+	db := pgtest.New(t)
+	ctx := testCtx(t)
+	lease, tx := fencedTx(t, db, newPostgres(t, db, nil))
+	defer lease.Release(ctx)
+	pid := tx.Conn().PgConn().PID()
+	testkit.Eventually(t, 10*time.Second, "the server to end the idle fenced transaction", func() bool {
+		var alive bool
+		err := db.Pool.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE pid = $1)`, pid).Scan(&alive)
+		return err == nil && !alive
+	})
+	if err := tx.Commit(ctx); err == nil {
+		t.Error("a fenced transaction left idle past the ttl still committed")
+	}
+}

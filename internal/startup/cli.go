@@ -9,7 +9,6 @@ import (
 	"log/slog"
 	"os"
 	"os/user"
-	"runtime/debug"
 	"strings"
 	"text/tabwriter"
 	"time"
@@ -57,7 +56,8 @@ type cli struct {
 			Purge outboxDeadPurgeCmd `cmd:"" help:"Delete DEAD events for good."`
 		} `cmd:"" help:"Inspect, requeue or delete dead-lettered events."`
 	} `cmd:"" help:"Operate the transactional outbox."`
-	Version versionCmd `cmd:"" help:"Print the version and exit."`
+	Healthcheck healthcheckCmd `cmd:"" help:"Exit 0 if the local worker's /readyz answers 200, 1 otherwise (for a container HEALTHCHECK)."`
+	Version     versionCmd     `cmd:"" help:"Print the version and exit."`
 }
 
 // Main parses args, runs the chosen command and returns the exit code.
@@ -131,15 +131,8 @@ func parseArgs(p *kong.Kong, args []string) (kctx *kong.Context, err error) {
 type versionCmd struct{}
 
 func (versionCmd) Run(e *cmdEnv) error {
-	v := Version
-	if bi, ok := debug.ReadBuildInfo(); ok && v == "dev" {
-		for _, s := range bi.Settings {
-			if s.Key == "vcs.revision" {
-				v = "dev-" + s.Value
-			}
-		}
-	}
-	fmt.Fprintln(e.Stdout, "worker", v)
+	b := currentBuild()
+	fmt.Fprintln(e.Stdout, "worker", b.version, "revision", b.revision, b.goVersion)
 	return nil
 }
 
@@ -261,10 +254,19 @@ func deadAction(e *cmdEnv, sel deadSelection, verb string,
 	}
 	return withPool(e, func(ctx context.Context, pool *pgxpool.Pool, log *slog.Logger) error {
 		n, err := act(ctx, pool, sel.EventID, operator(), log)
-		if errors.Is(err, outbox.ErrNotDead) {
+		var left *outbox.RulesLeftError
+		var rule *outbox.RuleError
+		switch {
+		case errors.Is(err, outbox.ErrNotDead):
 			return &NotFoundError{Err: err, Msg: fmt.Sprintf("no DEAD event with event_id %s; `worker outbox dead list` shows them", sel.EventID)}
-		}
-		if err != nil {
+		case errors.As(err, &rule):
+			return &DataError{Err: err, Msg: fmt.Sprintf("event %s breaks a producer rule (%s: %s) and cannot be requeued; `worker outbox dead purge %s` deletes it",
+				sel.EventID, rule.Constraint, rule.Problem, sel.EventID)}
+		case errors.As(err, &left):
+			// The others were requeued: say so, and what is left.
+			fmt.Fprintf(e.Stdout, "%s %d event(s); %d left DEAD because they break a producer rule: purge them\n", verb, n, left.Left)
+			return nil
+		case err != nil:
 			return err
 		}
 		fmt.Fprintf(e.Stdout, "%s %d event(s)\n", verb, n)

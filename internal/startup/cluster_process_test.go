@@ -3,6 +3,7 @@ package startup_test
 import (
 	"context"
 	"fmt"
+	"strings"
 	"syscall"
 	"testing"
 	"time"
@@ -105,6 +106,24 @@ jobs:
 		t.Fatal(err)
 	}
 	limit := leaseTTL + delay + time.Second
+	// Where the time goes: the victim's grant expires (at most lease_ttl
+	// after its last renewal), a watcher takes the lease over (within a
+	// check period), and the next run starts delay after the takeover.
+	var expired, takenOver time.Time
+	testkit.Eventually(t, limit+5*time.Second, "another replica to take the lease over", func() bool {
+		var owner string
+		var acquired, expires time.Time
+		if err := db.Pool.QueryRow(ctx, `SELECT owner, acquired_at, expires_at FROM worker_lock WHERE key = 'job:tick'`).
+			Scan(&owner, &acquired, &expires); err != nil {
+			t.Fatal(err)
+		}
+		if strings.HasPrefix(owner, strings.TrimPrefix(victim, "worker ")+"-") {
+			expired = expires
+			return false
+		}
+		takenOver = acquired
+		return true
+	})
 	var resumed time.Time
 	var by string
 	testkit.Eventually(t, limit+5*time.Second, "another replica to resume the job", func() bool {
@@ -112,7 +131,8 @@ jobs:
 			ORDER BY started_at LIMIT 1`, killed, victim).Scan(&resumed, &by)
 		return err == nil
 	})
-	t.Logf("killed %s; %s resumed the job %s later (limit %s)", victim, by, resumed.Sub(killed), limit)
+	t.Logf("killed %s; %s resumed the job %s later (limit %s): lease expired after %s, taken over %s later, run started %s after that",
+		victim, by, resumed.Sub(killed), limit, expired.Sub(killed), takenOver.Sub(expired), resumed.Sub(takenOver))
 	if resumed.Sub(killed) > limit {
 		t.Errorf("resumed %s after the kill, limit %s", resumed.Sub(killed), limit)
 	}

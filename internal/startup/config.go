@@ -123,6 +123,17 @@ func flatten(prefix string, v reflect.Value) []setting {
 // DefaultConfigFile is read when it exists and no other file is named.
 const DefaultConfigFile = "configs/worker.yaml"
 
+// configFile is the file LoadConfig reads: path, or DefaultConfigFile if
+// path is "" and that file exists, or "" for none.
+func configFile(path string) string {
+	if path == "" {
+		if _, err := os.Stat(DefaultConfigFile); err == nil {
+			return DefaultConfigFile
+		}
+	}
+	return path
+}
+
 // LoadConfig builds the effective configuration. path is the file named by
 // --config or APP_CONFIG_FILE ("" means DefaultConfigFile if it exists);
 // environ is os.Environ() in production.
@@ -139,11 +150,7 @@ func LoadConfig(path string, environ []string) (*Config, error) {
 		return nil, err
 	}
 
-	if path == "" {
-		if _, err := os.Stat(DefaultConfigFile); err == nil {
-			path = DefaultConfigFile
-		}
-	}
+	path = configFile(path)
 	if path != "" {
 		fk := koanf.New(".")
 		if err := fk.Load(file.Provider(path), yaml.Parser()); err != nil {

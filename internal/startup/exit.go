@@ -9,7 +9,9 @@ import (
 const (
 	ExitOK          = 0
 	ExitInterrupted = 1  // a second signal during shutdown, or a signal to an operator command
+	ExitUnhealthy   = 1  // worker healthcheck: the local worker is not ready
 	ExitUsage       = 64 // bad command line or argument
+	ExitDataErr     = 65 // the named item's data forbids the operation
 	ExitNoInput     = 66 // a named item (event, database) does not exist
 	ExitUnavailable = 69 // a dependency unreachable at start
 	ExitInternal    = 70 // internal error only; an operator mistake is never 70
@@ -26,13 +28,17 @@ func ExitCode(err error) int {
 		se *SafetyError
 		ae *AuthError
 		ne *NotFoundError
+		de *DataError
 		oe *OSError
 		ue *UnavailableError
 		us *usageError
+		uh *unhealthyError
 	)
 	switch {
 	case err == nil:
 		return ExitOK
+	case errors.As(err, &uh):
+		return ExitUnhealthy
 	case errors.Is(err, errInterrupted):
 		return ExitInterrupted
 	case errors.As(err, &ce):
@@ -43,6 +49,8 @@ func ExitCode(err error) int {
 		return ExitNoPerm
 	case errors.As(err, &ne):
 		return ExitNoInput
+	case errors.As(err, &de):
+		return ExitDataErr
 	case errors.As(err, &oe):
 		return ExitOSError
 	case errors.As(err, &ue):
@@ -100,6 +108,16 @@ type NotFoundError struct {
 
 func (e *NotFoundError) Error() string { return e.Msg }
 func (e *NotFoundError) Unwrap() error { return e.Err }
+
+// DataError is an operation that the named item's own data forbids, such
+// as requeuing an event that breaks a producer rule: exit 65.
+type DataError struct {
+	Msg string
+	Err error
+}
+
+func (e *DataError) Error() string { return e.Msg }
+func (e *DataError) Unwrap() error { return e.Err }
 
 // OSError is a resource the system refused, such as a port already in use:
 // exit 71.

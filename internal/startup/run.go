@@ -62,11 +62,15 @@ func (runCmd) Run(e *cmdEnv) error {
 
 	reg := obs.NewRegistry()
 	ready := &readiness{}
+	registerOpsMetrics(reg, ready)
 	srv := newOpsServer(cfg.HTTP.Addr, reg, ready)
 	ln, err := listen(srv)
 	if err != nil {
 		return &OSError{Err: err, Msg: fmt.Sprintf("ops HTTP server on %s (APP_HTTP_ADDR): %v", cfg.HTTP.Addr, err)}
 	}
+	// After the checks that fail at once, which log their one fatal line
+	// alone.
+	logStartup(log, cfg, configFile(e.ConfigPath))
 	go func() {
 		if err := srv.Serve(ln); err != nil && !errors.Is(err, http.ErrServerClosed) {
 			log.Error("ops HTTP server stopped", "error", err)

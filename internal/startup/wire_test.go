@@ -43,10 +43,10 @@ jobs:
 	}
 }
 
-// jobRuns reads job_runs_total{job, outcome} from reg.
+// jobRuns reads job_runs_total{job_name, outcome} from reg.
 func jobRuns(t *testing.T, reg prometheus.Gatherer, job, outcome string) float64 {
 	t.Helper()
-	v, _ := testkit.Metric(t, reg, "job_runs_total", map[string]string{"job": job, "outcome": outcome})
+	v, _ := testkit.Metric(t, reg, "job_runs_total", map[string]string{"job_name": job, "outcome": outcome})
 	return v
 }
 
