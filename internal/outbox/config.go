@@ -45,7 +45,7 @@ func DefaultConfig() Config {
 		Enabled:         true,
 		Sink:            "log",
 		Relays:          1,
-		BatchSize:       100,
+		BatchSize:       500,
 		MaxInFlight:     64,
 		DetachAfter:     100 * time.Millisecond,
 		PollInterval:    time.Second,

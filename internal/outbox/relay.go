@@ -27,10 +27,12 @@ const NotifyChannel = "outbox_event"
 const finishTimeout = 5 * time.Second
 
 // Relay publishes outbox events to a sink. It runs cfg.Relays loops; each
-// loop claims a batch by locking rows in a transaction, publishes them in
-// order, records every outcome and commits. The row locks are the claim:
-// other relays skip them, and if this process dies the database drops them
-// at once, so the rows are immediately claimable again.
+// loop claims a batch by locking rows in a transaction, publishes it
+// (different aggregates at once, each aggregate in order), records every
+// outcome and commits. The row locks are the claim: other relays skip
+// them, and if this process dies the database drops them at once, so the
+// rows are immediately claimable again. A publish still outstanding after
+// detach_after is marked IN_FLIGHT and finishes on its own (publish.go).
 type Relay struct {
 	pool       *pgxpool.Pool
 	sink       Sink
@@ -279,8 +281,8 @@ func (r *Relay) runBatch(ctx context.Context, st *loopState) (int, error) {
 }
 
 // claim commits the previous batch's outcomes, opens the batch transaction
-// and locks a batch: heads from the window and their runs, topped up by the
-// gated claim when the window is congested. It returns the runs to
+// and locks a batch: heads from the window and their runs, topped up by
+// heads from behind the window when it is blocked. It returns the runs to
 // publish, oldest head first, and the database clock minus ours.
 func (r *Relay) claim(ctx context.Context, st *loopState) ([][]claimedRow, time.Duration, error) {
 	n := r.cfg.BatchSize
@@ -297,7 +299,7 @@ func (r *Relay) claim(ctx context.Context, st *loopState) ([][]claimedRow, time.
 		finishing = r.queueFinish(b, fin)
 		// The previous batch's outcomes must be written even if claiming
 		// stops meanwhile. Only this round trip is bound by the finish
-		// timeout; the locks below may take longer (a gated scan).
+		// timeout; the locks below may take longer.
 		var cancel context.CancelFunc
 		sendCtx, cancel = context.WithTimeout(context.WithoutCancel(ctx), finishTimeout)
 		defer cancel()
@@ -508,6 +510,16 @@ func (r *Relay) queueFinish(b *pgx.Batch, out *outcomes) int {
 	}
 	if len(back) > 0 {
 		b.Queue(handBackSQL, back)
+	}
+	if len(out.detached) == 0 {
+		// The commit travels with the next claim, so its WAL flush would
+		// delay that claim's window. Losing it in a server crash only
+		// means publishing its events again (at least once), in order: WAL
+		// is replayed in order, so a later batch's outcomes never survive
+		// an earlier one's. Not so for IN_FLIGHT marks: a lost one would
+		// let another relay publish the event while it is still being
+		// published, so those commits wait for the flush.
+		b.Queue("SET LOCAL synchronous_commit = off")
 	}
 	b.Queue("COMMIT")
 	return b.Len()

@@ -173,8 +173,8 @@ func TestRelayHungPublishHoldsBackOnlyItsAggregate(t *testing.T) {
 	}
 	startRelay(t, db.Pool, sink, testConfig(), nil)
 
-	testkit.Eventually(t, 30*time.Second, "every other aggregate delivered", func() bool {
-		return sink.delivered() == 100
+	testkit.Eventually(t, 30*time.Second, "every other aggregate delivered, the hung event detached", func() bool {
+		return sink.delivered() == 100 && statusOf(t, db.Pool, hungIDs[0]) == StatusInFlight
 	})
 	var status, claimedBy string
 	var attempts int

@@ -106,7 +106,7 @@ func TestRelayInFlightVisibility(t *testing.T) {
 
 // TestRelayLooksPastRetries: with a small batch, far more than the widest
 // window is taken by aggregates whose heads wait for a retry. The relay must
-// look past them (the gated claim) and publish the aggregate behind them,
+// look behind them and publish the aggregate behind them,
 // and must not publish the blocked aggregates' later events.
 func TestRelayLooksPastRetries(t *testing.T) {
 	db := pgtest.New(t)

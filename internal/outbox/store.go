@@ -297,27 +297,20 @@ func candidates(win []windowRow) []*candidate {
 	return out
 }
 
-// readEvents scans locked events into heads and run rows. lockSQL tags each
-// row with a leading is_head column; rows of untagged statements (the gated
-// claim) are all heads.
+// readEvents scans the rows lockSQL locked into heads and run rows, which
+// it tells apart by its leading is_head column.
 func readEvents(rows pgx.Rows, err error) (heads, others []claimedRow, _ error) {
 	if err != nil {
 		return nil, nil, err
 	}
 	defer rows.Close()
-	fields := rows.FieldDescriptions()
-	tagged := len(fields) > 0 && fields[0].Name == "is_head"
 	for rows.Next() {
 		var c claimedRow
 		var payload, headers []byte
 		var occurred pgtype.Timestamptz
-		isHead := true
-		dest := []any{&c.tid, &c.Seq, &c.EventID, &c.AggregateType, &c.AggregateID, &c.EventType, &payload,
-			&headers, &occurred, &c.Attempts, &c.status}
-		if tagged {
-			dest = append([]any{&isHead}, dest...)
-		}
-		if err := rows.Scan(dest...); err != nil {
+		var isHead bool
+		if err := rows.Scan(&isHead, &c.tid, &c.Seq, &c.EventID, &c.AggregateType, &c.AggregateID, &c.EventType, &payload,
+			&headers, &occurred, &c.Attempts, &c.status); err != nil {
 			return nil, nil, err
 		}
 		c.Payload = payload
