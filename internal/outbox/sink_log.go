@@ -62,10 +62,9 @@ func (s *LogSink) Publish(_ context.Context, e Event) error {
 
 // appendLogLine appends e as one line of JSON, with occurred as its
 // occurred_at, fields in a fixed order so that lines are easy to read and
-// to grep. It writes the JSON itself
-// instead of going through encoding/json: this runs once per event, and
-// the payload is already JSON (PostgreSQL prints jsonb), so it is copied
-// through as it is.
+// to grep. It writes the JSON itself instead of going through
+// encoding/json: this runs once per event, and the payload is already JSON
+// (PostgreSQL prints jsonb), so it is copied through as it is.
 func appendLogLine(b []byte, e Event, occurred string) ([]byte, error) {
 	b = append(b, `{"event_id":`...)
 	b = appendJSONString(b, e.EventID)
