@@ -336,34 +336,53 @@ func idleWorkerCPU(tb testing.TB, db *pgtest.DB) time.Duration {
 // receiver is a local webhook endpoint. It answers 204 after delay,
 // tells arrived (if not nil) when each request came in, and counts events
 // that arrive out of their aggregate's order (by the payload's seq, which
-// follows insertion order).
+// follows insertion order). Requests for the aggregate hang (if not
+// empty) get no answer until the sender gives up or unhang is closed.
 type receiver struct {
 	srv     *httptest.Server
 	delay   time.Duration
+	hang    string
+	unhang  chan struct{}
 	arrived func(eventID string, at time.Time)
 
 	mu       sync.Mutex
 	lastSeq  map[string]int64 // by ce-subject
 	disorder int
-	requests int
+	hung     int // requests left without an answer
 }
 
-func newReceiver(delay time.Duration, arrived func(string, time.Time)) *receiver {
-	r := &receiver{delay: delay, arrived: arrived, lastSeq: map[string]int64{}}
+func newReceiver(delay time.Duration, hang string, arrived func(string, time.Time)) *receiver {
+	r := &receiver{delay: delay, hang: hang, unhang: make(chan struct{}), arrived: arrived, lastSeq: map[string]int64{}}
 	r.srv = httptest.NewServer(http.HandlerFunc(r.serve))
 	return r
+}
+
+// close answers the hung requests and stops the server.
+func (r *receiver) close() {
+	close(r.unhang)
+	r.srv.Close()
 }
 
 func (r *receiver) serve(w http.ResponseWriter, req *http.Request) {
 	now := time.Now()
 	body, _ := io.ReadAll(req.Body)
+	agg := req.Header.Get("Ce-Subject")
+	if r.hang != "" && agg == r.hang {
+		r.mu.Lock()
+		r.hung++
+		r.mu.Unlock()
+		select {
+		case <-req.Context().Done():
+		case <-r.unhang:
+		}
+		return
+	}
 	seq, hasSeq := payloadSeq(body)
 	if r.arrived != nil {
 		r.arrived(req.Header.Get("Ce-Id"), now)
 	}
 	r.mu.Lock()
-	r.requests++
-	if agg := req.Header.Get("Ce-Subject"); hasSeq {
+	if hasSeq {
 		if seq <= r.lastSeq[agg] {
 			r.disorder++
 		}
@@ -390,10 +409,10 @@ func payloadSeq(body []byte) (int64, bool) {
 	return n, err == nil
 }
 
-func (r *receiver) stats() (requests, disorder int) {
+func (r *receiver) stats() (disorder, hung int) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	return r.requests, r.disorder
+	return r.disorder, r.hung
 }
 
 // waitDrained polls until no event is unfinished.

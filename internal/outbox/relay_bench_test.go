@@ -23,6 +23,7 @@ import (
 //
 //	go test -run '^$' -bench RelayScale -timeout 60m ./internal/outbox
 //	go test -run '^$' -bench RelayLatency ./internal/outbox
+//	go test -run '^$' -bench RelayHungWebhook ./internal/outbox
 //
 // Flags after the package: -rounds N (default 3), -phases a,b (a subset
 // of the scale phases), -latency-rate and -latency-for. Benchmarks are
@@ -142,8 +143,8 @@ func runScalePhase(tb testing.TB, db *pgtest.DB, ph scalePhase, idle time.Durati
 	env := ph.env
 	var rcv *receiver
 	if ph.webhook {
-		rcv = newReceiver(ph.delay, nil)
-		defer rcv.srv.Close()
+		rcv = newReceiver(ph.delay, "", nil)
+		defer rcv.close()
 		env = append(slices.Clone(env), "APP_OUTBOX_SINK=webhook", "APP_OUTBOX_WEBHOOK_URL="+rcv.srv.URL)
 	}
 	instance := "bench-" + ph.key + "-"
@@ -159,7 +160,7 @@ func runScalePhase(tb testing.TB, db *pgtest.DB, ph scalePhase, idle time.Durati
 	}
 	run.phase.events, run.phase.rate = publishedSpan(tb, db.Pool)
 	if rcv != nil {
-		_, run.disorder = rcv.stats()
+		run.disorder, _ = rcv.stats()
 	}
 	return run
 }
@@ -273,8 +274,8 @@ func latencyRun(tb testing.TB, db *pgtest.DB, sink string) (p50, p99, worst time
 	var stdout io.Writer = arrivals
 	var env []string
 	if sink == "webhook" {
-		rcv := newReceiver(0, arrivals.arrive)
-		defer rcv.srv.Close()
+		rcv := newReceiver(0, "", arrivals.arrive)
+		defer rcv.close()
 		stdout = nil
 		env = []string{"APP_OUTBOX_SINK=webhook", "APP_OUTBOX_WEBHOOK_URL=" + rcv.srv.URL}
 	}
@@ -286,6 +287,41 @@ func latencyRun(tb testing.TB, db *pgtest.DB, sink string) (p50, p99, worst time
 	testkit.Eventually(tb, time.Minute, "every event to arrive", func() bool { return arrivals.count() >= len(commits) })
 	lat := arrivals.latencies(commits)
 	return percentile(lat, 0.50), percentile(lat, 0.99), percentile(lat, 1)
+}
+
+// BenchmarkRelayHungWebhook is goal 4, black-box: the webhook never answers
+// for one aggregate, whose 10 events are the oldest, while 1,000 events of
+// 100 other aggregates wait behind them. A worker in the default
+// configuration starts; it prints, per round, how long after the start the
+// last of the 1,000 arrived (the webhook timeout is 10 s), and how many
+// requests for the hung aggregate were left unanswered meanwhile.
+func BenchmarkRelayHungWebhook(b *testing.B) {
+	db := pgtest.New(b)
+	workerBinary(b) // built before the clock starts
+	for range b.N {
+		var secs []float64
+		for round := range *benchRounds {
+			exec(b, db.Pool, "TRUNCATE outbox_event")
+			exec(b, db.Pool, `INSERT INTO outbox_event (aggregate_type, aggregate_id, event_type, payload)
+				SELECT 'order', 'hung', 'order.updated', jsonb_build_object('seq', g) FROM generate_series(1, 10) g`)
+			loadBacklog(b, db.Pool, 1000, 100)
+			arrivals := newArrivals()
+			rcv := newReceiver(0, "hung", arrivals.arrive)
+			start := time.Now()
+			w := startWorkerProc(b, db, "bench-hung", nil, "APP_OUTBOX_SINK=webhook", "APP_OUTBOX_WEBHOOK_URL="+rcv.srv.URL)
+			testkit.Eventually(b, 2*time.Minute, "the other aggregates' events to arrive", func() bool { return arrivals.count() >= 1000 })
+			took := arrivals.last().Sub(start)
+			_, hung := rcv.stats()
+			rcv.close()
+			w.stop(b)
+			secs = append(secs, took.Seconds())
+			fmt.Printf("round %d: 1,000 events of other aggregates arrived within %.2f s of the worker's start; %d unanswered requests for the hung aggregate\n",
+				round+1, took.Seconds(), hung)
+		}
+		s := spreadOf(secs)
+		fmt.Printf("hung webhook for one aggregate: the others arrived within %.2f / %.2f / %.2f s (min / median / max; goal 10 s)\n", s.min, s.med, s.max)
+		b.ReportMetric(s.med, "others_arrived_s")
+	}
 }
 
 // produce commits one event per transaction at rate per second for d, over
@@ -362,6 +398,19 @@ func (a *arrivals) Write(p []byte) (int, error) {
 	}
 	a.partial = slices.Clone(a.partial) // do not pin the whole buffer
 	return len(p), nil
+}
+
+// last is when the latest event arrived.
+func (a *arrivals) last() time.Time {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	var t time.Time
+	for _, at := range a.at {
+		if at.After(t) {
+			t = at
+		}
+	}
+	return t
 }
 
 func (a *arrivals) count() int {
