@@ -39,7 +39,7 @@ type cmdEnv struct {
 type cli struct {
 	Config string `help:"YAML config file. Default: ${default_config} when it exists." env:"APP_CONFIG_FILE" placeholder:"PATH" type:"path"`
 
-	Run     runCmd     `cmd:"" default:"1" help:"Run jobs and the outbox relay until SIGTERM (the default command)."`
+	Run     runCmd     `cmd:"" default:"1" help:"Run jobs, the outbox relay and tasks until SIGTERM (the default command)."`
 	Migrate migrateCmd `cmd:"" help:"Apply database migrations (the worker's and River's) and exit. Safe to run repeatedly and from several replicas."`
 	Cfg     struct {
 		Print configPrintCmd `cmd:"" help:"Print the effective configuration as YAML, secrets masked."`
@@ -56,6 +56,7 @@ type cli struct {
 			Purge outboxDeadPurgeCmd `cmd:"" help:"Delete DEAD events for good."`
 		} `cmd:"" help:"Inspect, requeue or delete dead-lettered events."`
 	} `cmd:"" help:"Operate the transactional outbox."`
+	Tasks       tasksCmd       `cmd:"" help:"Operate background tasks (River)."`
 	Healthcheck healthcheckCmd `cmd:"" help:"Exit 0 if the local worker's /readyz answers 200, 1 otherwise (for a container HEALTHCHECK)."`
 	Version     versionCmd     `cmd:"" help:"Print the version and exit."`
 }

@@ -3,6 +3,8 @@ package startup
 import (
 	"errors"
 	"fmt"
+
+	"worker/internal/obs"
 )
 
 // Exit codes (sysexits), as documented in the README.
@@ -17,6 +19,7 @@ const (
 	ExitInternal    = 70 // internal error only; an operator mistake is never 70
 	ExitOSError     = 71 // the system refused a resource, such as a port in use
 	ExitUnsafe      = 72 // multi-instance without a shared lock provider
+	ExitTempFail    = 75 // refused for now (a full task queue); retry later
 	ExitNoPerm      = 77 // a dependency refused our credentials
 	ExitConfig      = 78 // invalid configuration
 )
@@ -57,6 +60,8 @@ func ExitCode(err error) int {
 		return ExitUnavailable
 	case errors.As(err, &us):
 		return ExitUsage
+	case obs.CodeOf(err) == obs.CodeJobExecutorRejected:
+		return ExitTempFail
 	}
 	return ExitInternal
 }

@@ -84,6 +84,13 @@ func wire(cfg *Config, pool *pgxpool.Pool, log *slog.Logger, reg prometheus.Regi
 		}
 		parts = append(parts, relay)
 	}
+	if cfg.Tasks.Enabled {
+		rt, err := newTaskRuntime(cfg, pool, log, reg)
+		if err != nil {
+			return nil, cleanup, err
+		}
+		parts = append(parts, rt)
+	}
 	// The outbox reaper runs even where the relay is off: retention is a
 	// property of the table, not of this replica.
 	specs = append(specs, jobs.Spec{
