@@ -30,7 +30,7 @@ import (
 // not tests: nothing fails on a figure.
 
 var (
-	benchPhases  = flag.String("phases", "", "relay scale benchmark: comma-separated phase keys (default: all)")
+	benchPhases  = flag.String("phases", "", "relay scale benchmark: comma-separated phase keys (default: all but the extra wh0r4 and wh20r4)")
 	latencyRate  = flag.Int("latency-rate", 500, "relay latency benchmark: producer commits per second")
 	latencyTotal = flag.Duration("latency-for", 30*time.Second, "relay latency benchmark: how long producers run")
 )
