@@ -85,11 +85,12 @@ func NewWebhookSink(cfg WebhookConfig, client *http.Client) (*WebhookSink, error
 }
 
 // webhookIdleConns is how many keep-alive connections the sink keeps to
-// its receiver. It must cover the publishes in flight at once (relays
-// times their concurrent publishes): net/http keeps only 2 per host by
+// its receiver. It must cover the publishes in flight at once
+// (outbox.max_in_flight, 64 by default): net/http keeps only 2 per host by
 // default, so every request beyond that would open a new connection and
-// leave one in TIME_WAIT. Idle connections beyond what is used close
-// after the transport's idle timeout.
+// leave one in TIME_WAIT. Connections are only opened when that many
+// publishes overlap, and idle ones close after the transport's idle
+// timeout.
 const webhookIdleConns = 1024
 
 // newWebhookTransport is http.DefaultTransport's configuration (proxy from
