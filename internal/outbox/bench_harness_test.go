@@ -89,10 +89,6 @@ type drainResult struct {
 	clientCPU time.Duration // the relay processes, or this process for the ceiling
 }
 
-func (d drainResult) cpuPerEvent() time.Duration {
-	return (d.dbCPU + d.clientCPU) / time.Duration(max(d.events, 1))
-}
-
 // publishedSpan reads how many events are PUBLISHED and the rate between
 // the first and the last published_at.
 func publishedSpan(tb testing.TB, pool *pgxpool.Pool) (int, float64) {
