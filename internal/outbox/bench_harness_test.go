@@ -207,32 +207,30 @@ func selfCPU(tb testing.TB) time.Duration {
 	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
 }
 
-var (
-	workerBinOnce sync.Once
-	workerBinPath string
-	workerBinErr  error
-)
+// workerBin is the worker binary built for the running benchmark.
+var workerBin struct {
+	sync.Mutex
+	path string
+}
 
-// workerBinary builds cmd/worker once per run, without the race detector:
-// the benchmarks measure the binary as it ships.
+// workerBinary builds cmd/worker into a directory removed with the
+// benchmark, without the race detector: the benchmarks measure the binary
+// as it ships. Later calls reuse it while it exists.
 func workerBinary(tb testing.TB) string {
 	tb.Helper()
-	workerBinOnce.Do(func() {
-		dir, err := os.MkdirTemp("", "worker-bench-")
-		if err != nil {
-			workerBinErr = err
-			return
+	workerBin.Lock()
+	defer workerBin.Unlock()
+	if workerBin.path != "" {
+		if _, err := os.Stat(workerBin.path); err == nil {
+			return workerBin.path
 		}
-		workerBinPath = filepath.Join(dir, "worker")
-		out, err := osexec.Command("go", "build", "-o", workerBinPath, "worker/cmd/worker").CombinedOutput()
-		if err != nil {
-			workerBinErr = fmt.Errorf("build worker: %v\n%s", err, out)
-		}
-	})
-	if workerBinErr != nil {
-		tb.Fatal(workerBinErr)
 	}
-	return workerBinPath
+	path := filepath.Join(tb.TempDir(), "worker")
+	if out, err := osexec.Command("go", "build", "-o", path, "worker/cmd/worker").CombinedOutput(); err != nil {
+		tb.Fatalf("build worker: %v\n%s", err, out)
+	}
+	workerBin.path = path
+	return path
 }
 
 // workerProc is one running worker process.
