@@ -208,10 +208,16 @@ func printScale(w io.Writer, phases []scalePhase, runs [][]phaseRun, idle time.D
 	}
 	tw.Flush()
 	// The goals compare phases within a round.
-	for _, c := range []struct{ name, num, den string }{
-		{"4 relays ÷ 2 relays", "r4", "r2"},
-		{"2 processes x 2 relays ÷ 2 relays", "p2r2", "r2"},
-		{"webhook 0 ms ÷ log sink (1 relay, batch 500)", "wh0", "r1"},
+	rate := func(r drainResult) float64 { return r.rate }
+	dbPerEvent := func(r drainResult) float64 { return r.dbCPU.Seconds() / float64(max(r.events, 1)) }
+	for _, c := range []struct {
+		name, num, den string
+		of             func(drainResult) float64
+	}{
+		{"4 relays ÷ 2 relays", "r4", "r2", rate},
+		{"2 processes x 2 relays ÷ 2 relays", "p2r2", "r2", rate},
+		{"webhook 0 ms ÷ log sink (1 relay, batch 500)", "wh0", "r1", rate},
+		{"database CPU per event, 4 relays ÷ 1 relay", "r4", "r1", dbPerEvent},
 	} {
 		i := slices.IndexFunc(phases, func(p scalePhase) bool { return p.key == c.num })
 		j := slices.IndexFunc(phases, func(p scalePhase) bool { return p.key == c.den })
@@ -220,7 +226,7 @@ func printScale(w io.Writer, phases []scalePhase, runs [][]phaseRun, idle time.D
 		}
 		var xs []float64
 		for round := range runs[i] {
-			xs = append(xs, runs[i][round].phase.rate/runs[j][round].phase.rate)
+			xs = append(xs, c.of(runs[i][round].phase)/c.of(runs[j][round].phase))
 		}
 		s := spreadOf(xs)
 		fmt.Fprintf(w, "%s, same round: median %.2f (%.2f-%.2f)\n", c.name, s.med, s.min, s.max)
