@@ -471,7 +471,8 @@ func isRoutesKey(key string) bool {
 
 // joinRouteKeys undoes koanf's split of keys at dots for the river sink's
 // routes, whose keys are event types such as order.shipped: YAML
-// {order.shipped: k} arrives as {order: {shipped: k}}.
+// {order.shipped: k} arrives as {order: {shipped: k}}. It is the only
+// map[string]string koanf splits: task kind headers sit in a list.
 func joinRouteKeys(_, to reflect.Type, data any) (any, error) {
 	m, ok := data.(map[string]any)
 	if !ok || to != reflect.TypeFor[map[string]string]() {
