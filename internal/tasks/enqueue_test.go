@@ -22,7 +22,7 @@ func TestEnqueueFunctionInsertsWhatRiverInserts(t *testing.T) {
 	t.Parallel()
 	db := pgtest.New(t)
 	ctx := t.Context()
-	cfg := testConfig(t, map[string]Queue{"mail": {MaxWorkers: 1, MaxBacklog: 10}},
+	cfg := testConfig(t, map[string]Queue{"mail": queue(1, 10)},
 		Kind{Name: "send-receipt", Type: TypeGo, Queue: "mail", MaxAttempts: 7})
 	if err := publishConfig(ctx, db.Pool, &cfg); err != nil {
 		t.Fatal(err)
@@ -118,7 +118,7 @@ func TestFullQueueRefusesEnqueue(t *testing.T) {
 	t.Parallel()
 	db := pgtest.New(t)
 	ctx := t.Context()
-	cfg := testConfig(t, map[string]Queue{"small": {MaxWorkers: 1, MaxBacklog: 2}}, Kind{Name: "report", Type: TypeGo, Queue: "small"})
+	cfg := testConfig(t, map[string]Queue{"small": queue(1, 2)}, Kind{Name: "report", Type: TypeGo, Queue: "small"})
 	if err := publishConfig(ctx, db.Pool, &cfg); err != nil {
 		t.Fatal(err)
 	}

@@ -122,7 +122,7 @@ func (m *metrics) refresh(ctx context.Context, pool *pgxpool.Pool, cfg *Config) 
 		}
 		m.tasks.WithLabelValues(q, s).Set(float64(n))
 		if s == string(rivertype.JobStateAvailable) {
-			if limit := cfg.Queues[q].MaxBacklog; limit > 0 {
+			if limit := cfg.Queues[q].Backlog(); limit > 0 {
 				m.saturation.WithLabelValues(q).Set(float64(n) / float64(limit))
 			}
 		}

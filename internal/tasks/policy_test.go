@@ -42,7 +42,7 @@ func TestRetryPolicyIsFullJitterExponential(t *testing.T) {
 func TestUnboundedQueueWarnsAtStart(t *testing.T) {
 	t.Parallel()
 	db := pgtest.New(t)
-	h := start(t, db, testConfig(t, map[string]Queue{"bulk": {MaxWorkers: 1, MaxBacklog: 0}}), nil)
+	h := start(t, db, testConfig(t, map[string]Queue{"bulk": queue(1, 0)}), nil)
 	lines := h.logs.Lines(t, "task queue has no backlog bound; enqueues are never refused")
 	if len(lines) != 1 || lines[0]["queue"] != "bulk" || lines[0]["level"] != "WARN" {
 		t.Fatalf("warning lines: %v", lines)
@@ -55,7 +55,7 @@ func TestSaturationFollowsTheBacklog(t *testing.T) {
 	t.Parallel()
 	db := pgtest.New(t)
 	ctx := context.Background()
-	cfg := testConfig(t, map[string]Queue{"mail": {MaxWorkers: 1, MaxBacklog: 4}})
+	cfg := testConfig(t, map[string]Queue{"mail": queue(1, 4)})
 	if err := publishConfig(ctx, db.Pool, &cfg); err != nil {
 		t.Fatal(err)
 	}

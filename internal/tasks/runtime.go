@@ -91,7 +91,7 @@ func New(opts Options) (*Runtime, error) {
 
 	queues := make(map[string]river.QueueConfig, len(cfg.Queues))
 	for name, q := range cfg.Queues {
-		queues[name] = river.QueueConfig{MaxWorkers: q.MaxWorkers}
+		queues[name] = river.QueueConfig{MaxWorkers: q.Workers()}
 	}
 	log := opts.Logger.With("component", "tasks")
 	rt := &Runtime{cfg: cfg, log: log, pool: pool, m: m}
@@ -174,7 +174,7 @@ func (r *Runtime) Start(ctx context.Context) error {
 		return fmt.Errorf("tasks: publish configuration: %w", err)
 	}
 	for _, name := range r.cfg.QueueNames() {
-		if r.cfg.Queues[name].MaxBacklog == 0 {
+		if r.cfg.Queues[name].Backlog() == 0 {
 			r.log.Warn("task queue has no backlog bound; enqueues are never refused", "queue", name)
 		}
 	}
@@ -231,7 +231,7 @@ func publishConfig(ctx context.Context, pool *pgxpool.Pool, cfg *Config) error {
 		}
 		for _, name := range cfg.QueueNames() {
 			b.Queue(`INSERT INTO worker_task_queue VALUES ($1, $2)
-				ON CONFLICT (queue) DO UPDATE SET max_backlog = excluded.max_backlog`, name, cfg.Queues[name].MaxBacklog)
+				ON CONFLICT (queue) DO UPDATE SET max_backlog = excluded.max_backlog`, name, cfg.Queues[name].Backlog())
 		}
 		return tx.SendBatch(ctx, b).Close()
 	})
