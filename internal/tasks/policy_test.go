@@ -80,3 +80,29 @@ func TestSaturationFollowsTheBacklog(t *testing.T) {
 		}
 	}
 }
+
+// Retry-After in seconds or as a date is honoured; a number of seconds too
+// large for a time.Duration is ignored rather than wrapping around to a
+// retry at once.
+func TestRetryAfterParsing(t *testing.T) {
+	t.Parallel()
+	now := time.Date(2026, 12, 1, 8, 0, 0, 0, time.UTC)
+	cases := []struct {
+		header string
+		want   time.Time
+		ok     bool
+	}{
+		{"120", now.Add(2 * time.Minute), true},
+		{"Tue, 01 Dec 2026 09:00:00 GMT", now.Add(time.Hour), true},
+		{"99999999999", time.Time{}, false},
+		{"-5", time.Time{}, false},
+		{"soon", time.Time{}, false},
+		{"", time.Time{}, false},
+	}
+	for _, c := range cases {
+		got, ok := retryAfter(c.header, now)
+		if ok != c.ok || !got.Equal(c.want) {
+			t.Errorf("Retry-After %q: %v, %v; want %v, %v", c.header, got, ok, c.want, c.ok)
+		}
+	}
+}
