@@ -106,3 +106,29 @@ func TestRetryAfterParsing(t *testing.T) {
 		}
 	}
 }
+
+// A queue bounded above countCap still reaches saturation 1 when full: the
+// count goes on to its max_backlog.
+func TestSaturationReachesOneAboveTheCountCap(t *testing.T) {
+	t.Parallel()
+	db := pgtest.New(t)
+	ctx := context.Background()
+	bound := countCap + 10
+	cfg := testConfig(t, map[string]Queue{"bulk": queue(1, bound)})
+	reg := prometheus.NewRegistry()
+	m, err := newMetrics(reg, nil, cfg.QueueNames())
+	if err != nil {
+		t.Fatal(err)
+	}
+	// River's own columns only: the admission check is not under test here.
+	if _, err := db.Pool.Exec(ctx, `INSERT INTO river_job (kind, args, queue, state, max_attempts)
+		SELECT 'k', '{}', 'bulk', 'available', 3 FROM generate_series(1, $1)`, bound); err != nil {
+		t.Fatal(err)
+	}
+	if err := m.refresh(ctx, db.Pool, &cfg); err != nil {
+		t.Fatal(err)
+	}
+	if v, _ := testkit.Metric(t, reg, "task_executor_saturation", map[string]string{"queue": "bulk"}); v != 1 {
+		t.Errorf("task_executor_saturation{queue=bulk} = %v with %d available tasks and max_backlog %d, want 1", v, bound, bound)
+	}
+}
