@@ -216,12 +216,17 @@ func (r *Runtime) Shutdown(ctx context.Context) error {
 }
 
 // publishConfig writes the kinds' queues and max_attempts and the queues'
-// max_backlog where worker_enqueue and Enqueue read them.
+// max_backlog where worker_enqueue and Enqueue read them, and removes the
+// kinds and queues the configuration no longer has: a kind dropped from it
+// would otherwise keep routing its tasks to its old queue, perhaps one no
+// replica works any more.
 func publishConfig(ctx context.Context, pool *pgxpool.Pool, cfg *Config) error {
 	return pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
-		// Rows in one order (defaults, then kinds and queues by name), so
-		// replicas starting together never deadlock on them.
+		// Rows in one order (stale ones, defaults, then kinds and queues by
+		// name), so replicas starting together never deadlock on them.
 		b := &pgx.Batch{}
+		b.Queue(`DELETE FROM worker_task_kind WHERE kind <> '*' AND kind <> ALL($1)`, cfg.KindNames())
+		b.Queue(`DELETE FROM worker_task_queue WHERE queue <> ALL($1)`, cfg.QueueNames())
 		b.Queue(`INSERT INTO worker_task_kind VALUES ('*', 'default', $1)
 			ON CONFLICT (kind) DO UPDATE SET queue = excluded.queue, max_attempts = excluded.max_attempts`, cfg.MaxAttempts)
 		kinds := slices.SortedFunc(slices.Values(cfg.Kinds), func(a, b Kind) int { return strings.Compare(a.Name, b.Name) })
