@@ -16,6 +16,14 @@ const (
 	// context the run's cancellation does not reach: once the fence holds
 	// the lease, committing is safe, and the run must learn whether it did.
 	commitTimeout = 5 * time.Second
+
+	// statementTimeoutGrace is added to the run's remaining time for the
+	// transaction's statement_timeout. The server's timer is the backstop
+	// for a worker that can no longer cancel (killed, stopped at once);
+	// while the worker lives, the run's own deadline must fire first, so
+	// that the run ends as a timeout (JOB_TIMEOUT) rather than as a failure
+	// with the server's "canceling statement due to statement timeout".
+	statementTimeoutGrace = time.Second
 )
 
 // errNoRun: InTx was called with a context that is not a job run's.
@@ -26,8 +34,8 @@ var errNoRun = errors.New("jobs: InTx needs the context of a job run, whose leas
 //
 //   - Before fn, the transaction-local settings worker.fencing_token and
 //     worker.run_id are set, and statement_timeout is set to the time left
-//     of the run's timeout, so the server stops the work even if this
-//     process dies.
+//     of the run's timeout plus statementTimeoutGrace, so the server stops
+//     the work even if this process dies.
 //   - After fn, the last statement before COMMIT proves that the lease is
 //     still held and keeps it so until the COMMIT (lock.Lease.Fence). If it
 //     is not, the transaction rolls back and InTx returns an error wrapping
@@ -72,7 +80,7 @@ func InTx(ctx context.Context, pool *pgxpool.Pool, fn func(pgx.Tx) error) error 
 func fencedWork(ctx context.Context, tx pgx.Tx, ri *runInfo, fn func(pgx.Tx) error) error {
 	var timeoutMS int64
 	if d, ok := ctx.Deadline(); ok {
-		timeoutMS = max(time.Until(d).Milliseconds(), 1)
+		timeoutMS = max(time.Until(d)+statementTimeoutGrace, time.Millisecond).Milliseconds()
 	}
 	if _, err := tx.Exec(ctx, `SELECT set_config('worker.fencing_token', $1, true),
        set_config('worker.run_id', $2, true),
