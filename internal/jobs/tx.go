@@ -26,8 +26,13 @@ const (
 	statementTimeoutGrace = time.Second
 )
 
-// errNoRun: InTx was called with a context that is not a job run's.
-var errNoRun = errors.New("jobs: InTx needs the context of a job run, whose lease fences the transaction")
+var (
+	// errNoRun: InTx was called with a context that is not a job run's.
+	errNoRun = errors.New("jobs: InTx needs the context of a job run, whose lease fences the transaction")
+	// errTxEnded: the work ended InTx's transaction itself.
+	errTxEnded = errors.New("jobs: the job's work ended its transaction itself (COMMIT or ROLLBACK), " +
+		"so what it wrote was committed without the lease's fence; remove the transaction control")
+)
 
 // InTx runs fn in a transaction on pool, fenced by the current run's lease,
 // and commits it. It is the way for a job to write to the database:
@@ -49,7 +54,8 @@ var errNoRun = errors.New("jobs: InTx needs the context of a job run, whose leas
 //     the lease is lost afterwards (a warning is logged).
 //
 // ctx must be the run's context (or derived from it). fn must use ctx for
-// its statements and must not commit or roll back tx itself. pool must
+// its statements and must not commit or roll back tx itself (InTx then
+// fails with errTxEnded: the writes escaped the fence). pool must
 // reach the database that holds the leases (the worker's database).
 func InTx(ctx context.Context, pool *pgxpool.Pool, fn func(pgx.Tx) error) error {
 	ri, ok := runOf(ctx)
@@ -90,6 +96,14 @@ func fencedWork(ctx context.Context, tx pgx.Tx, ri *runInfo, fn func(pgx.Tx) err
 	}
 	if err := fn(tx); err != nil {
 		return err
+	}
+	// A COMMIT in the work (a sql job's text may hold one) committed what
+	// ran before it unfenced, and what ran after it in autocommit: fencing
+	// now would prove nothing about those writes, and a failed fence would
+	// report lease_lost for writes that are in. ('I' is idle, outside any
+	// transaction; the status comes with each reply, so this costs nothing.)
+	if tx.Conn().PgConn().TxStatus() == 'I' {
+		return errTxEnded
 	}
 	return ri.lease.Fence(ctx, tx)
 }

@@ -147,6 +147,32 @@ func TestInTxCancelStopsStatementOnServer(t *testing.T) {
 	}
 }
 
+// Transaction control in a sql job's text ends InTx's transaction early, so
+// its writes escape the fence: the run fails and says so, rather than
+// succeeding unfenced (or reporting lease_lost for writes that committed).
+func TestSQLJobThatEndsItsTransactionFails(t *testing.T) {
+	t.Parallel()
+	for _, sql := range []string{
+		`INSERT INTO t VALUES (1); COMMIT; INSERT INTO t VALUES (2)`,
+		`INSERT INTO t VALUES (1); ROLLBACK; INSERT INTO t VALUES (2)`,
+		`INSERT INTO t VALUES (1); COMMIT`,
+	} {
+		t.Run(sql, func(t *testing.T) {
+			t.Parallel()
+			db := pgtest.New(t)
+			createTable(t, db, `CREATE TABLE t (x int)`)
+			ctx, _, ri := runContext(t, postgresLocker(t, db), "ends")
+			j := &SQLJob{JobName: "ends", Pool: db.Pool, SQL: sql}
+			if err := j.Run(ctx); !errors.Is(err, errTxEnded) {
+				t.Fatalf("Run = %v, want errTxEnded", err)
+			}
+			if ri.committed.Load() {
+				t.Error("the run believes its fenced transaction committed")
+			}
+		})
+	}
+}
+
 // A sql job that runs past its timeout ends as a timeout with JOB_TIMEOUT,
 // every time: the run's deadline fires before the server's
 // statement_timeout, which would otherwise turn it into a plain failure.
