@@ -528,8 +528,8 @@ func TestPostgresFenceHoldsOffTakeoverUntilCommit(t *testing.T) {
 		l, err := newPostgres(t, db, nil).TryAcquire(ctx, "k", 30*time.Second, time.Minute)
 		taken <- grant{l, err}
 	}()
-	// The grant expires after 1s; from then on the taker's UPDATE waits
-	// for the fenced transaction's row lock.
+	// The taker waits for the key: marking the held grant awaited is an
+	// UPDATE of its row, which waits for the fenced transaction's row lock.
 	testkit.Eventually(t, 10*time.Second, "the takeover blocked on the lease row", func() bool {
 		var waiting bool
 		err := db.Pool.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM pg_stat_activity
@@ -559,6 +559,57 @@ func TestPostgresFenceHoldsOffTakeoverUntilCommit(t *testing.T) {
 	r, _ := readRow(t, db, "k")
 	if !r.acquired.After(committedAt) {
 		t.Errorf("takeover granted at %s, before the fenced transaction committed (after %s)", r.acquired, committedAt)
+	}
+}
+
+// The case the fence exists for: the grant expired while the fenced
+// transaction was still open (its holder was slow), and another replica's
+// single try finds the key free. The try's UPDATE waits for the COMMIT, so
+// it cannot take the key between the fence and the commit.
+func TestPostgresFenceHoldsOffTryOnExpiredGrant(t *testing.T) {
+	t.Parallel()
+	db := pgtest.New(t)
+	ctx := testCtx(t)
+	lease, tx := fencedTx(t, db, newPostgres(t, db, nil, WithoutHeartbeat()))
+	// Busy, not idle (the fence bounds idleness to the ttl), until the
+	// grant has expired on the server's clock.
+	if _, err := tx.Exec(ctx, `SELECT pg_sleep(greatest(0, extract(epoch FROM expires_at - clock_timestamp())) + 0.01)
+		FROM worker_lock WHERE key = 'k'`); err != nil {
+		t.Fatal(err)
+	}
+	type grant struct {
+		lease Lease
+		err   error
+	}
+	taker := newPostgres(t, db, nil)
+	taken := make(chan grant, 1)
+	go func() {
+		l, err := taker.TryAcquire(ctx, "k", 0, time.Minute)
+		taken <- grant{l, err}
+	}()
+	testkit.Eventually(t, 10*time.Second, "the single try blocked on the lease row", func() bool {
+		var waiting bool
+		err := db.Pool.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM pg_stat_activity
+			WHERE datname = current_database() AND wait_event_type = 'Lock' AND query LIKE '%worker_lock%')`).Scan(&waiting)
+		return err == nil && waiting
+	})
+	select {
+	case g := <-taken:
+		t.Fatalf("the try returned (%v) while the fenced transaction was open", g.err)
+	default:
+	}
+	if err := tx.Commit(ctx); err != nil {
+		t.Fatalf("commit of the fenced transaction: %v", err)
+	}
+	// (The new grant's acquired_at is not compared with the commit: the
+	// UPDATE computed it before it waited for the row lock.)
+	g := <-taken
+	if g.err != nil {
+		t.Fatalf("the try after the commit: %v", g.err)
+	}
+	defer g.lease.Release(ctx)
+	if g.lease.Token() <= lease.Token() {
+		t.Errorf("taken with token %d; want one above the fenced holder's %d", g.lease.Token(), lease.Token())
 	}
 }
 
