@@ -31,7 +31,7 @@ var (
 	errNoRun = errors.New("jobs: InTx needs the context of a job run, whose lease fences the transaction")
 	// errTxEnded: the work ended InTx's transaction itself.
 	errTxEnded = errors.New("jobs: the job's work ended its transaction itself (COMMIT or ROLLBACK), " +
-		"so what it wrote was committed without the lease's fence; remove the transaction control")
+		"so its writes were not fenced by the lease and may have committed; remove the transaction control")
 )
 
 // InTx runs fn in a transaction on pool, fenced by the current run's lease,
@@ -55,7 +55,7 @@ var (
 //
 // ctx must be the run's context (or derived from it). fn must use ctx for
 // its statements and must not commit or roll back tx itself (InTx then
-// fails with errTxEnded: the writes escaped the fence). pool must
+// fails with errTxEnded: its writes escaped the fence). pool must
 // reach the database that holds the leases (the worker's database).
 func InTx(ctx context.Context, pool *pgxpool.Pool, fn func(pgx.Tx) error) error {
 	ri, ok := runOf(ctx)
