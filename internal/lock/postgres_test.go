@@ -510,27 +510,25 @@ func fencedTx(t *testing.T, db *pgtest.DB, l Locker) (Lease, pgx.Tx) {
 	return lease, tx
 }
 
-// A fenced transaction keeps its lease until it ends: a takeover of the
-// expired grant waits on the row lock for the COMMIT, so it cannot slip in
-// between the fence and the commit. The grant it then makes starts after
-// that commit.
-func TestPostgresFenceHoldsOffTakeoverUntilCommit(t *testing.T) {
-	t.Parallel()
-	db := pgtest.New(t)
+type grant struct {
+	lease Lease
+	err   error
+}
+
+// blockedTaker has another replica acquire key "k" (waiting up to wait)
+// while a fenced transaction is open, waits until its statement is
+// blocked on the lease row, and checks it has not returned. The grant
+// comes on the channel once the fenced transaction ended.
+func blockedTaker(t *testing.T, db *pgtest.DB, wait time.Duration) <-chan grant {
+	t.Helper()
 	ctx := testCtx(t)
-	lease, tx := fencedTx(t, db, newPostgres(t, db, nil, WithoutHeartbeat()))
-	type grant struct {
-		lease Lease
-		err   error
-	}
+	taker := newPostgres(t, db, nil)
 	taken := make(chan grant, 1)
 	go func() {
-		l, err := newPostgres(t, db, nil).TryAcquire(ctx, "k", 30*time.Second, time.Minute)
+		l, err := taker.TryAcquire(ctx, "k", wait, time.Minute)
 		taken <- grant{l, err}
 	}()
-	// The taker waits for the key: marking the held grant awaited is an
-	// UPDATE of its row, which waits for the fenced transaction's row lock.
-	testkit.Eventually(t, 10*time.Second, "the takeover blocked on the lease row", func() bool {
+	testkit.Eventually(t, 10*time.Second, "the taker blocked on the lease row", func() bool {
 		var waiting bool
 		err := db.Pool.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM pg_stat_activity
 			WHERE datname = current_database() AND wait_event_type = 'Lock' AND query LIKE '%worker_lock%')`).Scan(&waiting)
@@ -538,9 +536,24 @@ func TestPostgresFenceHoldsOffTakeoverUntilCommit(t *testing.T) {
 	})
 	select {
 	case g := <-taken:
-		t.Fatalf("takeover returned (%v) while the fenced transaction was open", g.err)
+		t.Fatalf("the taker returned (%v) while the fenced transaction was open", g.err)
 	default:
 	}
+	return taken
+}
+
+// A fenced transaction keeps its lease until it ends: a replica waiting for
+// the key blocks on the row lock until the COMMIT, so it cannot slip in
+// between the fence and the commit. The grant it makes once the old one
+// expired starts after that commit.
+func TestPostgresFenceHoldsOffTakeoverUntilCommit(t *testing.T) {
+	t.Parallel()
+	db := pgtest.New(t)
+	ctx := testCtx(t)
+	lease, tx := fencedTx(t, db, newPostgres(t, db, nil, WithoutHeartbeat()))
+	// The taker waits for the key: marking the held grant awaited is an
+	// UPDATE of its row, which waits for the fenced transaction's row lock.
+	taken := blockedTaker(t, db, 30*time.Second)
 	var committedAt time.Time
 	if err := tx.QueryRow(ctx, `SELECT clock_timestamp()`).Scan(&committedAt); err != nil {
 		t.Fatal(err)
@@ -577,27 +590,7 @@ func TestPostgresFenceHoldsOffTryOnExpiredGrant(t *testing.T) {
 		FROM worker_lock WHERE key = 'k'`); err != nil {
 		t.Fatal(err)
 	}
-	type grant struct {
-		lease Lease
-		err   error
-	}
-	taker := newPostgres(t, db, nil)
-	taken := make(chan grant, 1)
-	go func() {
-		l, err := taker.TryAcquire(ctx, "k", 0, time.Minute)
-		taken <- grant{l, err}
-	}()
-	testkit.Eventually(t, 10*time.Second, "the single try blocked on the lease row", func() bool {
-		var waiting bool
-		err := db.Pool.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM pg_stat_activity
-			WHERE datname = current_database() AND wait_event_type = 'Lock' AND query LIKE '%worker_lock%')`).Scan(&waiting)
-		return err == nil && waiting
-	})
-	select {
-	case g := <-taken:
-		t.Fatalf("the try returned (%v) while the fenced transaction was open", g.err)
-	default:
-	}
+	taken := blockedTaker(t, db, 0)
 	if err := tx.Commit(ctx); err != nil {
 		t.Fatalf("commit of the fenced transaction: %v", err)
 	}
