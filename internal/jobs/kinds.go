@@ -60,9 +60,10 @@ func FromDefinitions(defs []Definition, pool *pgxpool.Pool, httpClient *http.Cli
 // SQLJob runs SQL (one or more statements) in one transaction, through
 // InTx: the transaction-local settings worker.fencing_token and
 // worker.run_id are set, so the SQL can guard its writes with
-// current_setting('worker.fencing_token')::bigint, statement_timeout is the
-// job's timeout, and the COMMIT is fenced by the run's lease. The SQL must
-// not contain transaction control (COMMIT, ROLLBACK).
+// current_setting('worker.fencing_token')::bigint, statement_timeout
+// backs up the job's timeout on the server, and the COMMIT is fenced by
+// the run's lease. The SQL must not contain transaction control (COMMIT,
+// ROLLBACK).
 type SQLJob struct {
 	JobName string
 	SQL     string

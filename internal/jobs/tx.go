@@ -16,18 +16,31 @@ const (
 	// context the run's cancellation does not reach: once the fence holds
 	// the lease, committing is safe, and the run must learn whether it did.
 	commitTimeout = 5 * time.Second
+
+	// statementTimeoutGrace is added to the run's remaining time for the
+	// transaction's statement_timeout. The server's timer is the backstop
+	// for a worker that can no longer cancel (killed, stopped at once);
+	// while the worker lives, the run's own deadline must fire first, so
+	// that the run ends as a timeout (JOB_TIMEOUT) rather than as a failure
+	// with the server's "canceling statement due to statement timeout".
+	statementTimeoutGrace = time.Second
 )
 
-// errNoRun: InTx was called with a context that is not a job run's.
-var errNoRun = errors.New("jobs: InTx needs the context of a job run, whose lease fences the transaction")
+var (
+	// errNoRun: InTx was called with a context that is not a job run's.
+	errNoRun = errors.New("jobs: InTx needs the context of a job run, whose lease fences the transaction")
+	// errTxEnded: the work ended InTx's transaction itself.
+	errTxEnded = errors.New("jobs: the job's work ended its transaction itself (COMMIT or ROLLBACK), " +
+		"so its writes were not fenced by the lease and may have committed; remove the transaction control")
+)
 
 // InTx runs fn in a transaction on pool, fenced by the current run's lease,
 // and commits it. It is the way for a job to write to the database:
 //
 //   - Before fn, the transaction-local settings worker.fencing_token and
 //     worker.run_id are set, and statement_timeout is set to the time left
-//     of the run's timeout, so the server stops the work even if this
-//     process dies.
+//     of the run's timeout plus statementTimeoutGrace, so the server stops
+//     the work even if this process dies.
 //   - After fn, the last statement before COMMIT proves that the lease is
 //     still held and keeps it so until the COMMIT (lock.Lease.Fence). If it
 //     is not, the transaction rolls back and InTx returns an error wrapping
@@ -41,7 +54,8 @@ var errNoRun = errors.New("jobs: InTx needs the context of a job run, whose leas
 //     the lease is lost afterwards (a warning is logged).
 //
 // ctx must be the run's context (or derived from it). fn must use ctx for
-// its statements and must not commit or roll back tx itself. pool must
+// its statements and must not commit or roll back tx itself (InTx then
+// fails with errTxEnded: its writes escaped the fence). pool must
 // reach the database that holds the leases (the worker's database).
 func InTx(ctx context.Context, pool *pgxpool.Pool, fn func(pgx.Tx) error) error {
 	ri, ok := runOf(ctx)
@@ -72,7 +86,7 @@ func InTx(ctx context.Context, pool *pgxpool.Pool, fn func(pgx.Tx) error) error 
 func fencedWork(ctx context.Context, tx pgx.Tx, ri *runInfo, fn func(pgx.Tx) error) error {
 	var timeoutMS int64
 	if d, ok := ctx.Deadline(); ok {
-		timeoutMS = max(time.Until(d).Milliseconds(), 1)
+		timeoutMS = max(time.Until(d)+statementTimeoutGrace, time.Millisecond).Milliseconds()
 	}
 	if _, err := tx.Exec(ctx, `SELECT set_config('worker.fencing_token', $1, true),
        set_config('worker.run_id', $2, true),
@@ -82,6 +96,14 @@ func fencedWork(ctx context.Context, tx pgx.Tx, ri *runInfo, fn func(pgx.Tx) err
 	}
 	if err := fn(tx); err != nil {
 		return err
+	}
+	// A COMMIT in the work (a sql job's text may hold one) committed what
+	// ran before it unfenced, and what ran after it in autocommit: fencing
+	// now would prove nothing about those writes, and a failed fence would
+	// report lease_lost for writes that are in. ('I' is idle, outside any
+	// transaction; the status comes with each reply, so this costs nothing.)
+	if tx.Conn().PgConn().TxStatus() == 'I' {
+		return errTxEnded
 	}
 	return ri.lease.Fence(ctx, tx)
 }

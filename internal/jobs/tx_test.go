@@ -10,6 +10,7 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"worker/internal/lock"
+	"worker/internal/obs"
 	"worker/internal/pgtest"
 	"worker/internal/testkit"
 )
@@ -31,7 +32,8 @@ func countRows(t *testing.T, db *pgtest.DB, table string) int {
 }
 
 // While the lease is held, InTx commits, with the run's token, run id and
-// the rest of its timeout as statement_timeout set in the transaction.
+// the rest of its timeout (plus the grace) as statement_timeout set in the
+// transaction.
 func TestInTxCommitsWhileLeaseHeld(t *testing.T) {
 	t.Parallel()
 	db := pgtest.New(t)
@@ -57,8 +59,8 @@ func TestInTxCommitsWhileLeaseHeld(t *testing.T) {
 	if token != lease.Token() || runID != "run-job" {
 		t.Errorf("settings token=%d run_id=%q, want %d and run-job", token, runID, lease.Token())
 	}
-	if timeoutMS <= 0 || timeoutMS > time.Minute.Milliseconds() {
-		t.Errorf("statement_timeout = %dms, want the time left of the run's 1m timeout", timeoutMS)
+	if timeoutMS <= statementTimeoutGrace.Milliseconds() || timeoutMS > (time.Minute+statementTimeoutGrace).Milliseconds() {
+		t.Errorf("statement_timeout = %dms, want the time left of the run's 1m timeout plus %s", timeoutMS, statementTimeoutGrace)
 	}
 	if !ri.committed.Load() {
 		t.Error("the run does not know its transaction committed")
@@ -142,6 +144,50 @@ func TestInTxCancelStopsStatementOnServer(t *testing.T) {
 	testkit.Eventually(t, 5*time.Second, "pg_sleep to stop on the server", func() bool { return !sleeping() })
 	if n := countRows(t, db, "t"); n != 0 {
 		t.Errorf("%d rows committed by a cancelled run", n)
+	}
+}
+
+// Transaction control in a sql job's text ends InTx's transaction early, so
+// its writes escape the fence: the run fails and says so, rather than
+// succeeding unfenced (or reporting lease_lost for writes that committed).
+func TestSQLJobThatEndsItsTransactionFails(t *testing.T) {
+	t.Parallel()
+	for _, sql := range []string{
+		`INSERT INTO t VALUES (1); COMMIT; INSERT INTO t VALUES (2)`,
+		`INSERT INTO t VALUES (1); ROLLBACK; INSERT INTO t VALUES (2)`,
+		`INSERT INTO t VALUES (1); COMMIT`,
+	} {
+		t.Run(sql, func(t *testing.T) {
+			t.Parallel()
+			db := pgtest.New(t)
+			createTable(t, db, `CREATE TABLE t (x int)`)
+			ctx, _, ri := runContext(t, postgresLocker(t, db), "ends")
+			j := &SQLJob{JobName: "ends", Pool: db.Pool, SQL: sql}
+			if err := j.Run(ctx); !errors.Is(err, errTxEnded) {
+				t.Fatalf("Run = %v, want errTxEnded", err)
+			}
+			if ri.committed.Load() {
+				t.Error("the run believes its fenced transaction committed")
+			}
+		})
+	}
+}
+
+// A sql job that runs past its timeout ends as a timeout with JOB_TIMEOUT,
+// every time: the run's deadline fires before the server's
+// statement_timeout, which would otherwise turn it into a plain failure.
+func TestSQLJobPastItsTimeoutIsTimeout(t *testing.T) {
+	t.Parallel()
+	db := pgtest.New(t)
+	j := &SQLJob{JobName: "sleepy", Pool: db.Pool, SQL: `SELECT pg_sleep(60)`}
+	r := startReplica(t, Options{Pool: db.Pool, Locker: postgresLocker(t, db)},
+		Spec{Job: j, Delay: 100 * time.Millisecond, Timeout: 300 * time.Millisecond})
+	testkit.Eventually(t, 20*time.Second, "3 runs to end", func() bool { return len(r.log.Lines(t, "job run finished")) >= 3 })
+	for _, l := range r.log.Lines(t, "job run finished")[:3] {
+		if l["outcome"] != OutcomeTimeout || l["error.code"] != obs.CodeJobTimeout {
+			t.Errorf("run %v: outcome %v, error.code %v, error %v; want timeout and %s",
+				l["run_id"], l["outcome"], l["error.code"], l["error"], obs.CodeJobTimeout)
+		}
 	}
 }
 

@@ -510,27 +510,25 @@ func fencedTx(t *testing.T, db *pgtest.DB, l Locker) (Lease, pgx.Tx) {
 	return lease, tx
 }
 
-// A fenced transaction keeps its lease until it ends: a takeover of the
-// expired grant waits on the row lock for the COMMIT, so it cannot slip in
-// between the fence and the commit. The grant it then makes starts after
-// that commit.
-func TestPostgresFenceHoldsOffTakeoverUntilCommit(t *testing.T) {
-	t.Parallel()
-	db := pgtest.New(t)
+type grant struct {
+	lease Lease
+	err   error
+}
+
+// blockedTaker has another replica acquire key "k" (waiting up to wait)
+// while a fenced transaction is open, waits until its statement is
+// blocked on the lease row, and checks it has not returned. The grant
+// comes on the channel once the fenced transaction ended.
+func blockedTaker(t *testing.T, db *pgtest.DB, wait time.Duration) <-chan grant {
+	t.Helper()
 	ctx := testCtx(t)
-	lease, tx := fencedTx(t, db, newPostgres(t, db, nil, WithoutHeartbeat()))
-	type grant struct {
-		lease Lease
-		err   error
-	}
+	taker := newPostgres(t, db, nil)
 	taken := make(chan grant, 1)
 	go func() {
-		l, err := newPostgres(t, db, nil).TryAcquire(ctx, "k", 30*time.Second, time.Minute)
+		l, err := taker.TryAcquire(ctx, "k", wait, time.Minute)
 		taken <- grant{l, err}
 	}()
-	// The grant expires after 1s; from then on the taker's UPDATE waits
-	// for the fenced transaction's row lock.
-	testkit.Eventually(t, 10*time.Second, "the takeover blocked on the lease row", func() bool {
+	testkit.Eventually(t, 10*time.Second, "the taker blocked on the lease row", func() bool {
 		var waiting bool
 		err := db.Pool.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM pg_stat_activity
 			WHERE datname = current_database() AND wait_event_type = 'Lock' AND query LIKE '%worker_lock%')`).Scan(&waiting)
@@ -538,9 +536,24 @@ func TestPostgresFenceHoldsOffTakeoverUntilCommit(t *testing.T) {
 	})
 	select {
 	case g := <-taken:
-		t.Fatalf("takeover returned (%v) while the fenced transaction was open", g.err)
+		t.Fatalf("the taker returned (%v) while the fenced transaction was open", g.err)
 	default:
 	}
+	return taken
+}
+
+// A fenced transaction keeps its lease until it ends: a replica waiting for
+// the key blocks on the row lock until the COMMIT, so it cannot slip in
+// between the fence and the commit. The grant it makes once the old one
+// expired starts after that commit.
+func TestPostgresFenceHoldsOffTakeoverUntilCommit(t *testing.T) {
+	t.Parallel()
+	db := pgtest.New(t)
+	ctx := testCtx(t)
+	lease, tx := fencedTx(t, db, newPostgres(t, db, nil, WithoutHeartbeat()))
+	// The taker waits for the key: marking the held grant awaited is an
+	// UPDATE of its row, which waits for the fenced transaction's row lock.
+	taken := blockedTaker(t, db, 30*time.Second)
 	var committedAt time.Time
 	if err := tx.QueryRow(ctx, `SELECT clock_timestamp()`).Scan(&committedAt); err != nil {
 		t.Fatal(err)
@@ -559,6 +572,37 @@ func TestPostgresFenceHoldsOffTakeoverUntilCommit(t *testing.T) {
 	r, _ := readRow(t, db, "k")
 	if !r.acquired.After(committedAt) {
 		t.Errorf("takeover granted at %s, before the fenced transaction committed (after %s)", r.acquired, committedAt)
+	}
+}
+
+// The case the fence exists for: the grant expired while the fenced
+// transaction was still open (its holder was slow), and another replica's
+// single try finds the key free. The try's UPDATE waits for the COMMIT, so
+// it cannot take the key between the fence and the commit.
+func TestPostgresFenceHoldsOffTryOnExpiredGrant(t *testing.T) {
+	t.Parallel()
+	db := pgtest.New(t)
+	ctx := testCtx(t)
+	lease, tx := fencedTx(t, db, newPostgres(t, db, nil, WithoutHeartbeat()))
+	// Busy, not idle (the fence bounds idleness to the ttl), until the
+	// grant has expired on the server's clock.
+	if _, err := tx.Exec(ctx, `SELECT pg_sleep(greatest(0, extract(epoch FROM expires_at - clock_timestamp())) + 0.01)
+		FROM worker_lock WHERE key = 'k'`); err != nil {
+		t.Fatal(err)
+	}
+	taken := blockedTaker(t, db, 0)
+	if err := tx.Commit(ctx); err != nil {
+		t.Fatalf("commit of the fenced transaction: %v", err)
+	}
+	// (The new grant's acquired_at is not compared with the commit: the
+	// UPDATE computed it before it waited for the row lock.)
+	g := <-taken
+	if g.err != nil {
+		t.Fatalf("the try after the commit: %v", g.err)
+	}
+	defer g.lease.Release(ctx)
+	if g.lease.Token() <= lease.Token() {
+		t.Errorf("taken with token %d; want one above the fenced holder's %d", g.lease.Token(), lease.Token())
 	}
 }
 

@@ -60,7 +60,8 @@ func waitForDB(ctx context.Context, pool *pgxpool.Pool, cfg *Config, log *slog.L
 	}
 	wait.Reset()
 	for {
-		pctx, cancel := context.WithTimeout(ctx, min(pingTimeout, max(time.Until(deadline), lastPing)))
+		limit := min(pingTimeout, max(time.Until(deadline), lastPing))
+		pctx, cancel := context.WithTimeout(ctx, limit)
 		err := pool.Ping(pctx)
 		cancel()
 		switch {
@@ -68,6 +69,12 @@ func waitForDB(ctx context.Context, pool *pgxpool.Pool, cfg *Config, log *slog.L
 			return nil
 		case ctx.Err() != nil:
 			return ctx.Err()
+		case errors.Is(err, context.DeadlineExceeded):
+			// Our own bound, not the server's answer: say what it means
+			// (a server that accepts connections but does not answer, or
+			// packets dropped on the way), not just "context deadline
+			// exceeded".
+			err = fmt.Errorf("no answer within %s: %w", limit.Round(time.Millisecond), err)
 		}
 		if perr := permanentDBError(err, cfg.Database.URL); perr != nil {
 			return perr

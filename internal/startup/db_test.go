@@ -1,8 +1,11 @@
 package startup
 
 import (
+	"context"
 	"errors"
 	"fmt"
+	"log/slog"
+	"net"
 	"strings"
 	"testing"
 
@@ -42,5 +45,32 @@ func TestPermanentDBErrors(t *testing.T) {
 	}
 	if err := permanentDBError(errors.New("dial tcp: connection refused"), url); err != nil {
 		t.Errorf("a network error is an outage, retried: %v", err)
+	}
+}
+
+// A server that accepts the connection but never answers (a listener that
+// does not accept: the kernel completes the handshake) is an outage, exit
+// 69, and the message says that it did not answer rather than only
+// "context deadline exceeded".
+func TestConnectToSilentServerSaysNoAnswer(t *testing.T) {
+	t.Parallel()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	cfg, err := LoadConfig("", []string{"APP_DATABASE_URL=postgres://app:hunter2@" + ln.Addr().String() + "/app?sslmode=disable",
+		"APP_DATABASE_CONNECT_TIMEOUT=1s"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	pool, err := connectDB(context.Background(), cfg, slog.New(slog.DiscardHandler))
+	if err == nil {
+		pool.Close()
+		t.Fatal("connected to a server that never answers")
+	}
+	if ExitCode(err) != ExitUnavailable || !strings.Contains(err.Error(), "no answer within 1s") ||
+		!strings.Contains(err.Error(), ln.Addr().String()) || strings.Contains(err.Error(), "hunter2") {
+		t.Errorf("%v (exit %d); want exit %d, the address, \"no answer within 1s\" and no password", err, ExitCode(err), ExitUnavailable)
 	}
 }

@@ -169,7 +169,7 @@ func runEnd(t *testing.T, p *proc, token int64) map[string]any {
 // A sql job's statement stops on the server when the worker stops it:
 // cancelled at the end of the shutdown budget (SIGTERM), the cancel reaches
 // the server before the worker exits; and when the worker is killed
-// (SIGKILL), statement_timeout (the job's timeout) ends it. Without either,
+// (SIGKILL), statement_timeout (the job's timeout plus 1s) ends it. Without either,
 // pg_sleep(60) would run on for a minute.
 func TestSQLJobStopsOnServerWhenWorkerStops(t *testing.T) {
 	for _, c := range []struct {
