@@ -57,7 +57,7 @@ func NewOutboxSink(cfg Config, routes map[string]string) (*OutboxSink, error) {
 		s.routes[eventType] = k
 	}
 	for name, q := range cfg.Queues {
-		s.maxBacklog[name] = q.MaxBacklog
+		s.maxBacklog[name] = q.Backlog()
 	}
 	return s, nil
 }

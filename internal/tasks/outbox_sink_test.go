@@ -132,7 +132,7 @@ func TestOutboxSinkTurnsEventsIntoTasks(t *testing.T) {
 	t.Parallel()
 	db := pgtest.New(t)
 	// mail is bounded, default is not: both kinds of queue admit tasks.
-	cfg := testConfig(t, map[string]Queue{"mail": {MaxWorkers: 1, MaxBacklog: 100}, DefaultQueue: {MaxWorkers: 1}},
+	cfg := testConfig(t, map[string]Queue{"mail": queue(1, 100), DefaultQueue: queue(1, 0)},
 		Kind{Name: "ship", Type: TypeGo, Queue: "mail", MaxAttempts: 7},
 		Kind{Name: "audit", Type: TypeGo})
 	occurred := time.Date(2026, 11, 30, 12, 0, 0, 0, time.UTC)
@@ -203,7 +203,7 @@ func TestOutboxSinkTurnsEventsIntoTasks(t *testing.T) {
 func TestOutboxSinkFullQueueRetriesTheEvent(t *testing.T) {
 	t.Parallel()
 	db := pgtest.New(t)
-	cfg := testConfig(t, map[string]Queue{"tiny": {MaxWorkers: 1, MaxBacklog: 1}},
+	cfg := testConfig(t, map[string]Queue{"tiny": queue(1, 1)},
 		Kind{Name: "slow", Type: TypeGo, Queue: "tiny"})
 	routes := map[string]string{"*": "slow"}
 	first := appendEvents(t, db.Pool, outbox.NewEvent{AggregateType: "a", AggregateID: "1", EventType: "e", Payload: json.RawMessage(`{}`)})
