@@ -4,13 +4,14 @@ package outbox
 
 import (
 	"fmt"
+	"strings"
 	"time"
 )
 
 // Config is the `outbox:` section of configs/worker.yaml (APP_OUTBOX_*).
 type Config struct {
 	Enabled         bool          `koanf:"enabled" yaml:"enabled"`
-	Sink            string        `koanf:"sink" yaml:"sink"` // log | webhook
+	Sink            string        `koanf:"sink" yaml:"sink"` // one of the Sink* names
 	Relays          int           `koanf:"relays" yaml:"relays"`
 	BatchSize       int           `koanf:"batch_size" yaml:"batch_size"`
 	PollInterval    time.Duration `koanf:"poll_interval" yaml:"poll_interval"`
@@ -24,20 +25,39 @@ type Config struct {
 	// and outbox_publisher_lag_seconds from the table.
 	MetricsInterval time.Duration `koanf:"metrics_interval" yaml:"metrics_interval"`
 	Webhook         WebhookConfig `koanf:"webhook" yaml:"webhook"`
+	NATS            NATSConfig    `koanf:"nats" yaml:"nats"`
 }
 
-// WebhookConfig configures the webhook sink.
+// Sink names, the values of outbox.sink.
+const (
+	SinkLog     = "log"
+	SinkWebhook = "webhook"
+	SinkNATS    = "nats"
+)
+
+// WebhookConfig configures the webhook sink (outbox.webhook).
 type WebhookConfig struct {
 	URL     string        `koanf:"url" yaml:"url"`
 	Secret  string        `koanf:"secret" yaml:"secret"`
 	Timeout time.Duration `koanf:"timeout" yaml:"timeout"`
 }
 
+// Validate checks the webhook section; NewWebhookSink checks the URL.
+func (c WebhookConfig) Validate() error {
+	if c.URL == "" {
+		return fmt.Errorf("outbox.webhook.url is empty: sink webhook needs an http(s) URL")
+	}
+	if c.Timeout < time.Millisecond {
+		return fmt.Errorf("outbox.webhook.timeout=%s: want at least 1ms", c.Timeout)
+	}
+	return nil
+}
+
 // DefaultConfig is the outbox configuration when nothing is set.
 func DefaultConfig() Config {
 	return Config{
 		Enabled:         true,
-		Sink:            "log",
+		Sink:            SinkLog,
 		Relays:          1,
 		BatchSize:       100,
 		PollInterval:    time.Second,
@@ -48,11 +68,13 @@ func DefaultConfig() Config {
 		Retention:       168 * time.Hour,
 		MetricsInterval: 5 * time.Second,
 		Webhook:         WebhookConfig{Timeout: 10 * time.Second},
+		NATS:            DefaultNATSConfig(),
 	}
 }
 
-// Validate reports the first invalid setting, naming its key, the bad value
-// and what is allowed.
+// Validate reports the first invalid relay setting, naming its key, the bad
+// value and what is allowed. The sink's own section is checked by the sink
+// table in startup, which knows every sink and its publish timeout.
 func (c Config) Validate() error {
 	between := func(key string, v, lo, hi int) error {
 		if v < lo || v > hi {
@@ -65,18 +87,6 @@ func (c Config) Validate() error {
 			return fmt.Errorf("outbox.%s=%s: want at least %s", key, v, lo)
 		}
 		return nil
-	}
-	switch c.Sink {
-	case "log":
-	case "webhook":
-		if c.Webhook.URL == "" {
-			return fmt.Errorf("outbox.webhook.url is empty: sink webhook needs an http(s) URL")
-		}
-		if err := atLeast("webhook.timeout", c.Webhook.Timeout, time.Millisecond); err != nil {
-			return err
-		}
-	default:
-		return fmt.Errorf("outbox.sink=%q: want log or webhook", c.Sink)
 	}
 	for _, err := range []error{
 		between("relays", c.Relays, 1, 64),
@@ -94,14 +104,78 @@ func (c Config) Validate() error {
 			return err
 		}
 	}
-	// A claim transaction starts publishes only in the first 45% of
-	// in_flight_timeout and cancels them at 90%: a webhook publish must fit.
-	if c.Sink == "webhook" && c.InFlightTimeout < c.Webhook.Timeout*5/2 {
-		return fmt.Errorf("outbox.in_flight_timeout=%s: want at least 2.5 x outbox.webhook.timeout (%s), so a publish always has its full timeout",
-			c.InFlightTimeout, c.Webhook.Timeout)
-	}
 	if c.BackoffMax < c.BackoffBase {
 		return fmt.Errorf("outbox.backoff_max=%s: want at least outbox.backoff_base (%s)", c.BackoffMax, c.BackoffBase)
+	}
+	return nil
+}
+
+// NATSConfig configures the NATS JetStream sink (outbox.nats). It stays a
+// plain struct, so the settings table and `config print` read it like the
+// rest; the sink package turns it into a connection.
+type NATSConfig struct {
+	// URL is one server or a comma-separated list (nats:// or tls://).
+	URL          string `koanf:"url" yaml:"url" secret:"urls"`
+	Stream       string `koanf:"stream" yaml:"stream"`
+	CreateStream bool   `koanf:"create_stream" yaml:"create_stream"`
+	// Subject is a template: {prefix}, {aggregate_type}, {aggregate_id} and
+	// {event_type}, each escaped to one subject token.
+	Subject        string        `koanf:"subject" yaml:"subject"`
+	SubjectPrefix  string        `koanf:"subject_prefix" yaml:"subject_prefix"`
+	ConnectTimeout time.Duration `koanf:"connect_timeout" yaml:"connect_timeout"`
+	PublishTimeout time.Duration `koanf:"publish_timeout" yaml:"publish_timeout"`
+	// MaxPending bounds the publishes awaiting their ack on the connection.
+	MaxPending   int    `koanf:"max_pending" yaml:"max_pending"`
+	User         string `koanf:"user" yaml:"user"`
+	Password     string `koanf:"password" yaml:"password" secret:"all"`
+	Token        string `koanf:"token" yaml:"token" secret:"all"`
+	NKeySeedFile string `koanf:"nkey_seed_file" yaml:"nkey_seed_file"`
+	CredsFile    string `koanf:"creds_file" yaml:"creds_file"`
+	TLSCAFile    string `koanf:"tls_ca_file" yaml:"tls_ca_file"`
+	TLSCertFile  string `koanf:"tls_cert_file" yaml:"tls_cert_file"`
+	TLSKeyFile   string `koanf:"tls_key_file" yaml:"tls_key_file"`
+}
+
+// DefaultNATSConfig is the outbox.nats section when nothing is set.
+func DefaultNATSConfig() NATSConfig {
+	return NATSConfig{
+		URL:            "nats://127.0.0.1:4222",
+		Stream:         "OUTBOX",
+		Subject:        "{prefix}.{aggregate_type}.{event_type}",
+		SubjectPrefix:  "outbox",
+		ConnectTimeout: 30 * time.Second,
+		PublishTimeout: 5 * time.Second,
+		MaxPending:     256,
+	}
+}
+
+// Validate checks the outbox.nats section; the sink package checks the
+// subject template.
+func (c NATSConfig) Validate() error {
+	switch {
+	case c.URL == "":
+		return fmt.Errorf("outbox.nats.url is empty: want nats://host:4222 (or a comma-separated list)")
+	case c.Stream == "" || strings.ContainsAny(c.Stream, ".*> \t\r\n"):
+		return fmt.Errorf("outbox.nats.stream=%q: want a stream name without '.', '*', '>' or whitespace", c.Stream)
+	case c.ConnectTimeout < 100*time.Millisecond:
+		return fmt.Errorf("outbox.nats.connect_timeout=%s: want at least 100ms", c.ConnectTimeout)
+	case c.PublishTimeout < time.Millisecond:
+		return fmt.Errorf("outbox.nats.publish_timeout=%s: want at least 1ms", c.PublishTimeout)
+	case c.MaxPending < 1:
+		return fmt.Errorf("outbox.nats.max_pending=%d: want at least 1", c.MaxPending)
+	case c.Password != "" && c.User == "":
+		return fmt.Errorf("outbox.nats.password is set without outbox.nats.user")
+	case (c.TLSCertFile == "") != (c.TLSKeyFile == ""):
+		return fmt.Errorf("outbox.nats.tls_cert_file and outbox.nats.tls_key_file: set both for a client certificate, or neither")
+	}
+	methods := 0
+	for _, set := range []bool{c.User != "", c.Token != "", c.NKeySeedFile != "", c.CredsFile != ""} {
+		if set {
+			methods++
+		}
+	}
+	if methods > 1 {
+		return fmt.Errorf("outbox.nats: user, token, nkey_seed_file and creds_file are alternatives; set one")
 	}
 	return nil
 }

@@ -107,7 +107,7 @@ func (e *cmdEnv) fatalLogger() *slog.Logger {
 		env[name] = v
 	}
 	log, err := obs.NewLogger(e.Stderr, earlyLogFormat(e.ConfigPath, e.Environ), "info", env["APP_INSTANCE_ID"],
-		logSecrets(env["APP_DATABASE_URL"], env["APP_OUTBOX_WEBHOOK_SECRET"])...)
+		logSecrets(env["APP_DATABASE_URL"], env["APP_OUTBOX_WEBHOOK_SECRET"], env["APP_OUTBOX_NATS_PASSWORD"], env["APP_OUTBOX_NATS_TOKEN"])...)
 	if err != nil {
 		panic(err) // earlyLogFormat returns only formats NewLogger knows
 	}
