@@ -4,6 +4,7 @@ package outbox
 
 import (
 	"fmt"
+	"slices"
 	"strings"
 	"time"
 )
@@ -23,16 +24,18 @@ type Config struct {
 	Retention       time.Duration `koanf:"retention" yaml:"retention"`
 	// MetricsInterval is how often the relay refreshes outbox_pending_size
 	// and outbox_publisher_lag_seconds from the table.
-	MetricsInterval time.Duration `koanf:"metrics_interval" yaml:"metrics_interval"`
-	Webhook         WebhookConfig `koanf:"webhook" yaml:"webhook"`
-	NATS            NATSConfig    `koanf:"nats" yaml:"nats"`
+	MetricsInterval time.Duration  `koanf:"metrics_interval" yaml:"metrics_interval"`
+	Webhook         WebhookConfig  `koanf:"webhook" yaml:"webhook"`
+	NATS            NATSConfig     `koanf:"nats" yaml:"nats"`
+	RabbitMQ        RabbitMQConfig `koanf:"rabbitmq" yaml:"rabbitmq"`
 }
 
 // Sink names, the values of outbox.sink.
 const (
-	SinkLog     = "log"
-	SinkWebhook = "webhook"
-	SinkNATS    = "nats"
+	SinkLog      = "log"
+	SinkWebhook  = "webhook"
+	SinkNATS     = "nats"
+	SinkRabbitMQ = "rabbitmq"
 )
 
 // WebhookConfig configures the webhook sink (outbox.webhook).
@@ -69,6 +72,7 @@ func DefaultConfig() Config {
 		MetricsInterval: 5 * time.Second,
 		Webhook:         WebhookConfig{Timeout: 10 * time.Second},
 		NATS:            DefaultNATSConfig(),
+		RabbitMQ:        DefaultRabbitMQConfig(),
 	}
 }
 
@@ -176,6 +180,62 @@ func (c NATSConfig) Validate() error {
 	}
 	if methods > 1 {
 		return fmt.Errorf("outbox.nats: user, token, nkey_seed_file and creds_file are alternatives; set one")
+	}
+	return nil
+}
+
+// RabbitMQConfig configures the RabbitMQ sink (outbox.rabbitmq).
+type RabbitMQConfig struct {
+	// URL is amqp:// or amqps://, with credentials and vhost.
+	URL             string `koanf:"url" yaml:"url" secret:"urls"`
+	Exchange        string `koanf:"exchange" yaml:"exchange"`
+	ExchangeType    string `koanf:"exchange_type" yaml:"exchange_type"`
+	DeclareExchange bool   `koanf:"declare_exchange" yaml:"declare_exchange"`
+	// RoutingKey is a template: {aggregate_type}, {aggregate_id} and
+	// {event_type}, each escaped to one word.
+	RoutingKey     string        `koanf:"routing_key" yaml:"routing_key"`
+	AppID          string        `koanf:"app_id" yaml:"app_id"`
+	ConnectTimeout time.Duration `koanf:"connect_timeout" yaml:"connect_timeout"`
+	PublishTimeout time.Duration `koanf:"publish_timeout" yaml:"publish_timeout"`
+	// MaxPending bounds the publishes awaiting their confirm.
+	MaxPending  int    `koanf:"max_pending" yaml:"max_pending"`
+	TLSCAFile   string `koanf:"tls_ca_file" yaml:"tls_ca_file"`
+	TLSCertFile string `koanf:"tls_cert_file" yaml:"tls_cert_file"`
+	TLSKeyFile  string `koanf:"tls_key_file" yaml:"tls_key_file"`
+}
+
+// DefaultRabbitMQConfig is the outbox.rabbitmq section when nothing is set.
+func DefaultRabbitMQConfig() RabbitMQConfig {
+	return RabbitMQConfig{
+		URL:            "amqp://127.0.0.1:5672/",
+		Exchange:       "outbox",
+		ExchangeType:   "topic",
+		RoutingKey:     "{aggregate_type}.{event_type}",
+		AppID:          "worker",
+		ConnectTimeout: 30 * time.Second,
+		PublishTimeout: 5 * time.Second,
+		MaxPending:     256,
+	}
+}
+
+// Validate checks the outbox.rabbitmq section; the sink package checks the
+// URL and the routing key template.
+func (c RabbitMQConfig) Validate() error {
+	switch {
+	case c.URL == "":
+		return fmt.Errorf("outbox.rabbitmq.url is empty: want amqp://user:password@host:5672/vhost")
+	case c.DeclareExchange && c.Exchange == "":
+		return fmt.Errorf("outbox.rabbitmq.declare_exchange=true needs outbox.rabbitmq.exchange: the default exchange cannot be declared")
+	case c.DeclareExchange && !slices.Contains([]string{"topic", "direct", "fanout", "headers"}, c.ExchangeType):
+		return fmt.Errorf("outbox.rabbitmq.exchange_type=%q: want topic, direct, fanout or headers", c.ExchangeType)
+	case c.ConnectTimeout < 100*time.Millisecond:
+		return fmt.Errorf("outbox.rabbitmq.connect_timeout=%s: want at least 100ms", c.ConnectTimeout)
+	case c.PublishTimeout < time.Millisecond:
+		return fmt.Errorf("outbox.rabbitmq.publish_timeout=%s: want at least 1ms", c.PublishTimeout)
+	case c.MaxPending < 1:
+		return fmt.Errorf("outbox.rabbitmq.max_pending=%d: want at least 1", c.MaxPending)
+	case (c.TLSCertFile == "") != (c.TLSKeyFile == ""):
+		return fmt.Errorf("outbox.rabbitmq.tls_cert_file and outbox.rabbitmq.tls_key_file: set both for a client certificate, or neither")
 	}
 	return nil
 }

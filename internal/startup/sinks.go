@@ -15,6 +15,7 @@ import (
 	"worker/internal/outbox"
 	"worker/internal/outbox/sink"
 	natssink "worker/internal/outbox/sink/nats"
+	rabbitsink "worker/internal/outbox/sink/rabbitmq"
 )
 
 // sinkKind is what startup knows about one value of outbox.sink.
@@ -80,6 +81,26 @@ var sinkKinds = map[string]sinkKind{
 		},
 		publishTimeout: func(c outbox.Config) time.Duration { return c.NATS.PublishTimeout },
 	},
+	outbox.SinkRabbitMQ: {
+		validate: func(c outbox.Config) error {
+			_, err := rabbitsink.New(c.RabbitMQ, rabbitsink.Options{})
+			return err
+		},
+		new: func(ctx context.Context, env sinkEnv) (outbox.Sink, error) {
+			c := env.cfg.Outbox.RabbitMQ
+			s, err := rabbitsink.New(c, rabbitsink.Options{Name: "worker " + env.cfg.Instance.ID, Logger: env.log})
+			if err != nil {
+				return nil, err
+			}
+			ctx, cancel := context.WithTimeout(ctx, c.ConnectTimeout)
+			defer cancel()
+			if err := s.Connect(ctx); err != nil {
+				return nil, brokerError(err, "outbox.rabbitmq.connect_timeout", c.ConnectTimeout)
+			}
+			return s, nil
+		},
+		publishTimeout: func(c outbox.Config) time.Duration { return c.RabbitMQ.PublishTimeout },
+	},
 }
 
 // validateSink checks outbox.sink and its section. A claim transaction
@@ -140,7 +161,7 @@ func brokerError(err error, timeoutKey string, timeout time.Duration) error {
 // and tokens, also where they sit in a URL.
 func sinkSecrets(c outbox.Config) []string {
 	secrets := []string{c.Webhook.Secret, c.NATS.Password, c.NATS.Token}
-	for raw := range strings.SplitSeq(c.NATS.URL, ",") {
+	for raw := range strings.SplitSeq(c.NATS.URL+","+c.RabbitMQ.URL, ",") {
 		if u, err := url.Parse(strings.TrimSpace(raw)); err == nil && u.User != nil {
 			if p, ok := u.User.Password(); ok {
 				secrets = append(secrets, p)

@@ -166,3 +166,33 @@ func TestNATSSinkStartFailures(t *testing.T) {
 		}
 	})
 }
+
+// The rabbitmq sink at start: unreachable exits 69 naming the knob without
+// the password, a missing exchange exits 78 naming the key. (The broker's
+// own tests live in internal/outbox/sink/rabbitmq.)
+func TestRabbitMQSinkStartFailures(t *testing.T) {
+	t.Parallel()
+	db := pgtest.New(t)
+	t.Run("unreachable", func(t *testing.T) {
+		t.Parallel()
+		p := startWorker(t, []string{"APP_DATABASE_URL=" + db.URL, "APP_OUTBOX_SINK=rabbitmq",
+			"APP_OUTBOX_RABBITMQ_URL=amqp://app:amqp-pw-31@127.0.0.1:1/", "APP_OUTBOX_RABBITMQ_CONNECT_TIMEOUT=1s"})
+		if code := p.exitCode(t, 20*time.Second); code != 69 {
+			t.Fatalf("exit %d, want 69", code)
+		}
+		if out := p.out.String(); strings.Contains(out, "amqp-pw-31") || !strings.Contains(out, "APP_OUTBOX_RABBITMQ_CONNECT_TIMEOUT") {
+			t.Errorf("want the knob named and no password:\n%s", out)
+		}
+	})
+	t.Run("missing exchange", func(t *testing.T) {
+		t.Parallel()
+		p := startWorker(t, []string{"APP_DATABASE_URL=" + db.URL, "APP_OUTBOX_SINK=rabbitmq",
+			"APP_OUTBOX_RABBITMQ_EXCHANGE=no-such-exchange-for-worker-tests"})
+		if code := p.exitCode(t, 20*time.Second); code != 78 {
+			t.Fatalf("exit %d, want 78 (is RabbitMQ running on 127.0.0.1:5672?)", code)
+		}
+		if !strings.Contains(p.out.String(), "outbox.rabbitmq.exchange") {
+			t.Errorf("the key is not named:\n%s", p.out.String())
+		}
+	})
+}

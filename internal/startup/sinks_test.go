@@ -18,7 +18,11 @@ func TestSinkTableValidates(t *testing.T) {
 		env  []string
 		want string
 	}{
-		{[]string{"APP_OUTBOX_SINK=kafkaa"}, `APP_OUTBOX_SINK="kafkaa": want one of log, nats, webhook`},
+		{[]string{"APP_OUTBOX_SINK=kafkaa"}, `APP_OUTBOX_SINK="kafkaa": want one of log, nats, rabbitmq, webhook`},
+		{[]string{"APP_OUTBOX_SINK=rabbitmq", "APP_OUTBOX_RABBITMQ_PUBLISH_TIMEOUT=13s"}, "2.5 x the rabbitmq sink's publish timeout (13s)"},
+		{[]string{"APP_OUTBOX_SINK=rabbitmq", "APP_OUTBOX_RABBITMQ_ROUTING_KEY={type}"}, `APP_OUTBOX_RABBITMQ_ROUTING_KEY="{type}": unknown placeholder`},
+		{[]string{"APP_OUTBOX_SINK=rabbitmq", "APP_OUTBOX_RABBITMQ_URL=http://x"}, `APP_OUTBOX_RABBITMQ_URL="http://x"`},
+		{[]string{"APP_OUTBOX_SINK=rabbitmq", "APP_OUTBOX_RABBITMQ_DECLARE_EXCHANGE=true", "APP_OUTBOX_RABBITMQ_EXCHANGE_TYPE=fan"}, `APP_OUTBOX_RABBITMQ_EXCHANGE_TYPE="fan"`},
 		{[]string{"APP_OUTBOX_SINK=webhook"}, "outbox.webhook.url is empty"},
 		{[]string{"APP_OUTBOX_SINK=webhook", "APP_OUTBOX_WEBHOOK_URL=http://x", "APP_OUTBOX_WEBHOOK_TIMEOUT=20s"}, "outbox.in_flight_timeout=30s: want at least 2.5 x the webhook sink's publish timeout (20s)"},
 		{[]string{"APP_OUTBOX_SINK=nats", "APP_OUTBOX_NATS_PUBLISH_TIMEOUT=15s"}, "outbox.in_flight_timeout=30s: want at least 2.5 x the nats sink's publish timeout (15s)"},
@@ -32,8 +36,10 @@ func TestSinkTableValidates(t *testing.T) {
 			t.Errorf("%v: got %v (exit %d), want exit 78 with %q", c.env, err, ExitCode(err), c.want)
 		}
 	}
-	if _, err := LoadConfig(writeFile(t, "{}"), []string{"APP_OUTBOX_SINK=nats"}); err != nil {
-		t.Errorf("nats with its defaults: %v", err)
+	for _, name := range []string{"nats", "rabbitmq"} {
+		if _, err := LoadConfig(writeFile(t, "{}"), []string{"APP_OUTBOX_SINK=" + name}); err != nil {
+			t.Errorf("%s with its defaults: %v", name, err)
+		}
 	}
 }
 
@@ -58,6 +64,7 @@ func TestSinkSecretsMasked(t *testing.T) {
 		"APP_OUTBOX_SINK=nats",
 		"APP_OUTBOX_NATS_URL=nats://relay:url-pass-1@n1:4222,nats://tok-in-url-2@n2:4222",
 		"APP_OUTBOX_NATS_USER=relay", "APP_OUTBOX_NATS_PASSWORD=nats-pass-3",
+		"APP_OUTBOX_RABBITMQ_URL=amqps://app:amqp-pass-4@mq:5671/prod",
 	})
 	if err != nil {
 		t.Fatal(err)
@@ -66,7 +73,7 @@ func TestSinkSecretsMasked(t *testing.T) {
 	if err := PrintConfig(&out, cfg); err != nil {
 		t.Fatal(err)
 	}
-	secrets := []string{"url-pass-1", "tok-in-url-2", "nats-pass-3"}
+	secrets := []string{"url-pass-1", "tok-in-url-2", "nats-pass-3", "amqp-pass-4"}
 	for _, s := range secrets {
 		if strings.Contains(out.String(), s) {
 			t.Errorf("config print leaks %q:\n%s", s, out.String())
