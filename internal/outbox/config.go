@@ -28,6 +28,7 @@ type Config struct {
 	Webhook         WebhookConfig  `koanf:"webhook" yaml:"webhook"`
 	NATS            NATSConfig     `koanf:"nats" yaml:"nats"`
 	RabbitMQ        RabbitMQConfig `koanf:"rabbitmq" yaml:"rabbitmq"`
+	Kafka           KafkaConfig    `koanf:"kafka" yaml:"kafka"`
 }
 
 // Sink names, the values of outbox.sink.
@@ -36,6 +37,7 @@ const (
 	SinkWebhook  = "webhook"
 	SinkNATS     = "nats"
 	SinkRabbitMQ = "rabbitmq"
+	SinkKafka    = "kafka"
 )
 
 // WebhookConfig configures the webhook sink (outbox.webhook).
@@ -73,6 +75,7 @@ func DefaultConfig() Config {
 		Webhook:         WebhookConfig{Timeout: 10 * time.Second},
 		NATS:            DefaultNATSConfig(),
 		RabbitMQ:        DefaultRabbitMQConfig(),
+		Kafka:           DefaultKafkaConfig(),
 	}
 }
 
@@ -236,6 +239,57 @@ func (c RabbitMQConfig) Validate() error {
 		return fmt.Errorf("outbox.rabbitmq.max_pending=%d: want at least 1", c.MaxPending)
 	case (c.TLSCertFile == "") != (c.TLSKeyFile == ""):
 		return fmt.Errorf("outbox.rabbitmq.tls_cert_file and outbox.rabbitmq.tls_key_file: set both for a client certificate, or neither")
+	}
+	return nil
+}
+
+// KafkaConfig configures the Kafka sink (outbox.kafka).
+type KafkaConfig struct {
+	// Brokers are the seed brokers, host:port, comma-separated.
+	Brokers string `koanf:"brokers" yaml:"brokers"`
+	// Topic is a template: {aggregate_type}, {aggregate_id} and
+	// {event_type}, each escaped to legal topic characters.
+	Topic          string        `koanf:"topic" yaml:"topic"`
+	ClientID       string        `koanf:"client_id" yaml:"client_id"`
+	ConnectTimeout time.Duration `koanf:"connect_timeout" yaml:"connect_timeout"`
+	PublishTimeout time.Duration `koanf:"publish_timeout" yaml:"publish_timeout"`
+	// SASLMechanism is "", PLAIN, SCRAM-SHA-256 or SCRAM-SHA-512.
+	SASLMechanism string `koanf:"sasl_mechanism" yaml:"sasl_mechanism"`
+	SASLUser      string `koanf:"sasl_user" yaml:"sasl_user"`
+	SASLPassword  string `koanf:"sasl_password" yaml:"sasl_password" secret:"all"`
+	TLS           bool   `koanf:"tls" yaml:"tls"`
+	TLSCAFile     string `koanf:"tls_ca_file" yaml:"tls_ca_file"`
+	TLSCertFile   string `koanf:"tls_cert_file" yaml:"tls_cert_file"`
+	TLSKeyFile    string `koanf:"tls_key_file" yaml:"tls_key_file"`
+}
+
+// DefaultKafkaConfig is the outbox.kafka section when nothing is set.
+func DefaultKafkaConfig() KafkaConfig {
+	return KafkaConfig{
+		Brokers:        "127.0.0.1:9092",
+		Topic:          "{aggregate_type}",
+		ClientID:       "worker",
+		ConnectTimeout: 30 * time.Second,
+		PublishTimeout: 10 * time.Second,
+	}
+}
+
+// Validate checks the outbox.kafka section; the sink package checks the
+// topic template.
+func (c KafkaConfig) Validate() error {
+	switch {
+	case strings.TrimSpace(c.Brokers) == "":
+		return fmt.Errorf("outbox.kafka.brokers is empty: want host:port[,host:port...]")
+	case c.ConnectTimeout < 100*time.Millisecond:
+		return fmt.Errorf("outbox.kafka.connect_timeout=%s: want at least 100ms", c.ConnectTimeout)
+	case c.PublishTimeout < time.Second:
+		return fmt.Errorf("outbox.kafka.publish_timeout=%s: want at least 1s (franz-go's smallest record delivery timeout)", c.PublishTimeout)
+	case !slices.Contains([]string{"", "PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"}, c.SASLMechanism):
+		return fmt.Errorf("outbox.kafka.sasl_mechanism=%q: want PLAIN, SCRAM-SHA-256, SCRAM-SHA-512 or empty", c.SASLMechanism)
+	case c.SASLMechanism != "" && c.SASLUser == "":
+		return fmt.Errorf("outbox.kafka.sasl_user is empty: sasl_mechanism %s needs a user and password", c.SASLMechanism)
+	case (c.TLSCertFile == "") != (c.TLSKeyFile == ""):
+		return fmt.Errorf("outbox.kafka.tls_cert_file and outbox.kafka.tls_key_file: set both for a client certificate, or neither")
 	}
 	return nil
 }

@@ -14,6 +14,7 @@ import (
 
 	"worker/internal/outbox"
 	"worker/internal/outbox/sink"
+	kafkasink "worker/internal/outbox/sink/kafka"
 	natssink "worker/internal/outbox/sink/nats"
 	rabbitsink "worker/internal/outbox/sink/rabbitmq"
 )
@@ -101,6 +102,26 @@ var sinkKinds = map[string]sinkKind{
 		},
 		publishTimeout: func(c outbox.Config) time.Duration { return c.RabbitMQ.PublishTimeout },
 	},
+	outbox.SinkKafka: {
+		validate: func(c outbox.Config) error {
+			_, err := kafkasink.New(c.Kafka, kafkasink.Options{})
+			return err
+		},
+		new: func(ctx context.Context, env sinkEnv) (outbox.Sink, error) {
+			c := env.cfg.Outbox.Kafka
+			s, err := kafkasink.New(c, kafkasink.Options{Logger: env.log})
+			if err != nil {
+				return nil, err
+			}
+			ctx, cancel := context.WithTimeout(ctx, c.ConnectTimeout)
+			defer cancel()
+			if err := s.Connect(ctx); err != nil {
+				return nil, brokerError(err, "outbox.kafka.connect_timeout", c.ConnectTimeout)
+			}
+			return s, nil
+		},
+		publishTimeout: func(c outbox.Config) time.Duration { return c.Kafka.PublishTimeout },
+	},
 }
 
 // validateSink checks outbox.sink and its section. A claim transaction
@@ -160,7 +181,7 @@ func brokerError(err error, timeoutKey string, timeout time.Duration) error {
 // sinkSecrets are the broker credentials the logger must hide: passwords
 // and tokens, also where they sit in a URL.
 func sinkSecrets(c outbox.Config) []string {
-	secrets := []string{c.Webhook.Secret, c.NATS.Password, c.NATS.Token}
+	secrets := []string{c.Webhook.Secret, c.NATS.Password, c.NATS.Token, c.Kafka.SASLPassword}
 	for raw := range strings.SplitSeq(c.NATS.URL+","+c.RabbitMQ.URL, ",") {
 		if u, err := url.Parse(strings.TrimSpace(raw)); err == nil && u.User != nil {
 			if p, ok := u.User.Password(); ok {

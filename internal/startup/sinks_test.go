@@ -18,7 +18,10 @@ func TestSinkTableValidates(t *testing.T) {
 		env  []string
 		want string
 	}{
-		{[]string{"APP_OUTBOX_SINK=kafkaa"}, `APP_OUTBOX_SINK="kafkaa": want one of log, nats, rabbitmq, webhook`},
+		{[]string{"APP_OUTBOX_SINK=kafkaa"}, `APP_OUTBOX_SINK="kafkaa": want one of kafka, log, nats, rabbitmq, webhook`},
+		{[]string{"APP_OUTBOX_SINK=kafka", "APP_OUTBOX_KAFKA_TOPIC=a/{aggregate_type}"}, `APP_OUTBOX_KAFKA_TOPIC="a/{aggregate_type}"`},
+		{[]string{"APP_OUTBOX_SINK=kafka", "APP_OUTBOX_KAFKA_SASL_MECHANISM=GSSAPI"}, `APP_OUTBOX_KAFKA_SASL_MECHANISM="GSSAPI"`},
+		{[]string{"APP_OUTBOX_SINK=kafka", "APP_OUTBOX_KAFKA_PUBLISH_TIMEOUT=20s"}, "2.5 x the kafka sink's publish timeout (20s)"},
 		{[]string{"APP_OUTBOX_SINK=rabbitmq", "APP_OUTBOX_RABBITMQ_PUBLISH_TIMEOUT=13s"}, "2.5 x the rabbitmq sink's publish timeout (13s)"},
 		{[]string{"APP_OUTBOX_SINK=rabbitmq", "APP_OUTBOX_RABBITMQ_ROUTING_KEY={type}"}, `APP_OUTBOX_RABBITMQ_ROUTING_KEY="{type}": unknown placeholder`},
 		{[]string{"APP_OUTBOX_SINK=rabbitmq", "APP_OUTBOX_RABBITMQ_URL=http://x"}, `APP_OUTBOX_RABBITMQ_URL="http://x"`},
@@ -36,7 +39,7 @@ func TestSinkTableValidates(t *testing.T) {
 			t.Errorf("%v: got %v (exit %d), want exit 78 with %q", c.env, err, ExitCode(err), c.want)
 		}
 	}
-	for _, name := range []string{"nats", "rabbitmq"} {
+	for _, name := range []string{"nats", "rabbitmq", "kafka"} {
 		if _, err := LoadConfig(writeFile(t, "{}"), []string{"APP_OUTBOX_SINK=" + name}); err != nil {
 			t.Errorf("%s with its defaults: %v", name, err)
 		}
@@ -65,6 +68,7 @@ func TestSinkSecretsMasked(t *testing.T) {
 		"APP_OUTBOX_NATS_URL=nats://relay:url-pass-1@n1:4222,nats://tok-in-url-2@n2:4222",
 		"APP_OUTBOX_NATS_USER=relay", "APP_OUTBOX_NATS_PASSWORD=nats-pass-3",
 		"APP_OUTBOX_RABBITMQ_URL=amqps://app:amqp-pass-4@mq:5671/prod",
+		"APP_OUTBOX_KAFKA_SASL_MECHANISM=PLAIN", "APP_OUTBOX_KAFKA_SASL_USER=app", "APP_OUTBOX_KAFKA_SASL_PASSWORD=sasl-pass-5",
 	})
 	if err != nil {
 		t.Fatal(err)
@@ -73,7 +77,7 @@ func TestSinkSecretsMasked(t *testing.T) {
 	if err := PrintConfig(&out, cfg); err != nil {
 		t.Fatal(err)
 	}
-	secrets := []string{"url-pass-1", "tok-in-url-2", "nats-pass-3", "amqp-pass-4"}
+	secrets := []string{"url-pass-1", "tok-in-url-2", "nats-pass-3", "amqp-pass-4", "sasl-pass-5"}
 	for _, s := range secrets {
 		if strings.Contains(out.String(), s) {
 			t.Errorf("config print leaks %q:\n%s", s, out.String())
