@@ -170,24 +170,84 @@ ORDER BY id LIMIT $1`, limit)
 // (or does not exist).
 var ErrNotDead = errors.New("outbox: no DEAD event with that event_id")
 
+// RulesLeftError reports DEAD events that RetryDead left DEAD because they
+// break a producer rule (rows written before the rules existed): requeued,
+// they would only go DEAD again. Purge them instead.
+type RulesLeftError struct{ Left int64 }
+
+func (e *RulesLeftError) Error() string {
+	return fmt.Sprintf("outbox: %d DEAD event(s) left DEAD: they break a producer rule and can only be purged", e.Left)
+}
+
+const retryDeadSQL = `
+UPDATE outbox_event
+SET status = 'PENDING', attempts = 0, next_attempt_at = now(), claimed_by = NULL
+WHERE status = 'DEAD' AND ($1::uuid IS NULL OR event_id = $1::uuid)`
+
 // RetryDead puts DEAD events back to PENDING with their attempts reset, so
 // the relay publishes them again; last_error is kept for the record. It
 // acts on one event (eventID) or, when eventID is empty, on every DEAD
 // event, logs who did it (actor) and returns how many it requeued.
 //
+// Resetting attempts subjects a row to the producer rules again, so an
+// event that breaks one cannot be requeued: for one event RetryDead returns
+// the *RuleError; for all, it requeues the others and returns their count
+// with a *RulesLeftError.
+//
 // With block_on_dead=false later events of the aggregate may already be
 // published, so a retried event reaches consumers after them.
 func RetryDead(ctx context.Context, pool *pgxpool.Pool, eventID, actor string, log *slog.Logger) (int64, error) {
-	const retry = `
-UPDATE outbox_event
-SET status = 'PENDING', attempts = 0, next_attempt_at = now(), claimed_by = NULL
-WHERE status = 'DEAD' AND ($1::uuid IS NULL OR event_id = $1::uuid)`
-	n, err := deadAdmin(ctx, pool, retry, eventID, actor)
+	n, err := deadAdmin(ctx, pool, retryDeadSQL, eventID, actor)
+	var left int64
+	var re *RuleError
+	if eventID == "" && errors.As(err, &re) {
+		n, left, err = retryDeadOneByOne(ctx, pool)
+	}
 	if err != nil {
 		return 0, err
 	}
 	logAdmin(log, "outbox dead events requeued", eventID, actor, n)
+	if left > 0 {
+		if log != nil {
+			log.Warn("outbox dead events left DEAD: they break a producer rule", "job", RelayJobName, "actor", actor, "count", left)
+		}
+		return n, &RulesLeftError{Left: left}
+	}
 	return n, nil
+}
+
+// retryDeadOneByOne requeues every DEAD event that the producer rules
+// allow, each under its own savepoint, and counts the ones they refuse. It
+// is the slow path of RetryDead, taken only when some row breaks a rule.
+func retryDeadOneByOne(ctx context.Context, pool *pgxpool.Pool) (requeued, left int64, err error) {
+	err = pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+		rows, err := tx.Query(ctx, "SELECT event_id::text FROM outbox_event WHERE status = 'DEAD' ORDER BY id")
+		if err != nil {
+			return err
+		}
+		ids, err := pgx.CollectRows(rows, pgx.RowTo[string])
+		if err != nil {
+			return err
+		}
+		for _, id := range ids {
+			err := pgx.BeginFunc(ctx, tx, func(sp pgx.Tx) error {
+				_, err := sp.Exec(ctx, retryDeadSQL, id)
+				return asRuleError(err)
+			})
+			var re *RuleError
+			switch {
+			case errors.As(err, &re):
+				left++
+			case err != nil:
+				return err
+			default:
+				requeued++
+			}
+		}
+		_, err = tx.Exec(ctx, "SELECT pg_notify($1, '')", NotifyChannel)
+		return err
+	})
+	return requeued, left, err
 }
 
 // PurgeDead deletes DEAD events for good: one (eventID) or, when eventID is
@@ -219,7 +279,7 @@ func deadAdmin(ctx context.Context, pool *pgxpool.Pool, sql, eventID, actor stri
 			if errors.As(err, &pgErr) && pgErr.Code == "22P02" {
 				return fmt.Errorf("outbox: event_id %q is not a uuid", eventID)
 			}
-			return err
+			return asRuleError(err)
 		}
 		n = tag.RowsAffected()
 		// Requeued rows wake the relays like new ones (a no-op for purge).

@@ -11,10 +11,16 @@ import (
 
 // Config is the `outbox:` section of configs/worker.yaml (APP_OUTBOX_*).
 type Config struct {
-	Enabled         bool          `koanf:"enabled" yaml:"enabled"`
-	Sink            string        `koanf:"sink" yaml:"sink"` // one of the Sink* names
-	Relays          int           `koanf:"relays" yaml:"relays"`
-	BatchSize       int           `koanf:"batch_size" yaml:"batch_size"`
+	Enabled   bool   `koanf:"enabled" yaml:"enabled"`
+	Sink      string `koanf:"sink" yaml:"sink"` // one of the Sink* names
+	Relays    int    `koanf:"relays" yaml:"relays"`
+	BatchSize int    `koanf:"batch_size" yaml:"batch_size"`
+	// MaxInFlight bounds the publishes in progress at once in this
+	// replica, across its relay loops.
+	MaxInFlight int `koanf:"max_in_flight" yaml:"max_in_flight"`
+	// DetachAfter is how long a batch waits for its publishes before it
+	// commits and lets the ones still outstanding finish on their own.
+	DetachAfter     time.Duration `koanf:"detach_after" yaml:"detach_after"`
 	PollInterval    time.Duration `koanf:"poll_interval" yaml:"poll_interval"`
 	InFlightTimeout time.Duration `koanf:"in_flight_timeout" yaml:"in_flight_timeout"`
 	MaxAttempts     int           `koanf:"max_attempts" yaml:"max_attempts"`
@@ -64,7 +70,9 @@ func DefaultConfig() Config {
 		Enabled:         true,
 		Sink:            SinkLog,
 		Relays:          1,
-		BatchSize:       100,
+		BatchSize:       500,
+		MaxInFlight:     64,
+		DetachAfter:     100 * time.Millisecond,
 		PollInterval:    time.Second,
 		InFlightTimeout: 30 * time.Second,
 		MaxAttempts:     3,
@@ -98,8 +106,10 @@ func (c Config) Validate() error {
 	for _, err := range []error{
 		between("relays", c.Relays, 1, 64),
 		between("batch_size", c.BatchSize, 1, 10000),
+		between("max_in_flight", c.MaxInFlight, 1, 10000),
 		between("max_attempts", c.MaxAttempts, 1, 1000),
 		atLeast("poll_interval", c.PollInterval, 10*time.Millisecond),
+		atLeast("detach_after", c.DetachAfter, time.Millisecond),
 		// The claim transaction lives at most this long; a second leaves
 		// room for one publish and the final write.
 		atLeast("in_flight_timeout", c.InFlightTimeout, time.Second),
@@ -110,6 +120,13 @@ func (c Config) Validate() error {
 		if err != nil {
 			return err
 		}
+	}
+	// Publishes start within detach_after of their claim and are cancelled
+	// at 90% of in_flight_timeout after it. With detach_after at most half
+	// of in_flight_timeout, 2.5 x a sink's publish timeout (checked by the
+	// sink table in startup) leaves every publish its full timeout.
+	if c.DetachAfter > c.InFlightTimeout/2 {
+		return fmt.Errorf("outbox.detach_after=%s: want at most half of outbox.in_flight_timeout (%s)", c.DetachAfter, c.InFlightTimeout)
 	}
 	if c.BackoffMax < c.BackoffBase {
 		return fmt.Errorf("outbox.backoff_max=%s: want at least outbox.backoff_base (%s)", c.BackoffMax, c.BackoffBase)

@@ -284,3 +284,43 @@ func histogramSum(t *testing.T, g prometheus.Gatherer, name string) float64 {
 	t.Fatalf("no metric %s", name)
 	return 0
 }
+
+// TestContractRetryDeadLeavesRuleBreakersDead: requeuing resets attempts,
+// so a DEAD row written before the rules cannot be requeued. Retrying it
+// alone names its rule; retrying all requeues the others and reports the
+// one left behind.
+func TestContractRetryDeadLeavesRuleBreakersDead(t *testing.T) {
+	t.Parallel()
+	db := legacyDB(t,
+		legacyRow("'old'", "'x'", "'infinity'", "'{}'"),
+		legacyRow("'fine-1'", "'x'", "now()", "'{}'"),
+		legacyRow("'fine-2'", "'x'", "now()", "'{}'"),
+	)
+	ctx := context.Background()
+	if _, err := db.Pool.Exec(ctx, `UPDATE outbox_event SET status = 'DEAD', attempts = 3`); err != nil {
+		t.Fatal(err)
+	}
+	var oldID string
+	if err := db.Pool.QueryRow(ctx, `SELECT event_id::text FROM outbox_event WHERE aggregate_id = 'old'`).Scan(&oldID); err != nil {
+		t.Fatal(err)
+	}
+
+	_, err := outbox.RetryDead(ctx, db.Pool, oldID, "ops", nil)
+	var rule *outbox.RuleError
+	if !errors.As(err, &rule) || rule.Constraint != "outbox_event_occurred_at_range" {
+		t.Fatalf("retry of the rule-breaking event: %v, want a RuleError naming outbox_event_occurred_at_range", err)
+	}
+
+	n, err := outbox.RetryDead(ctx, db.Pool, "", "ops", nil)
+	var left *outbox.RulesLeftError
+	if n != 2 || !errors.As(err, &left) || left.Left != 1 {
+		t.Fatalf("retry all: requeued %d, err %v; want 2 requeued and 1 left", n, err)
+	}
+	var status string
+	if err := db.Pool.QueryRow(ctx, `SELECT string_agg(aggregate_id || '=' || status, ',' ORDER BY aggregate_id) FROM outbox_event`).Scan(&status); err != nil {
+		t.Fatal(err)
+	}
+	if status != "fine-1=PENDING,fine-2=PENDING,old=DEAD" {
+		t.Errorf("statuses after retry all: %s", status)
+	}
+}

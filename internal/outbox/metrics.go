@@ -1,7 +1,6 @@
 package outbox
 
 import (
-	"errors"
 	"math"
 	"strings"
 	"sync"
@@ -9,6 +8,8 @@ import (
 	"unicode"
 
 	"github.com/prometheus/client_golang/prometheus"
+
+	"worker/internal/obs"
 )
 
 // Job names under which the outbox reports in the shared job_* metrics and
@@ -94,28 +95,20 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 	})); err != nil {
 		return nil, err
 	}
-	// job_retry_total and job_dlq_total are shared with the job runtime;
-	// whoever registers first owns them and the other reuses them.
-	if m.retry, err = register(reg, prometheus.NewCounterVec(prometheus.CounterOpts{
-		Name: "job_retry_total",
-		Help: "Retries, by job and outcome (scheduled: a retry was scheduled with backoff).",
-	}, []string{"job_name", "outcome"})); err != nil {
+	// job_retry_total and job_dlq_total are defined once, in obs, and
+	// shared with tasks.
+	shared, err := obs.NewRetryMetrics(reg)
+	if err != nil {
 		return nil, err
 	}
-	if m.dlq, err = register(reg, prometheus.NewCounterVec(prometheus.CounterOpts{
-		Name: "job_dlq_total",
-		Help: "Work items moved to the dead letter state (JOB_DEAD_LETTER), by job.",
-	}, []string{"job_name"})); err != nil {
-		return nil, err
-	}
+	m.retry, m.dlq = shared.Retry, shared.DLQ
 
 	// Known label values start at zero so dashboards and alerts see every
 	// series before the first event.
 	for _, s := range []string{StatusPending, StatusInFlight, StatusFailed, StatusDead} {
 		m.pending.WithLabelValues(s)
 	}
-	m.retry.WithLabelValues(RelayJobName, "scheduled")
-	m.dlq.WithLabelValues(RelayJobName)
+	shared.Start(RelayJobName)
 	// Event types come from data, so their series cannot all exist from
 	// the start. The "other" series (the overflow label value) do, so that
 	// outbox_publish_failures_total has both kinds before the first
@@ -169,16 +162,7 @@ func labelSafe(s string) string {
 
 // register adds c to reg, or returns the equal collector registered before.
 func register[T prometheus.Collector](reg prometheus.Registerer, c T) (T, error) {
-	if err := reg.Register(c); err != nil {
-		var are prometheus.AlreadyRegisteredError
-		if errors.As(err, &are) {
-			if existing, ok := are.ExistingCollector.(T); ok {
-				return existing, nil
-			}
-		}
-		return c, err
-	}
-	return c, nil
+	return obs.Register(reg, c)
 }
 
 // labelCap admits the first max distinct values of a label and maps the

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -26,10 +27,12 @@ const NotifyChannel = "outbox_event"
 const finishTimeout = 5 * time.Second
 
 // Relay publishes outbox events to a sink. It runs cfg.Relays loops; each
-// loop claims a batch by locking rows in a transaction, publishes them in
-// order, records every outcome and commits. The row locks are the claim:
-// other relays skip them, and if this process dies the database drops them
-// at once, so the rows are immediately claimable again.
+// loop claims a batch by locking rows in a transaction, publishes it
+// (different aggregates at once, each aggregate in order), records every
+// outcome and commits. The row locks are the claim: other relays skip
+// them, and if this process dies the database drops them at once, so the
+// rows are immediately claimable again. A publish still outstanding after
+// detach_after is marked IN_FLIGHT and finishes on its own (publish.go).
 type Relay struct {
 	pool       *pgxpool.Pool
 	sink       Sink
@@ -38,9 +41,9 @@ type Relay struct {
 	log        *slog.Logger
 	m          *metrics
 	lockSQL    string
-	gatedSQL   string
 
-	wake []chan struct{} // one per loop; a token means "look again"
+	wake  []chan struct{} // one per loop; a token means "look again"
+	slots chan struct{}   // one token per publish in progress: max_in_flight
 
 	mu           sync.Mutex
 	started      bool
@@ -49,6 +52,7 @@ type Relay struct {
 	claimCtx     context.Context // cancelled when claiming stops
 	stopClaiming context.CancelFunc
 	loops        sync.WaitGroup
+	publishers   sync.WaitGroup // publish workers, detached ones included
 	background   sync.WaitGroup
 }
 
@@ -77,8 +81,8 @@ func NewRelay(pool *pgxpool.Pool, sink Sink, cfg Config, instanceID string, log 
 		log:        log.With("job", RelayJobName, "sink", sink.Name()),
 		m:          m,
 		lockSQL:    lockSQL(cfg.BlockOnDead),
-		gatedSQL:   gatedHeadsSQL(cfg.BlockOnDead),
 		wake:       make([]chan struct{}, cfg.Relays),
+		slots:      make(chan struct{}, cfg.MaxInFlight),
 	}
 	for i := range r.wake {
 		r.wake[i] = make(chan struct{}, 1)
@@ -124,7 +128,11 @@ func (r *Relay) Shutdown(ctx context.Context) error {
 	r.stopClaiming()
 	defer r.hardCancel()
 	done := make(chan struct{})
-	go func() { r.loops.Wait(); close(done) }()
+	go func() {
+		r.loops.Wait()
+		r.publishers.Wait() // detached publishes record their outcomes
+		close(done)
+	}()
 	var err error
 	select {
 	case <-done:
@@ -185,11 +193,12 @@ func (r *Relay) wakeAll() {
 
 // loopState is what a relay loop carries from one batch to the next.
 type loopState struct {
-	window  int           // rows the next window claim reads
-	widened bool          // the last claim widened the window: claim again at once
-	conn    *pgxpool.Conn // held while batches follow each other
-	pending *outcomes     // the last batch's outcomes, not yet committed
-	gated   time.Time     // when the loop last ran the gated claim
+	window       int           // rows the next window claim reads
+	widened      bool          // the last claim widened the window: claim again at once
+	conn         *pgxpool.Conn // held while batches follow each other
+	pending      *outcomes     // the last batch's outcomes, not yet committed
+	behind       aggregateKey  // where the next look behind the window starts
+	lookedBehind time.Time     // when the loop last looked behind the window
 }
 
 // settle commits the pending outcomes, if any, and gives the connection
@@ -226,6 +235,10 @@ type outcomes struct {
 	at        []time.Time // when each was accepted, on the database clock
 	failed    []failure
 	handBack  []*claimedRow
+	detached  []*claimedRow // still being published: written IN_FLIGHT under token
+	token     string
+	settled   chan struct{} // closed once the outcomes are committed or rolled back
+	committed bool          // read after settled is closed
 }
 
 // runBatch claims one batch and publishes it. It returns the number of
@@ -260,7 +273,7 @@ func (r *Relay) runBatch(ctx context.Context, st *loopState) (int, error) {
 
 	out := r.publish(runs, claimedAt, skew)
 	out.claimed = n
-	st.pending = &out
+	st.pending = out
 	if r.claimCtx.Err() != nil {
 		r.settle(st) // stopping: commit now, there is no next claim
 	}
@@ -268,8 +281,8 @@ func (r *Relay) runBatch(ctx context.Context, st *loopState) (int, error) {
 }
 
 // claim commits the previous batch's outcomes, opens the batch transaction
-// and locks a batch: heads from the window and their runs, topped up by the
-// gated claim when the window is congested. It returns the runs to
+// and locks a batch: heads from the window and their runs, topped up by
+// heads from behind the window when it is blocked. It returns the runs to
 // publish, oldest head first, and the database clock minus ours.
 func (r *Relay) claim(ctx context.Context, st *loopState) ([][]claimedRow, time.Duration, error) {
 	n := r.cfg.BatchSize
@@ -286,7 +299,7 @@ func (r *Relay) claim(ctx context.Context, st *loopState) ([][]claimedRow, time.
 		finishing = r.queueFinish(b, fin)
 		// The previous batch's outcomes must be written even if claiming
 		// stops meanwhile. Only this round trip is bound by the finish
-		// timeout; the locks below may take longer (a gated scan).
+		// timeout; the locks below may take longer.
 		var cancel context.CancelFunc
 		sendCtx, cancel = context.WithTimeout(context.WithoutCancel(ctx), finishTimeout)
 		defer cancel()
@@ -332,7 +345,8 @@ func (r *Relay) claim(ctx context.Context, st *loopState) ([][]claimedRow, time.
 		return nil, 0, err // stopping: lock nothing only to hand it back
 	}
 
-	runs, err := r.lockWindow(ctx, conn, candidates(win), n)
+	cands := candidates(win)
+	runs, err := r.lockWindow(ctx, conn, cands, n)
 	if err != nil {
 		return nil, 0, err
 	}
@@ -342,31 +356,55 @@ func (r *Relay) claim(ctx context.Context, st *loopState) ([][]claimedRow, time.
 	}
 
 	// Size the next window. A window that yields less than half a batch is
-	// congested (other relays hold its aggregates, or they wait for a
-	// retry): widen it. At the widest, look past it with the gated claim so
-	// the aggregates behind it cannot starve. The gated claim scans the
-	// whole backlog behind the window in the worst case (say a sink outage
-	// with a large backlog, where every head waits for a retry), so a loop
-	// runs it at most once per poll interval.
+	// congested: other relays hold its aggregates, or they wait for a
+	// retry. Widen it, so the loop sees aggregates nobody holds. Only when
+	// the widest window offers fewer than half a batch of aggregates (the
+	// rest wait for retries or for outstanding publishes, or one aggregate
+	// fills it) does the loop look behind it, at most once per poll
+	// interval, so that the aggregates behind cannot starve. Many
+	// aggregates that other relays hold are no reason to look behind: those
+	// relays are working, and the window moves on as they finish.
 	congested := got < (n+1)/2 && len(win) >= st.window
+	blocked := len(cands) < (n+1)/2
 	st.widened = false
 	switch {
 	case congested && st.window < maxWindowFactor*n:
 		st.window *= 2
 		st.widened = true // look again at once
-	case congested && time.Since(st.gated) >= r.cfg.PollInterval:
-		st.gated = time.Now()
-		heads, _, err := readEvents(conn.Query(ctx, r.gatedSQL, win[len(win)-1].id, n-got))
+	case congested && blocked && time.Since(st.lookedBehind) >= r.cfg.PollInterval:
+		st.lookedBehind = time.Now()
+		more, err := r.lockBehind(ctx, conn, st, runs, n-got)
 		if err != nil {
 			return nil, 0, err
 		}
-		for _, h := range heads {
-			runs = append(runs, []claimedRow{h})
-		}
+		runs = append(runs, more...)
 	case got >= n && st.window > n:
 		st.window /= 2
 	}
 	return runs, skew, nil
+}
+
+// lockBehind locks up to n heads of aggregates anywhere in the backlog,
+// visiting at most maxWindowFactor*batch_size aggregates from where the
+// last look ended, so successive looks cover every aggregate in turn. The
+// aggregates of runs, which this transaction already holds, are left out:
+// their heads would lock again (a transaction's own locks never skip).
+func (r *Relay) lockBehind(ctx context.Context, conn *pgx.Conn, st *loopState, runs [][]claimedRow, n int) ([][]claimedRow, error) {
+	visit := maxWindowFactor * r.cfg.BatchSize
+	heads, err := readWindow(conn.Query(ctx, aggregateHeadsSQL, st.behind.typ, st.behind.id, visit))
+	if err != nil {
+		return nil, err
+	}
+	st.behind = aggregateKey{}
+	if len(heads) == visit {
+		st.behind = heads[len(heads)-1].key
+	}
+	held := make(map[aggregateKey]bool, len(runs))
+	for _, run := range runs {
+		held[aggregateKey{run[0].AggregateType, run[0].AggregateID}] = true
+	}
+	heads = slices.DeleteFunc(heads, func(h windowRow) bool { return held[h.key] })
+	return r.lockWindow(ctx, conn, candidates(heads), n)
 }
 
 // maxWindowFactor bounds the window at this many batches.
@@ -424,52 +462,6 @@ func (r *Relay) lockWindow(ctx context.Context, conn *pgx.Conn, cands []*candida
 	return runs, nil
 }
 
-// publish hands the claimed events to the sink, run by run (aggregate by
-// aggregate, oldest head first), each run in order. After a failure the
-// rest of the run is left alone: it must not overtake the failed event.
-func (r *Relay) publish(runs [][]claimedRow, claimedAt time.Time, skew time.Duration) outcomes {
-	// The claim transaction must end before the server's idle timeout
-	// (in_flight_timeout) kills it. Publishes are cancelled at 90% of it and
-	// start only in the first half of that (45%), so each gets at least as
-	// long again.
-	budget := r.cfg.InFlightTimeout - r.cfg.InFlightTimeout/10
-	lastStart := claimedAt.Add(budget / 2)
-	pctx, cancel := context.WithDeadline(r.hardCtx, claimedAt.Add(budget))
-	defer cancel()
-	var out outcomes
-	stopped := false
-	for _, run := range runs {
-		for i := range run {
-			ev := &run[i]
-			if !stopped && (r.claimCtx.Err() != nil || time.Now().After(lastStart)) {
-				stopped = true
-			}
-			if stopped {
-				out.handBack = append(out.handBack, ev)
-				continue
-			}
-			err := ev.unreadable // permanent: DEAD without reaching the sink
-			if err == nil {
-				err = r.sink.Publish(pctx, ev.Event)
-			}
-			if err == nil {
-				out.published = append(out.published, ev)
-				out.at = append(out.at, time.Now().Add(skew))
-				continue
-			}
-			if r.hardCtx.Err() != nil {
-				// Cancelled by shutdown, not the sink's fault: no attempt used.
-				stopped = true
-				out.handBack = append(out.handBack, ev)
-				continue
-			}
-			out.failed = append(out.failed, r.classify(*ev, err))
-			break // the rest of this aggregate waits
-		}
-	}
-	return out
-}
-
 // classify turns a publish error into the event's next state.
 func (r *Relay) classify(ev claimedRow, err error) failure {
 	f := failure{ev: ev, err: err, status: StatusFailed}
@@ -503,6 +495,13 @@ func (r *Relay) queueFinish(b *pgx.Batch, out *outcomes) int {
 		}
 		b.Queue(markFailedSQL, tids, statuses, delays, errs, r.instanceID)
 	}
+	if len(out.detached) > 0 {
+		tids := make([]pgtype.TID, len(out.detached))
+		for i, ev := range out.detached {
+			tids[i] = ev.tid
+		}
+		b.Queue(markInFlightSQL, tids, r.cfg.InFlightTimeout.Milliseconds(), out.token)
+	}
 	var back []pgtype.TID
 	for _, ev := range out.handBack {
 		if ev.status != StatusPending {
@@ -512,6 +511,16 @@ func (r *Relay) queueFinish(b *pgx.Batch, out *outcomes) int {
 	if len(back) > 0 {
 		b.Queue(handBackSQL, back)
 	}
+	if len(out.detached) == 0 {
+		// The commit travels with the next claim, so its WAL flush would
+		// delay that claim's window. Losing it in a server crash only
+		// means publishing its events again (at least once), in order: WAL
+		// is replayed in order, so a later batch's outcomes never survive
+		// an earlier one's. Not so for IN_FLIGHT marks: a lost one would
+		// let another relay publish the event while it is still being
+		// published, so those commits wait for the flush.
+		b.Queue("SET LOCAL synchronous_commit = off")
+	}
 	b.Queue("COMMIT")
 	return b.Len()
 }
@@ -520,7 +529,10 @@ func (r *Relay) queueFinish(b *pgx.Batch, out *outcomes) int {
 // or lost (the transaction rolled back: the rows stay as they were and the
 // published events will be published again, at least once).
 func (r *Relay) finished(conn *pgx.Conn, out *outcomes, err error) {
-	r.m.claimed.Sub(float64(out.claimed))
+	// Detached events stay claimed until their own outcome is written.
+	r.m.claimed.Sub(float64(out.claimed - len(out.detached)))
+	out.committed = err == nil
+	close(out.settled)
 	if err != nil {
 		rollback(conn)
 		if r.hardCtx.Err() == nil {

@@ -106,7 +106,7 @@ func TestRelayInFlightVisibility(t *testing.T) {
 
 // TestRelayLooksPastRetries: with a small batch, far more than the widest
 // window is taken by aggregates whose heads wait for a retry. The relay must
-// look past them (the gated claim) and publish the aggregate behind them,
+// look behind them and publish the aggregate behind them,
 // and must not publish the blocked aggregates' later events.
 func TestRelayLooksPastRetries(t *testing.T) {
 	db := pgtest.New(t)
@@ -545,4 +545,58 @@ func lockWindowSetup(t *testing.T, db *pgtest.DB, cfg Config) (*Relay, pgx.Tx, [
 		t.Fatal(err)
 	}
 	return r, tx, candidates(win)
+}
+
+// When the widest window is blocked (one hot aggregate, held by another
+// transaction, fills it), the claim looks behind it. The look must not
+// return the heads this claim already locked from the window: a
+// transaction's own row locks do not skip, so they would come back twice,
+// and be published twice and out of order.
+func TestClaimLooksBehindWithoutRetakingItsHeads(t *testing.T) {
+	t.Parallel()
+	db := pgtest.New(t)
+	ctx := context.Background()
+	appendEvent(t, db.Pool, "b", "b1")
+	hot := appendEvent(t, db.Pool, "hot", "hot")
+	exec(t, db.Pool, `
+INSERT INTO outbox_event (aggregate_type, aggregate_id, event_type, payload)
+SELECT 'order', 'hot', 'hot', '{}' FROM generate_series(1, 100)`)
+	appendEvent(t, db.Pool, "c", "c1")
+	holder, err := db.Pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer holder.Rollback(ctx)
+	if _, err := holder.Exec(ctx, `SELECT 1 FROM outbox_event WHERE event_id = $1 FOR UPDATE`, hot); err != nil {
+		t.Fatal(err)
+	}
+
+	cfg := testConfig()
+	cfg.BatchSize = 10
+	r, err := NewRelay(db.Pool, &recorder{}, cfg, "t", nil, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	conn, err := db.Pool.Acquire(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	st := &loopState{window: maxWindowFactor * cfg.BatchSize, conn: conn}
+	defer r.settle(st)
+	runs, _, err := r.claim(ctx, st)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var got []string
+	for _, run := range runs {
+		for _, ev := range run {
+			got = append(got, ev.EventType)
+		}
+	}
+	if fmt.Sprint(got) != "[b1 c1]" {
+		t.Errorf("claimed %v, want [b1 c1]: b1 from the window, c1 from behind it, each once", got)
+	}
+	if _, err := conn.Exec(ctx, "ROLLBACK"); err != nil {
+		t.Fatal(err)
+	}
 }

@@ -105,22 +105,32 @@ UNION ALL
 SELECT false, r.* FROM r`
 }
 
-// gatedHeadsSQL is the fallback when even the widest window is congested:
-// held by other relays, or full of events waiting for a retry, so the
-// aggregates behind it would starve. It scans past the window (id > $1)
-// with the classic gate, a NOT EXISTS probe per row, and claims up to $2
-// heads. The gate counts every unfinished row, locked or not: while
-// another relay holds an aggregate's head, or this transaction holds part
-// of the aggregate, the later events stay put.
-func gatedHeadsSQL(blockOnDead bool) string {
-	return `
-SELECT ` + eventColumns + `
-FROM outbox_event e
-WHERE ` + claimable + ` AND e.id > $1` + predecessorGate + deadGateIf(blockOnDead) + `
-ORDER BY e.id
-LIMIT $2
-FOR UPDATE SKIP LOCKED`
-}
+// aggregateHeadsSQL is the fallback when even the widest window is
+// blocked: its aggregates wait for retries (or for a publish still
+// outstanding), so the aggregates behind it would starve. It walks the
+// aggregate index as a skip scan: one descent per aggregate, starting after
+// the aggregate ($1, $2), for at most $3 aggregates, and returns each one's
+// head (its oldest unfinished event) in the window's row shape. Its cost is
+// bounded by the aggregates it visits, not by the backlog behind them,
+// which a per-row gate would read row by row. The relay then locks the due
+// heads with lockSQL, which rechecks each row.
+const aggregateHeadsSQL = `
+WITH RECURSIVE agg AS (
+    SELECT 0 AS n, $1::text COLLATE "C" AS aggregate_type, $2::text COLLATE "C" AS aggregate_id,
+           NULL::tid AS ctid, NULL::bigint AS id, NULL::boolean AS due
+  UNION ALL
+    SELECT a.n + 1, h.aggregate_type, h.aggregate_id, h.ctid, h.id, h.next_attempt_at <= now()
+    FROM agg a CROSS JOIN LATERAL (
+        SELECT e.aggregate_type, e.aggregate_id, e.ctid, e.id, e.next_attempt_at
+        FROM outbox_event e
+        WHERE e.` + unfinished + `
+          AND (e.aggregate_type, e.aggregate_id) > (a.aggregate_type, a.aggregate_id)
+        ORDER BY e.aggregate_type, e.aggregate_id, e.id
+        LIMIT 1
+    ) h
+    WHERE a.n < $3
+)
+SELECT ctid, id, aggregate_type, aggregate_id, due FROM agg WHERE n > 0`
 
 func deadGateIf(blockOnDead bool) string {
 	if blockOnDead {
@@ -175,6 +185,34 @@ WHERE e.ctid = f.tid`
 	handBackSQL = `
 UPDATE outbox_event SET status = 'PENDING', next_attempt_at = clock_timestamp()
 WHERE ctid = ANY($1::tid[])`
+
+	// A publish still outstanding when its batch commits (detach_after):
+	// the event is claimed by the batch's owner token ($3) until the
+	// visibility deadline, $2 ms from now, and the attempt is counted.
+	markInFlightSQL = `
+UPDATE outbox_event
+SET status = 'IN_FLIGHT', attempts = attempts + 1,
+    next_attempt_at = clock_timestamp() + $2 * interval '1 millisecond', claimed_by = $3
+WHERE ctid = ANY($1::tid[])`
+
+	// The outcome of a detached publish, written outside any batch with a
+	// compare-and-set on id, status, owner token ($2) and attempt ($3): if
+	// the claim expired and another relay took the event over, nothing
+	// changes. The attempt was already counted when the event was marked.
+	completePublishedSQL = `
+UPDATE outbox_event SET status = 'PUBLISHED', published_at = clock_timestamp(), claimed_by = $4
+WHERE id = $1 AND status = 'IN_FLIGHT' AND claimed_by = $2 AND attempts = $3`
+
+	completeFailedSQL = `
+UPDATE outbox_event
+SET status = $4, next_attempt_at = clock_timestamp() + $5 * interval '1 millisecond',
+    last_error = $6, claimed_by = $7
+WHERE id = $1 AND status = 'IN_FLIGHT' AND claimed_by = $2 AND attempts = $3`
+
+	// Cancelled by a hard stop: back to PENDING, the attempt not used.
+	completeHandBackSQL = `
+UPDATE outbox_event SET status = 'PENDING', attempts = attempts - 1, next_attempt_at = clock_timestamp(), claimed_by = NULL
+WHERE id = $1 AND status = 'IN_FLIGHT' AND claimed_by = $2 AND attempts = $3`
 
 	// Sets up the claim transaction and reads the database clock, which
 	// latency is measured on. The idle timeout is the server side of the
@@ -259,27 +297,20 @@ func candidates(win []windowRow) []*candidate {
 	return out
 }
 
-// readEvents scans locked events into heads and run rows. lockSQL tags each
-// row with a leading is_head column; rows of untagged statements (the gated
-// claim) are all heads.
+// readEvents scans the rows lockSQL locked into heads and run rows, which
+// it tells apart by its leading is_head column.
 func readEvents(rows pgx.Rows, err error) (heads, others []claimedRow, _ error) {
 	if err != nil {
 		return nil, nil, err
 	}
 	defer rows.Close()
-	fields := rows.FieldDescriptions()
-	tagged := len(fields) > 0 && fields[0].Name == "is_head"
 	for rows.Next() {
 		var c claimedRow
 		var payload, headers []byte
 		var occurred pgtype.Timestamptz
-		isHead := true
-		dest := []any{&c.tid, &c.Seq, &c.EventID, &c.AggregateType, &c.AggregateID, &c.EventType, &payload,
-			&headers, &occurred, &c.Attempts, &c.status}
-		if tagged {
-			dest = append([]any{&isHead}, dest...)
-		}
-		if err := rows.Scan(dest...); err != nil {
+		var isHead bool
+		if err := rows.Scan(&isHead, &c.tid, &c.Seq, &c.EventID, &c.AggregateType, &c.AggregateID, &c.EventType, &payload,
+			&headers, &occurred, &c.Attempts, &c.status); err != nil {
 			return nil, nil, err
 		}
 		c.Payload = payload

@@ -39,7 +39,7 @@ type cmdEnv struct {
 type cli struct {
 	Config string `help:"YAML config file. Default: ${default_config} when it exists." env:"APP_CONFIG_FILE" placeholder:"PATH" type:"path"`
 
-	Run     runCmd     `cmd:"" default:"1" help:"Run jobs and the outbox relay until SIGTERM (the default command)."`
+	Run     runCmd     `cmd:"" default:"1" help:"Run jobs, the outbox relay and tasks until SIGTERM (the default command)."`
 	Migrate migrateCmd `cmd:"" help:"Apply database migrations (the worker's and River's) and exit. Safe to run repeatedly and from several replicas."`
 	Cfg     struct {
 		Print configPrintCmd `cmd:"" help:"Print the effective configuration as YAML, secrets masked."`
@@ -56,6 +56,7 @@ type cli struct {
 			Purge outboxDeadPurgeCmd `cmd:"" help:"Delete DEAD events for good."`
 		} `cmd:"" help:"Inspect, requeue or delete dead-lettered events."`
 	} `cmd:"" help:"Operate the transactional outbox."`
+	Tasks       tasksCmd       `cmd:"" help:"Operate background tasks (River)."`
 	Healthcheck healthcheckCmd `cmd:"" help:"Exit 0 if the local worker's /readyz answers 200, 1 otherwise (for a container HEALTHCHECK)."`
 	Version     versionCmd     `cmd:"" help:"Print the version and exit."`
 }
@@ -258,10 +259,19 @@ func deadAction(e *cmdEnv, sel deadSelection, verb string,
 	}
 	return withPool(e, func(ctx context.Context, pool *pgxpool.Pool, log *slog.Logger) error {
 		n, err := act(ctx, pool, sel.EventID, operator(), log)
-		if errors.Is(err, outbox.ErrNotDead) {
+		var left *outbox.RulesLeftError
+		var rule *outbox.RuleError
+		switch {
+		case errors.Is(err, outbox.ErrNotDead):
 			return &NotFoundError{Err: err, Msg: fmt.Sprintf("no DEAD event with event_id %s; `worker outbox dead list` shows them", sel.EventID)}
-		}
-		if err != nil {
+		case errors.As(err, &rule):
+			return &DataError{Err: err, Msg: fmt.Sprintf("event %s breaks a producer rule (%s: %s) and cannot be requeued; `worker outbox dead purge %s` deletes it",
+				sel.EventID, rule.Constraint, rule.Problem, sel.EventID)}
+		case errors.As(err, &left):
+			// The others were requeued: say so, and what is left.
+			fmt.Fprintf(e.Stdout, "%s %d event(s); %d left DEAD because they break a producer rule: purge them\n", verb, n, left.Left)
+			return nil
+		case err != nil:
 			return err
 		}
 		fmt.Fprintf(e.Stdout, "%s %d event(s)\n", verb, n)

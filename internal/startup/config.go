@@ -25,6 +25,7 @@ import (
 	"worker/internal/jobs"
 	"worker/internal/obs"
 	"worker/internal/outbox"
+	"worker/internal/tasks"
 )
 
 // Config is the effective configuration: built-in defaults, then the YAML
@@ -61,6 +62,8 @@ type Config struct {
 		MaxSize int `koanf:"max_size"`
 	} `koanf:"async_executor"`
 	Outbox outbox.Config     `koanf:"outbox"`
+	Tasks  tasks.Config      `koanf:"tasks"`
+	UI     UIConfig          `koanf:"ui"`
 	Jobs   []jobs.Definition `koanf:"jobs"`
 
 	// instanceIDDerived is set when instance.id was empty and LoadConfig
@@ -101,19 +104,26 @@ func settings() []setting {
 		{"log.level", "info"},
 		{"log.format", "json"},
 		{"async_executor.max_size", 10},
+		{"ui.enabled", false},
+		{"ui.username", "admin"},
+		{"ui.password", ""},
 	}
-	// The outbox section is read off its own defaults, so a field added
-	// there is a key here too (and the docs test asks for its rows).
-	return append(all, flatten("outbox", reflect.ValueOf(outbox.DefaultConfig()))...)
+	// The outbox and tasks sections are read off their own defaults, so a
+	// field added there is a key here too (and the docs test asks for its
+	// rows).
+	all = append(all, flatten("outbox", reflect.ValueOf(outbox.DefaultConfig()))...)
+	return append(all, flatten("tasks", reflect.ValueOf(tasks.DefaultConfig()))...)
 }
 
 func flatten(prefix string, v reflect.Value) []setting {
 	var out []setting
 	for i := range v.NumField() {
 		key := prefix + "." + v.Type().Field(i).Tag.Get("koanf")
-		if f := v.Field(i); f.Kind() == reflect.Struct {
+		switch f := v.Field(i); f.Kind() {
+		case reflect.Struct:
 			out = append(out, flatten(key, f)...)
-		} else {
+		case reflect.Map, reflect.Slice: // YAML-only (tasks.queues, tasks.kinds)
+		default:
 			out = append(out, setting{key, f.Interface()})
 		}
 	}
@@ -220,13 +230,16 @@ func LoadConfig(path string, environ []string) (*Config, error) {
 func checkFileKeys(fk *koanf.Koanf, defaults map[string]any, path string, lines lineFinder) error {
 	known := slices.Sorted(maps.Keys(defaults))
 	for _, key := range fk.Keys() {
-		if key == "jobs" || strings.HasPrefix(key, "jobs.") {
+		if key == "jobs" || strings.HasPrefix(key, "jobs.") || isTaskListKey(key) {
 			continue
 		}
 		if _, ok := defaults[key]; !ok {
 			return configErrorf("%s: unknown key %q%s; known keys are listed in %s and the README",
 				lines.at(strings.Split(key, ".")...), key, didYouMean(key, known), DefaultConfigFile)
 		}
+	}
+	if err := checkTaskKeys(fk, path); err != nil {
+		return err
 	}
 	raw := fk.Get("jobs")
 	if raw == nil {
@@ -375,6 +388,13 @@ func (c *Config) validate(source func(string) string) error {
 	}
 	if err := validateSink(c.Outbox); err != nil {
 		return err
+	}
+	if err := c.Tasks.Validate(); err != nil {
+		return configErrorf("%v", err)
+	}
+	if c.UI.Enabled && (c.UI.Username == "" || c.UI.Password == "") {
+		return configErrorf("ui.enabled=true needs %s and %s: River UI is only served behind authentication",
+			source("ui.username"), "APP_UI_PASSWORD")
 	}
 	if err := jobs.ValidateDefinitions(c.Jobs); err != nil {
 		return configErrorf("%w", err)

@@ -29,16 +29,19 @@ var targetLabels = []string{"job", "instance"}
 
 // A query on a metric or label the worker does not export shows an empty
 // panel, or an alert that can never fire: both read as "all is well". A
-// real worker (multi-instance, postgres leases, a job, the outbox relay)
-// must serve every metric and label the dashboard and the rules name, and
-// before any event: known series start at zero, so nothing is missing
-// until something happens.
+// real worker (multi-instance, postgres leases, a job, the outbox relay, a
+// task kind) must serve every metric and label the dashboard and the rules
+// name, and before any event: known series start at zero, so nothing is
+// missing until something happens.
 func TestDeployQueriesNameOnlyExportedMetrics(t *testing.T) {
 	t.Parallel()
 	db := pgtest.New(t)
 	cfgFile := filepath.Join(t.TempDir(), "worker.yaml")
 	if err := os.WriteFile(cfgFile, []byte(`jobs:
   - {name: tick, kind: sql, sql: "SELECT 1", delay: 1h, initial_delay: 1h}
+tasks:
+  kinds:
+    - {name: ping, type: sql, sql: "SELECT $1"}
 `), 0o600); err != nil {
 		t.Fatal(err)
 	}

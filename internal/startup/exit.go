@@ -3,6 +3,8 @@ package startup
 import (
 	"errors"
 	"fmt"
+
+	"worker/internal/obs"
 )
 
 // Exit codes (sysexits), as documented in the README.
@@ -11,11 +13,13 @@ const (
 	ExitInterrupted = 1  // a second signal during shutdown, or a signal to an operator command
 	ExitUnhealthy   = 1  // worker healthcheck: the local worker is not ready
 	ExitUsage       = 64 // bad command line or argument
+	ExitDataErr     = 65 // the named item's data forbids the operation
 	ExitNoInput     = 66 // a named item (event, database) does not exist
 	ExitUnavailable = 69 // a dependency unreachable at start
 	ExitInternal    = 70 // internal error only; an operator mistake is never 70
 	ExitOSError     = 71 // the system refused a resource, such as a port in use
 	ExitUnsafe      = 72 // multi-instance without a shared lock provider
+	ExitTempFail    = 75 // refused for now (a full task queue); retry later
 	ExitNoPerm      = 77 // a dependency refused our credentials
 	ExitConfig      = 78 // invalid configuration
 )
@@ -27,6 +31,7 @@ func ExitCode(err error) int {
 		se *SafetyError
 		ae *AuthError
 		ne *NotFoundError
+		de *DataError
 		oe *OSError
 		ue *UnavailableError
 		us *usageError
@@ -47,12 +52,16 @@ func ExitCode(err error) int {
 		return ExitNoPerm
 	case errors.As(err, &ne):
 		return ExitNoInput
+	case errors.As(err, &de):
+		return ExitDataErr
 	case errors.As(err, &oe):
 		return ExitOSError
 	case errors.As(err, &ue):
 		return ExitUnavailable
 	case errors.As(err, &us):
 		return ExitUsage
+	case obs.CodeOf(err) == obs.CodeJobExecutorRejected:
+		return ExitTempFail
 	}
 	return ExitInternal
 }
@@ -104,6 +113,16 @@ type NotFoundError struct {
 
 func (e *NotFoundError) Error() string { return e.Msg }
 func (e *NotFoundError) Unwrap() error { return e.Err }
+
+// DataError is an operation that the named item's own data forbids, such
+// as requeuing an event that breaks a producer rule: exit 65.
+type DataError struct {
+	Msg string
+	Err error
+}
+
+func (e *DataError) Error() string { return e.Msg }
+func (e *DataError) Unwrap() error { return e.Err }
 
 // OSError is a resource the system refused, such as a port already in use:
 // exit 71.

@@ -129,20 +129,28 @@ func (p *proc) get(path string) (int, string) {
 // waitReady polls /readyz until 200 and returns how long it took.
 func (p *proc) waitReady(t *testing.T, limit time.Duration) time.Duration {
 	t.Helper()
+	took, err := p.ready(limit)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return took
+}
+
+// ready is waitReady for callers that handle a failed start themselves.
+func (p *proc) ready(limit time.Duration) (time.Duration, error) {
 	start := time.Now()
 	for time.Since(start) < limit {
 		select {
 		case <-p.done:
-			t.Fatalf("worker exited %d before ready", p.cmd.ProcessState.ExitCode())
+			return 0, fmt.Errorf("worker exited %d before ready", p.cmd.ProcessState.ExitCode())
 		default:
 		}
 		if code, _ := p.get("/readyz"); code == http.StatusOK {
-			return time.Since(start)
+			return time.Since(start), nil
 		}
 		time.Sleep(20 * time.Millisecond)
 	}
-	t.Fatalf("not ready after %s", limit)
-	return 0
+	return 0, fmt.Errorf("not ready after %s", limit)
 }
 
 func TestRunBecomesReadyServesMetricsAndStopsOnSigterm(t *testing.T) {

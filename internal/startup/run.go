@@ -62,8 +62,14 @@ func (runCmd) Run(e *cmdEnv) error {
 
 	reg := obs.NewRegistry()
 	ready := &readiness{}
+	var ui *uiMount
+	var uiHandler http.Handler
+	if cfg.UI.Enabled {
+		ui = &uiMount{}
+		uiHandler = basicAuth(cfg.UI.Username, cfg.UI.Password, ui)
+	}
 	registerOpsMetrics(reg, ready)
-	srv := newOpsServer(cfg.HTTP.Addr, reg, ready)
+	srv := newOpsServer(cfg.HTTP.Addr, reg, ready, uiHandler)
 	ln, err := listen(srv)
 	if err != nil {
 		return &OSError{Err: err, Msg: fmt.Sprintf("ops HTTP server on %s (APP_HTTP_ADDR): %v", cfg.HTTP.Addr, err)}
@@ -123,6 +129,13 @@ func (runCmd) Run(e *cmdEnv) error {
 			ready.broker = r.Ready
 		}
 	}
+	if ui != nil {
+		part, err := ui.attach(pool, log)
+		if err != nil {
+			return fmt.Errorf("river UI: %w", err)
+		}
+		parts = append(parts, part)
+	}
 	// Components get a context that SIGTERM does not cancel: for the outbox
 	// relay, cancelling Start's ctx is a hard stop that cuts off publishes in
 	// flight. SIGTERM reaches them through Shutdown, which gives in-flight
@@ -167,7 +180,7 @@ func shutdownAll(parts []component, budget time.Duration, log *slog.Logger) {
 
 func newLogger(e *cmdEnv, cfg *Config) (*slog.Logger, error) {
 	log, err := obs.NewLogger(e.Stderr, cfg.Log.Format, cfg.Log.Level, cfg.Instance.ID,
-		logSecrets(cfg.Database.URL, sinkSecrets(cfg.Outbox)...)...)
+		append(logSecrets(cfg.Database.URL, sinkSecrets(cfg.Outbox)...), cfg.UI.Password)...)
 	if err != nil {
 		return nil, configErrorf("%w", err)
 	}

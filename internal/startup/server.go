@@ -59,8 +59,12 @@ func (r *readiness) check(ctx context.Context) (bool, string) {
 	return true, "ok"
 }
 
-func newOpsServer(addr string, reg *prometheus.Registry, ready *readiness) *http.Server {
+// newOpsServer serves metrics and probes, and River UI when ui is not nil.
+func newOpsServer(addr string, reg *prometheus.Registry, ready *readiness, ui http.Handler) *http.Server {
 	mux := http.NewServeMux()
+	if ui != nil {
+		mux.Handle(uiPrefix+"/", ui)
+	}
 	mux.Handle("GET /metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{Registry: reg}))
 	mux.HandleFunc("GET /livez", func(w http.ResponseWriter, _ *http.Request) {
 		_, _ = w.Write([]byte("ok\n"))

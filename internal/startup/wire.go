@@ -87,6 +87,13 @@ func wire(ctx context.Context, cfg *Config, pool *pgxpool.Pool, log *slog.Logger
 		}
 		parts = append(parts, sinkRelay{Relay: relay, sink: sink})
 	}
+	if cfg.Tasks.Enabled {
+		rt, err := newTaskRuntime(cfg, pool, log, reg)
+		if err != nil {
+			return nil, cleanup, err
+		}
+		parts = append(parts, rt)
+	}
 	// The outbox reaper runs even where the relay is off: retention is a
 	// property of the table, not of this replica.
 	specs = append(specs, jobs.Spec{

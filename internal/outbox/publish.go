@@ -1,0 +1,265 @@
+package outbox
+
+import (
+	"context"
+	"fmt"
+	"math/rand/v2"
+	"sync"
+	"time"
+)
+
+// A batch waits at most detach_after for its publishes. Whatever is still
+// being published then is detached: the batch commits at once,
+// writing each such event IN_FLIGHT under the batch's owner token with a
+// visibility deadline, releasing the rest, and each detached publish
+// records its outcome on its own with a compare-and-set. So a slow or hung
+// call holds back only its own aggregate, and claim transactions stay
+// short, while quick publishes (nearly all of them) still cost one write.
+
+// batch is the publishing of one claimed batch: workers take its runs
+// (one aggregate each) and publish each run in order, up to max_in_flight
+// publishes at once across the relay.
+type batch struct {
+	runs  []*runState
+	token string        // claimed_by of the events this batch detaches
+	cutCh chan struct{} // closed when the batch is cut: nothing new starts
+
+	mu   sync.Mutex
+	next int // the next run a worker takes
+	cut  bool
+	out  outcomes
+}
+
+// runState is the progress of one run.
+type runState struct {
+	events   []claimedRow
+	pos      int  // the event being published, or the next to start
+	busy     bool // events[pos] is being published
+	over     bool // nothing more of this run is published in this batch
+	detached bool // events[pos] was detached while being published
+}
+
+// publish hands the claimed runs to the sink: different aggregates at
+// once, up to max_in_flight publishes across the relay, each run in order,
+// one event at a time. After a failure the rest of that run is left alone:
+// it must not overtake the failed event. It returns the outcomes to commit
+// once every publish finished, or after detach_after with the outstanding
+// ones detached.
+func (r *Relay) publish(runs [][]claimedRow, claimedAt time.Time, skew time.Duration) *outcomes {
+	b := &batch{
+		token: fmt.Sprintf("%s/%016x", r.instanceID, rand.Uint64()),
+		cutCh: make(chan struct{}),
+		out:   outcomes{settled: make(chan struct{})},
+	}
+	for _, run := range runs {
+		b.runs = append(b.runs, &runState{events: run})
+	}
+	// A detached publish must end before its visibility deadline
+	// (in_flight_timeout after the batch commits) lets another relay
+	// reclaim the event.
+	ctx, cancel := context.WithDeadline(r.hardCtx, claimedAt.Add(r.cfg.InFlightTimeout-r.cfg.InFlightTimeout/10))
+	var workers sync.WaitGroup
+	for range min(len(runs), r.cfg.MaxInFlight) {
+		workers.Add(1)
+		r.publishers.Add(1)
+		go func() {
+			defer r.publishers.Done()
+			defer workers.Done()
+			r.work(ctx, b, skew)
+		}()
+	}
+	done := make(chan struct{})
+	go func() {
+		workers.Wait()
+		cancel()
+		close(done)
+	}()
+	t := time.NewTimer(r.cfg.DetachAfter)
+	defer t.Stop()
+	select {
+	case <-done:
+	case <-t.C:
+	}
+	return b.cutOff()
+}
+
+// work publishes runs of b until none is left or the batch is cut.
+func (r *Relay) work(ctx context.Context, b *batch, skew time.Duration) {
+	for run := b.take(); run != nil; run = b.take() {
+		for {
+			if !r.acquireSlot(b.cutCh) {
+				b.begin(run, true) // cut while waiting: hand the rest back
+				return
+			}
+			ev := b.begin(run, r.claimCtx.Err() != nil)
+			if ev == nil {
+				<-r.slots
+				break
+			}
+			err := ev.unreadable // permanent: DEAD without reaching the sink
+			if err == nil {
+				err = r.sink.Publish(ctx, ev.Event)
+			}
+			o := r.outcome(*ev, err, skew)
+			<-r.slots
+			if b.end(run, o) {
+				r.complete(b, *ev, o)
+				return
+			}
+		}
+	}
+}
+
+func (r *Relay) acquireSlot(cut <-chan struct{}) bool {
+	select {
+	case r.slots <- struct{}{}:
+		return true
+	case <-cut:
+		return false
+	}
+}
+
+// take returns the next run nobody works on, or nil.
+func (b *batch) take() *runState {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if b.cut || b.next == len(b.runs) {
+		return nil
+	}
+	b.next++
+	return b.runs[b.next-1]
+}
+
+// begin returns the run's next event to publish and marks it busy, or nil
+// when the run is over. With stop set (claiming stopped, or the batch was
+// cut), the rest of the run is handed back instead.
+func (b *batch) begin(run *runState, stop bool) *claimedRow {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if run.over || run.pos == len(run.events) {
+		run.over = true
+		return nil
+	}
+	if stop || b.cut {
+		b.handBack(run, run.pos)
+		return nil
+	}
+	run.busy = true
+	return &run.events[run.pos]
+}
+
+// end records the outcome of the run's busy event. It reports true when
+// the event was detached meanwhile: the caller then records the outcome
+// itself, after the batch committed.
+func (b *batch) end(run *runState, o eventOutcome) (detached bool) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	run.busy = false
+	if run.detached {
+		return true
+	}
+	switch {
+	case o.handBack:
+		b.handBack(run, run.pos)
+	case o.failed != nil:
+		b.out.failed = append(b.out.failed, *o.failed)
+		run.over = true // the rest of this aggregate waits
+	default:
+		b.out.published = append(b.out.published, &run.events[run.pos])
+		b.out.at = append(b.out.at, o.at)
+		run.pos++
+	}
+	return false
+}
+
+// handBack gives back the run's events from i on, unpublished. Called
+// with b.mu held.
+func (b *batch) handBack(run *runState, i int) {
+	for j := i; j < len(run.events); j++ {
+		b.out.handBack = append(b.out.handBack, &run.events[j])
+	}
+	run.over = true
+}
+
+// cutOff ends the batch: nothing new starts, the events being published
+// are detached and everything not yet started is handed back. It returns
+// the outcomes to commit; workers no longer touch them.
+func (b *batch) cutOff() *outcomes {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	b.cut = true
+	close(b.cutCh)
+	for _, run := range b.runs {
+		if run.over {
+			continue
+		}
+		if run.busy {
+			run.detached = true
+			b.out.detached = append(b.out.detached, &run.events[run.pos])
+			b.handBack(run, run.pos+1)
+			continue
+		}
+		b.handBack(run, run.pos)
+	}
+	b.out.token = b.token
+	return &b.out
+}
+
+// eventOutcome is what one publish came to.
+type eventOutcome struct {
+	at       time.Time // accepted, on the database clock
+	failed   *failure
+	handBack bool // cancelled by a hard stop: not the sink's fault
+}
+
+func (r *Relay) outcome(ev claimedRow, err error, skew time.Duration) eventOutcome {
+	switch {
+	case err == nil:
+		return eventOutcome{at: time.Now().Add(skew)}
+	case r.hardCtx.Err() != nil:
+		return eventOutcome{handBack: true}
+	default:
+		f := r.classify(ev, err)
+		return eventOutcome{failed: &f}
+	}
+}
+
+// complete records the outcome of a detached publish once its batch has
+// committed the event as IN_FLIGHT: a compare-and-set on the event's id,
+// status, owner token and attempt, so an outcome whose claim expired (and
+// which another relay may have taken over) changes nothing.
+func (r *Relay) complete(b *batch, ev claimedRow, o eventOutcome) {
+	defer r.m.claimed.Dec()
+	<-b.out.settled
+	if !b.out.committed {
+		return // the batch rolled back: the event was never marked, it will be published again
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), finishTimeout)
+	defer cancel()
+	attempts := ev.Attempts + 1 // the IN_FLIGHT write counted this attempt
+	var out outcomes
+	var sql string
+	var args []any
+	switch {
+	case o.failed != nil:
+		f := o.failed
+		sql, args = completeFailedSQL, []any{ev.Seq, b.token, attempts, f.status, f.delay.Milliseconds(), errorText(f.err), r.instanceID}
+		out.failed = []failure{*f}
+	case o.handBack:
+		sql, args = completeHandBackSQL, []any{ev.Seq, b.token, attempts}
+	default:
+		sql, args = completePublishedSQL, []any{ev.Seq, b.token, attempts, r.instanceID}
+		out.published, out.at = []*claimedRow{&ev}, []time.Time{o.at}
+	}
+	tag, err := r.pool.Exec(ctx, sql, args...)
+	switch {
+	case err != nil:
+		r.log.Warn("outbox outcome of a detached publish not recorded; the event is published again after its visibility timeout",
+			"event_id", ev.EventID, "error", err)
+	case tag.RowsAffected() == 0:
+		r.log.Warn("outbox claim of a detached publish expired before its outcome; the event may be published again",
+			"event_id", ev.EventID)
+	default:
+		r.record(&out)
+	}
+}

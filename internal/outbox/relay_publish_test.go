@@ -1,0 +1,251 @@
+package outbox
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+
+	"worker/internal/pgtest"
+	"worker/internal/testkit"
+)
+
+// concurrencySink records how many publishes are in progress at once, in
+// all and per aggregate, and the order in which each aggregate's events
+// arrive. Each call waits (briefly) until `gather` calls are in progress,
+// so publishes that can overlap do.
+type concurrencySink struct {
+	gather int
+	hang   func(e Event) bool // events whose call blocks until ctx ends or release closes
+	// release, when closed, ends the hung calls with a transient error.
+	release chan struct{}
+
+	mu        sync.Mutex
+	inFlight  int
+	peak      int
+	perAgg    map[string]int
+	twoAtOnce []string // aggregates seen with two calls at once
+	arrived   map[string][]int64
+	hung      map[string]int // calls that hung, per event_id
+}
+
+func newConcurrencySink(gather int) *concurrencySink {
+	return &concurrencySink{
+		gather: gather, release: make(chan struct{}),
+		perAgg: map[string]int{}, arrived: map[string][]int64{}, hung: map[string]int{},
+	}
+}
+
+func (s *concurrencySink) Name() string { return "concurrency" }
+
+func (s *concurrencySink) Publish(ctx context.Context, e Event) error {
+	s.mu.Lock()
+	s.inFlight++
+	s.peak = max(s.peak, s.inFlight)
+	s.perAgg[e.AggregateID]++
+	if s.perAgg[e.AggregateID] > 1 {
+		s.twoAtOnce = append(s.twoAtOnce, e.AggregateID)
+	}
+	hang := s.hang != nil && s.hang(e)
+	if hang {
+		s.hung[e.EventID]++
+	}
+	s.mu.Unlock()
+	defer func() {
+		s.mu.Lock()
+		s.inFlight--
+		s.perAgg[e.AggregateID]--
+		s.mu.Unlock()
+	}()
+	if hang {
+		select {
+		case <-s.release:
+			return errors.New("the hung call gave up")
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+	}
+	// Not a synchronisation: a pause that lets other publishes start, so
+	// the peak shows how many the relay allows at once.
+	for deadline := time.Now().Add(50 * time.Millisecond); time.Now().Before(deadline); time.Sleep(time.Millisecond) {
+		s.mu.Lock()
+		n := s.inFlight
+		s.mu.Unlock()
+		if n >= s.gather {
+			break
+		}
+	}
+	s.mu.Lock()
+	s.arrived[e.AggregateID] = append(s.arrived[e.AggregateID], e.Seq)
+	s.mu.Unlock()
+	return nil
+}
+
+func (s *concurrencySink) delivered() int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	n := 0
+	for _, seqs := range s.arrived {
+		n += len(seqs)
+	}
+	return n
+}
+
+// checkOrder fails the test unless every aggregate's events arrived in id
+// order, each once.
+func (s *concurrencySink) checkOrder(t *testing.T) {
+	t.Helper()
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for agg, seqs := range s.arrived {
+		for i := 1; i < len(seqs); i++ {
+			if seqs[i] <= seqs[i-1] {
+				t.Errorf("aggregate %s: event %d arrived after %d", agg, seqs[i], seqs[i-1])
+			}
+		}
+	}
+	if len(s.twoAtOnce) > 0 {
+		t.Errorf("two publishes of one aggregate at once: %v", s.twoAtOnce)
+	}
+}
+
+func appendMany(t *testing.T, db *pgtest.DB, aggregates, perAggregate int, prefix string) {
+	t.Helper()
+	exec(t, db.Pool, `
+INSERT INTO outbox_event (aggregate_type, aggregate_id, event_type, payload)
+SELECT 'order', $1::text || (g % $2::int), 'order.updated', jsonb_build_object('g', g)
+FROM generate_series(0, $2::int * $3::int - 1) g ORDER BY g`, prefix, aggregates, perAggregate)
+}
+
+// TestRelayPublishesAggregatesConcurrently: three loops share max_in_flight
+// 4. Publishes of different aggregates overlap up to exactly that bound,
+// never beyond it, never two of one aggregate at once, and every aggregate's
+// events arrive in order.
+func TestRelayPublishesAggregatesConcurrently(t *testing.T) {
+	t.Parallel()
+	const aggregates, perAggregate = 20, 10
+	db := pgtest.New(t)
+	appendMany(t, db, aggregates, perAggregate, "agg-")
+	cfg := testConfig()
+	cfg.Relays = 3
+	cfg.MaxInFlight = 4
+	sink := newConcurrencySink(cfg.MaxInFlight)
+	startRelay(t, db.NewPool(t, 6), sink, cfg, nil)
+	testkit.Eventually(t, 30*time.Second, "every event delivered", func() bool {
+		return sink.delivered() >= aggregates*perAggregate
+	})
+	sink.checkOrder(t)
+	if sink.delivered() != aggregates*perAggregate {
+		t.Errorf("%d deliveries of %d events", sink.delivered(), aggregates*perAggregate)
+	}
+	sink.mu.Lock()
+	defer sink.mu.Unlock()
+	if sink.peak != cfg.MaxInFlight {
+		t.Errorf("at most %d publishes at once, want max_in_flight = %d", sink.peak, cfg.MaxInFlight)
+	}
+}
+
+// TestRelayHungPublishHoldsBackOnlyItsAggregate: one aggregate's first
+// publish hangs. Every other aggregate is published meanwhile; the hung
+// event is IN_FLIGHT under this relay's claim, and its aggregate's later
+// events are neither published nor handed to the sink. When the call gives
+// up, the usual retry policy applies and the aggregate drains in order.
+func TestRelayHungPublishHoldsBackOnlyItsAggregate(t *testing.T) {
+	t.Parallel()
+	db := pgtest.New(t)
+	var hungIDs []string
+	for i := range 3 {
+		hungIDs = append(hungIDs, appendEvent(t, db.Pool, "hung", fmt.Sprintf("hung-%d", i)))
+	}
+	appendMany(t, db, 10, 10, "other-")
+	sink := newConcurrencySink(1)
+	var once sync.Once
+	sink.hang = func(e Event) bool {
+		hang := false
+		if e.EventID == hungIDs[0] {
+			once.Do(func() { hang = true }) // only the first call
+		}
+		return hang
+	}
+	startRelay(t, db.Pool, sink, testConfig(), nil)
+
+	testkit.Eventually(t, 30*time.Second, "every other aggregate delivered, the hung event detached", func() bool {
+		return sink.delivered() == 100 && statusOf(t, db.Pool, hungIDs[0]) == StatusInFlight
+	})
+	var status, claimedBy string
+	var attempts int
+	if err := db.Pool.QueryRow(context.Background(),
+		`SELECT status, attempts, claimed_by FROM outbox_event WHERE event_id = $1`, hungIDs[0]).Scan(&status, &attempts, &claimedBy); err != nil {
+		t.Fatal(err)
+	}
+	if status != StatusInFlight || attempts != 1 || claimedBy == "test-relay" {
+		t.Errorf("hung event: status %s, attempts %d, claimed_by %q; want IN_FLIGHT, 1, an owner token", status, attempts, claimedBy)
+	}
+	for _, id := range hungIDs[1:] {
+		if s := statusOf(t, db.Pool, id); s != StatusPending {
+			t.Errorf("event behind the hung one: status %s, want PENDING", s)
+		}
+	}
+	sink.mu.Lock()
+	early := len(sink.arrived["hung"])
+	sink.mu.Unlock()
+	if early != 0 {
+		t.Errorf("%d events of the hung aggregate delivered while its head hangs", early)
+	}
+
+	close(sink.release) // the call fails: a transient error, retried
+	testkit.Eventually(t, 30*time.Second, "the hung aggregate drained", func() bool {
+		for _, id := range hungIDs {
+			if statusOf(t, db.Pool, id) != StatusPublished {
+				return false
+			}
+		}
+		return true
+	})
+	if err := db.Pool.QueryRow(context.Background(),
+		`SELECT attempts FROM outbox_event WHERE event_id = $1`, hungIDs[0]).Scan(&attempts); err != nil {
+		t.Fatal(err)
+	}
+	if attempts != 2 {
+		t.Errorf("hung event published after %d attempts, want 2 (the hung one, then the retry)", attempts)
+	}
+	sink.checkOrder(t)
+}
+
+// TestRelayDetachedOutcomeNeedsItsClaim: a detached publish whose claim
+// was taken over meanwhile (another owner in claimed_by, as after an
+// expired visibility deadline) records nothing when it returns.
+func TestRelayDetachedOutcomeNeedsItsClaim(t *testing.T) {
+	t.Parallel()
+	db := pgtest.New(t)
+	id := appendEvent(t, db.Pool, "x", "slow")
+	sink := newConcurrencySink(1)
+	sink.hang = func(e Event) bool { return e.EventID == id }
+	reg := prometheus.NewRegistry()
+	startRelay(t, db.Pool, sink, testConfig(), reg)
+	testkit.Eventually(t, 10*time.Second, "the publish detached", func() bool { return statusOf(t, db.Pool, id) == StatusInFlight })
+	exec(t, db.Pool, `UPDATE outbox_event SET claimed_by = 'another-relay/1' WHERE event_id = $1`, id)
+	close(sink.release) // the call fails; its outcome must not be written
+	// The detached publish stops counting as claimed once it is done with
+	// its outcome, written or not.
+	testkit.Eventually(t, 10*time.Second, "the detached publish done", func() bool {
+		v, ok := testkit.Metric(t, reg, "outbox_claimed_events", nil)
+		sink.mu.Lock()
+		defer sink.mu.Unlock()
+		return ok && v == 0 && sink.inFlight == 0
+	})
+	var status, claimedBy string
+	var attempts int
+	if err := db.Pool.QueryRow(context.Background(),
+		`SELECT status, claimed_by, attempts FROM outbox_event WHERE event_id = $1`, id).Scan(&status, &claimedBy, &attempts); err != nil {
+		t.Fatal(err)
+	}
+	if status != StatusInFlight || claimedBy != "another-relay/1" || attempts != 1 {
+		t.Errorf("after a taken-over claim: status %s, claimed_by %q, attempts %d; want it left IN_FLIGHT for another-relay/1, 1 attempt",
+			status, claimedBy, attempts)
+	}
+}

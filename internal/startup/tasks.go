@@ -1,0 +1,236 @@
+package startup
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"log/slog"
+	"reflect"
+	"slices"
+	"strings"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/knadh/koanf/v2"
+	"github.com/prometheus/client_golang/prometheus"
+
+	"worker/internal/tasks"
+)
+
+// registerGoTasks is where task kinds written in Go are added, the way Go
+// jobs are added in jobs.Builtin:
+//
+//	if err := tasks.AddWorker(r, &SendReceiptWorker{}); err != nil { return err }
+//
+// See docs/tasks.md.
+func registerGoTasks(*tasks.Registry) error { return nil }
+
+// newTaskRuntime builds the River component, or a configuration error (exit
+// 78) for a kind it cannot run.
+func newTaskRuntime(cfg *Config, pool *pgxpool.Pool, log *slog.Logger, reg prometheus.Registerer) (component, error) {
+	rt, err := tasks.New(tasks.Options{
+		Config:     cfg.Tasks,
+		Pool:       pool,
+		InstanceID: cfg.Instance.ID,
+		Logger:     log,
+		Registerer: reg,
+		Register:   registerGoTasks,
+	})
+	var ce *tasks.ConfigError
+	if errors.As(err, &ce) {
+		return nil, configErrorf("%v", ce)
+	}
+	return rt, err
+}
+
+// isTaskListKey is true for the YAML-only parts of `tasks:` (queues and
+// kinds), which checkTaskKeys checks instead of the scalar key list.
+func isTaskListKey(key string) bool {
+	return key == "tasks.kinds" || key == "tasks.queues" || strings.HasPrefix(key, "tasks.queues.")
+}
+
+// checkTaskKeys rejects unknown keys under tasks.queues.<name> and in
+// tasks.kinds entries, and unitless durations.
+func checkTaskKeys(fk *koanf.Koanf, path string) error {
+	queueKeys := tagNames(reflect.TypeFor[tasks.Queue]())
+	for _, key := range fk.Keys() {
+		rest, ok := strings.CutPrefix(key, "tasks.queues.")
+		if !ok {
+			continue
+		}
+		name, field, _ := strings.Cut(rest, ".")
+		if !slices.Contains(queueKeys, field) {
+			return configErrorf("%s: tasks.queues.%s: unknown key %q; allowed: %s", path, name, field, strings.Join(queueKeys, ", "))
+		}
+	}
+	raw := fk.Get("tasks.kinds")
+	if raw == nil {
+		return nil
+	}
+	list, ok := raw.([]any)
+	if !ok {
+		return configErrorf("%s: tasks.kinds must be a list of kinds with name, type, ...", path)
+	}
+	allowed := tagNames(reflect.TypeFor[tasks.Kind]())
+	for i, item := range list {
+		m, ok := item.(map[string]any)
+		if !ok {
+			return configErrorf("%s: tasks.kinds[%d] must be a mapping with name, type, ...", path, i)
+		}
+		for key, v := range m {
+			if !slices.Contains(allowed, key) {
+				return configErrorf("%s: tasks.kinds[%d] %q: unknown key %q; allowed: %s", path, i, fmt.Sprint(m["name"]), key, strings.Join(allowed, ", "))
+			}
+			if key == "timeout" {
+				if err := checkUnitless(v); err != nil {
+					return configErrorf("%s: tasks.kinds[%d] %q: timeout %v %v", path, i, fmt.Sprint(m["name"]), v, err)
+				}
+			}
+		}
+	}
+	return nil
+}
+
+// tasksCmd is `worker tasks ...`.
+type tasksCmd struct {
+	Enqueue tasksEnqueueCmd `cmd:"" help:"Enqueue a task (smoke tests, replays)."`
+	List    tasksListCmd    `cmd:"" help:"List tasks, newest first."`
+	Dead    struct {
+		List tasksDeadListCmd `cmd:"" help:"List dead-lettered tasks (discarded, or cancelled by a permanent error), newest first."`
+	} `cmd:"" help:"Inspect dead-lettered tasks."`
+	Retry  tasksRetryCmd  `cmd:"" help:"Run a finished or waiting task again now."`
+	Cancel tasksCancelCmd `cmd:"" help:"Cancel a task; a running one has its context cancelled."`
+}
+
+type outputFlag struct {
+	Output string `default:"text" enum:"text,json" help:"Output format: text or json."`
+}
+
+func (o outputFlag) json() bool { return o.Output == "json" }
+
+// withTasksAdmin runs f with River's admin API on the worker's database.
+func withTasksAdmin(e *cmdEnv, f func(ctx context.Context, a *tasks.Admin, pool *pgxpool.Pool) error) error {
+	return withPool(e, func(ctx context.Context, pool *pgxpool.Pool, log *slog.Logger) error {
+		a, err := tasks.NewAdmin(pool, log)
+		if err != nil {
+			return err
+		}
+		err = f(ctx, a, pool)
+		if errors.Is(err, tasks.ErrNotFound) {
+			return &NotFoundError{Msg: err.Error(), Err: err}
+		}
+		return err
+	})
+}
+
+type tasksEnqueueCmd struct {
+	Kind string `arg:"" help:"Task kind."`
+	Args string `default:"{}" help:"Args as a JSON object."`
+	outputFlag
+}
+
+func (c tasksEnqueueCmd) Run(e *cmdEnv) error {
+	var obj map[string]any
+	if err := json.Unmarshal([]byte(c.Args), &obj); err != nil {
+		return &usageError{msg: "--args is not a JSON object: " + err.Error()}
+	}
+	return withTasksAdmin(e, func(ctx context.Context, a *tasks.Admin, pool *pgxpool.Pool) error {
+		var id int64
+		err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+			res, err := tasks.EnqueueJSON(ctx, tx, c.Kind, json.RawMessage(c.Args), nil)
+			if err == nil {
+				id = res.Job.ID
+			}
+			return err
+		})
+		if err != nil {
+			return err
+		}
+		if c.json() {
+			return json.NewEncoder(e.Stdout).Encode(map[string]int64{"id": id})
+		}
+		fmt.Fprintf(e.Stdout, "enqueued task %d\n", id)
+		return nil
+	})
+}
+
+type tasksListCmd struct {
+	State string `help:"Only tasks in this River state (available, running, retryable, scheduled, completed, discarded, cancelled, pending)."`
+	Kind  string `help:"Only tasks of this kind."`
+	Limit int    `default:"50" help:"Most tasks to list."`
+	outputFlag
+}
+
+func (c tasksListCmd) Run(e *cmdEnv) error {
+	if c.State != "" {
+		if err := tasks.CheckState(c.State); err != nil {
+			return &usageError{msg: "--state: " + err.Error()}
+		}
+	}
+	return listTasks(e, tasks.Filter{State: c.State, Kind: c.Kind, Limit: c.Limit}, c.json())
+}
+
+type tasksDeadListCmd struct {
+	Limit int `default:"50" help:"Most tasks to list."`
+	outputFlag
+}
+
+func (c tasksDeadListCmd) Run(e *cmdEnv) error {
+	return listTasks(e, tasks.Filter{Dead: true, Limit: c.Limit}, c.json())
+}
+
+func listTasks(e *cmdEnv, f tasks.Filter, asJSON bool) error {
+	return withTasksAdmin(e, func(ctx context.Context, a *tasks.Admin, _ *pgxpool.Pool) error {
+		list, err := a.List(ctx, f)
+		if err != nil {
+			return err
+		}
+		return tasks.Print(e.Stdout, list, asJSON)
+	})
+}
+
+type tasksRetryCmd struct {
+	ID      int64 `arg:"" optional:"" help:"Task id."`
+	AllDead bool  `help:"Every dead-lettered task."`
+	outputFlag
+}
+
+func (c tasksRetryCmd) Run(e *cmdEnv) error {
+	if (c.ID == 0) == !c.AllDead {
+		return &usageError{msg: "give exactly one of <id> or --all-dead"}
+	}
+	return withTasksAdmin(e, func(ctx context.Context, a *tasks.Admin, _ *pgxpool.Pool) error {
+		if c.AllDead {
+			n, err := a.RetryAllDead(ctx, operator())
+			if err != nil {
+				return err
+			}
+			if c.json() {
+				return json.NewEncoder(e.Stdout).Encode(map[string]int{"retried": n})
+			}
+			fmt.Fprintf(e.Stdout, "retried %d task(s)\n", n)
+			return nil
+		}
+		t, err := a.Retry(ctx, c.ID, operator())
+		if err != nil {
+			return err
+		}
+		return tasks.Print(e.Stdout, []tasks.Task{t}, c.json())
+	})
+}
+
+type tasksCancelCmd struct {
+	ID int64 `arg:"" help:"Task id."`
+	outputFlag
+}
+
+func (c tasksCancelCmd) Run(e *cmdEnv) error {
+	return withTasksAdmin(e, func(ctx context.Context, a *tasks.Admin, _ *pgxpool.Pool) error {
+		t, err := a.Cancel(ctx, c.ID, operator())
+		if err != nil {
+			return err
+		}
+		return tasks.Print(e.Stdout, []tasks.Task{t}, c.json())
+	})
+}

@@ -1,0 +1,78 @@
+package tasks
+
+import (
+	"cmp"
+	"context"
+	"encoding/json"
+	"errors"
+	"log/slog"
+	"sync"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/riverqueue/river"
+	"github.com/riverqueue/river/riverdriver/riverpgxv5"
+	"github.com/riverqueue/river/rivertype"
+
+	"worker/internal/obs"
+)
+
+// RejectedError is an enqueue refused because the queue's available backlog
+// is at its max_backlog: JOB_EXECUTOR_REJECTED. The producer's transaction
+// is aborted, like any failed statement; retry it later.
+type RejectedError struct{ Msg string }
+
+func (e *RejectedError) Error() string { return e.Msg }
+
+// Code implements obs.Coded.
+func (e *RejectedError) Code() string { return obs.CodeJobExecutorRejected }
+
+// rejectedState is the SQLSTATE worker_task_admit raises for a full queue.
+const rejectedState = "WK001"
+
+// inserter is an insert-only River client: no pool, no workers. InsertTx
+// runs on the caller's transaction.
+var inserter = sync.OnceValues(func() (*river.Client[pgx.Tx], error) {
+	return river.NewClient(riverpgxv5.New(nil), &river.Config{Logger: slog.New(slog.DiscardHandler)})
+})
+
+// Enqueue inserts a task in the caller's transaction, through River's
+// InsertTx: it runs once tx commits. Queue and max_attempts default to the
+// kind's configuration (opts and the args' InsertOpts win), the queue's
+// backlog bound applies (*RejectedError), and the Meta in ctx (WithMeta) is
+// copied into the task's metadata.
+func Enqueue(ctx context.Context, tx pgx.Tx, args river.JobArgs, opts *river.InsertOpts) (*rivertype.JobInsertResult, error) {
+	client, err := inserter()
+	if err != nil {
+		return nil, err
+	}
+	o := river.InsertOpts{}
+	if opts != nil {
+		o = *opts
+	}
+	if a, ok := args.(river.JobArgsWithInsertOpts); ok {
+		own := a.InsertOpts()
+		o.Queue = cmp.Or(o.Queue, own.Queue)
+		o.MaxAttempts = cmp.Or(o.MaxAttempts, own.MaxAttempts)
+	}
+	err = tx.QueryRow(ctx, "SELECT queue, max_attempts FROM worker_task_admit($1, $2, $3)",
+		args.Kind(), o.Queue, o.MaxAttempts).Scan(&o.Queue, &o.MaxAttempts)
+	if err != nil {
+		var pg *pgconn.PgError
+		if errors.As(err, &pg) && pg.Code == rejectedState {
+			return nil, &RejectedError{Msg: pg.Message}
+		}
+		return nil, err
+	}
+	if o.Metadata, err = MetaFrom(ctx).mergeInto(o.Metadata); err != nil {
+		return nil, err
+	}
+	return client.InsertTx(ctx, tx, args, &o)
+}
+
+// EnqueueJSON enqueues a task of a kind given by name, with args as JSON:
+// for configured (http, sql) kinds, the CLI, and Go code that has no args
+// type at hand.
+func EnqueueJSON(ctx context.Context, tx pgx.Tx, kind string, args json.RawMessage, opts *river.InsertOpts) (*rivertype.JobInsertResult, error) {
+	return Enqueue(ctx, tx, rawArgs{kind: kind, raw: args}, opts)
+}
