@@ -61,3 +61,21 @@ FROM generate_series(1, $1) g ORDER BY g`, events, aggregates); err != nil {
 // LogSink is the reference sink of DrainRate comparisons: the log sink
 // writing to nowhere.
 func LogSink() outbox.Sink { return outbox.NewLogSink(io.Discard) }
+
+// BenchDrain is the broker sinks' benchmark: per round, drain 100,000
+// events over 1,000 aggregates through the log sink and then through the
+// sink newSink builds, with one relay and batches of 500 (the relay's other
+// settings at their defaults), and report both rates and their ratio.
+func BenchDrain(b *testing.B, name string, newSink func(testing.TB) outbox.Sink) {
+	const events, aggregates = 100_000, 1_000
+	cfg := outbox.DefaultConfig()
+	cfg.BatchSize = 500
+	var logRate, rate float64
+	for range b.N {
+		logRate += DrainRate(b, LogSink(), cfg, events, aggregates)
+		rate += DrainRate(b, newSink(b), cfg, events, aggregates)
+	}
+	b.ReportMetric(logRate/float64(b.N), "log-events/s")
+	b.ReportMetric(rate/float64(b.N), name+"-events/s")
+	b.ReportMetric(rate/logRate, name+"/log")
+}
