@@ -73,12 +73,7 @@ var sinkKinds = map[string]sinkKind{
 			if err != nil {
 				return nil, err
 			}
-			ctx, cancel := context.WithTimeout(ctx, c.NATS.ConnectTimeout)
-			defer cancel()
-			if err := s.Connect(ctx); err != nil {
-				return nil, brokerError(err, "outbox.nats.connect_timeout", c.NATS.ConnectTimeout)
-			}
-			return s, nil
+			return connectBroker(ctx, s, "outbox.nats.connect_timeout", c.NATS.ConnectTimeout)
 		},
 		publishTimeout: func(c outbox.Config) time.Duration { return c.NATS.PublishTimeout },
 	},
@@ -93,12 +88,7 @@ var sinkKinds = map[string]sinkKind{
 			if err != nil {
 				return nil, err
 			}
-			ctx, cancel := context.WithTimeout(ctx, c.ConnectTimeout)
-			defer cancel()
-			if err := s.Connect(ctx); err != nil {
-				return nil, brokerError(err, "outbox.rabbitmq.connect_timeout", c.ConnectTimeout)
-			}
-			return s, nil
+			return connectBroker(ctx, s, "outbox.rabbitmq.connect_timeout", c.ConnectTimeout)
 		},
 		publishTimeout: func(c outbox.Config) time.Duration { return c.RabbitMQ.PublishTimeout },
 	},
@@ -113,12 +103,7 @@ var sinkKinds = map[string]sinkKind{
 			if err != nil {
 				return nil, err
 			}
-			ctx, cancel := context.WithTimeout(ctx, c.ConnectTimeout)
-			defer cancel()
-			if err := s.Connect(ctx); err != nil {
-				return nil, brokerError(err, "outbox.kafka.connect_timeout", c.ConnectTimeout)
-			}
-			return s, nil
+			return connectBroker(ctx, s, "outbox.kafka.connect_timeout", c.ConnectTimeout)
 		},
 		publishTimeout: func(c outbox.Config) time.Duration { return c.Kafka.PublishTimeout },
 	},
@@ -162,6 +147,23 @@ func redeliveryGap(c outbox.Config, publishTimeout time.Duration) time.Duration 
 		longestBackoff *= 2
 	}
 	return max(min(longestBackoff, c.BackoffMax), c.InFlightTimeout) + publishTimeout
+}
+
+// brokerSink is a sink that connects to a broker before its first publish.
+type brokerSink interface {
+	outbox.Sink
+	Connect(ctx context.Context) error
+}
+
+// connectBroker connects s, trying for at most timeout (the sink's
+// connect_timeout, named by key in the error).
+func connectBroker(ctx context.Context, s brokerSink, key string, timeout time.Duration) (outbox.Sink, error) {
+	ctx, cancel := context.WithTimeout(ctx, timeout)
+	defer cancel()
+	if err := s.Connect(ctx); err != nil {
+		return nil, brokerError(err, key, timeout)
+	}
+	return s, nil
 }
 
 // brokerError maps a broker sink's start failure to its exit code: 69 when
