@@ -31,9 +31,9 @@ CREATE TABLE outbox_event (
     -- next_attempt_at) -> ... -> DEAD. next_attempt_at is the single "not
     -- before" instant: the retry time for FAILED and the visibility deadline
     -- for IN_FLIGHT. The relay in internal/outbox claims by holding row locks
-    -- inside its transaction instead of writing IN_FLIGHT (one write per
-    -- event); IN_FLIGHT stays part of the state machine so that a row marked
-    -- that way by any other claimer is reclaimed once its deadline passes.
+    -- inside its transaction (one write per event) and writes IN_FLIGHT only
+    -- for a publish still outstanding when its batch commits (detach_after);
+    -- an IN_FLIGHT row is reclaimed once its deadline passes.
     status          text        NOT NULL DEFAULT 'PENDING'
                     CHECK (status IN ('PENDING', 'IN_FLIGHT', 'PUBLISHED', 'FAILED', 'DEAD')),
     attempts        integer     NOT NULL DEFAULT 0,

@@ -1,391 +1,438 @@
 package outbox
 
 import (
-	"bufio"
+	"bytes"
 	"context"
+	"flag"
 	"fmt"
+	"io"
 	"os"
 	"slices"
-	"strconv"
 	"strings"
 	"sync"
-	"sync/atomic"
 	"testing"
+	"text/tabwriter"
 	"time"
-
-	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgxpool"
 
 	"worker/internal/pgtest"
 	"worker/internal/testkit"
 )
 
-// Benchmarks of the relay. Run them with
+// Benchmarks of the relay, measured on the real worker binary. Run them
+// with
 //
-//	go test -run '^$' -bench Relay -benchtime 1x -count 5 ./internal/outbox
+//	go test -run '^$' -bench RelayScale -timeout 60m ./internal/outbox
+//	go test -run '^$' -bench RelayLatency ./internal/outbox
+//	go test -run '^$' -bench RelayHungWebhook ./internal/outbox
 //
-// and compare the ratios, which are measured against a plain-SQL ceiling on
-// the same backlog in the same run.
+// Flags after the package: -rounds N (default 3), -phases a,b (a subset
+// of the scale phases), -latency-rate and -latency-for. Benchmarks are
+// not tests: nothing fails on a figure.
 
-const (
-	benchBacklog    = 200_000
-	benchAggregates = 1_000
+var (
+	benchPhases  = flag.String("phases", "", "relay scale benchmark: comma-separated phase keys (default: all but the extra wh0r4 and wh20r4)")
+	latencyRate  = flag.Int("latency-rate", 500, "relay latency benchmark: producer commits per second")
+	latencyTotal = flag.Duration("latency-for", 30*time.Second, "relay latency benchmark: how long producers run")
 )
 
-// loadBacklog inserts n producer-shaped events (~200-byte JSON payloads)
-// over aggs aggregates with one INSERT ... SELECT. The rows go through the
-// real insert trigger, so they are exactly what producers write; then the
-// table is vacuumed and checkpointed so every measured phase starts alike.
-func loadBacklog(tb testing.TB, pool *pgxpool.Pool, n, aggs int) {
-	tb.Helper()
-	ctx := context.Background()
-	_, err := pool.Exec(ctx, `
-INSERT INTO outbox_event (aggregate_type, aggregate_id, event_type, payload, headers)
-SELECT 'order', 'order-' || (hashint4(g) & 2147483647) % $2, 'order.updated',
-       jsonb_build_object('order_id', 'order-' || g, 'seq', g, 'customer', 'customer-' || g % 977,
-                          'status', 'PAID', 'amount_cents', g * 37 % 100000, 'currency', 'EUR',
-                          'note', repeat('x', 80)),
-       jsonb_build_object('traceparent', '00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01')
-FROM generate_series(1, $1) g`, n, aggs)
-	if err != nil {
-		tb.Fatal(err)
-	}
-	for _, q := range []string{"VACUUM ANALYZE outbox_event", "CHECKPOINT"} {
-		if _, err := pool.Exec(ctx, q); err != nil {
-			tb.Fatal(err)
+const (
+	benchBacklog    = 200_000 // the drain backlog: events over benchAggregates
+	benchAggregates = 1_000
+	slowBacklog     = 2_000 // the slow-webhook backlog: events over slowAggregates
+	slowAggregates  = 200
+)
+
+// scalePhase is one configuration of the worker binary draining a backlog.
+type scalePhase struct {
+	key     string
+	name    string
+	procs   int      // worker processes
+	env     []string // each process's APP_OUTBOX_* settings
+	webhook bool     // webhook sink to a local receiver instead of the log sink to /dev/null
+	delay   time.Duration
+	slow    bool // the 2,000-event backlog instead of the 200,000-event one
+	extra   bool // run only when -phases names it
+}
+
+var batch500 = []string{"APP_OUTBOX_BATCH_SIZE=500"}
+
+func relays(n int, rest ...string) []string {
+	return append([]string{fmt.Sprintf("APP_OUTBOX_RELAYS=%d", n)}, rest...)
+}
+
+var scalePhases = []scalePhase{
+	{key: "r1", name: "1 relay, batch 500", procs: 1, env: relays(1, batch500...)},
+	{key: "r2", name: "2 relays, batch 500", procs: 1, env: relays(2, batch500...)},
+	{key: "r4", name: "4 relays, batch 500", procs: 1, env: relays(4, batch500...)},
+	{key: "p2r2", name: "2 processes x 2 relays, batch 500", procs: 2, env: relays(2, batch500...)},
+	{key: "default", name: "default configuration", procs: 1},
+	{key: "wh0", name: "webhook 0 ms, 1 relay, batch 500", procs: 1, env: relays(1, batch500...), webhook: true},
+	{key: "wh20", name: "webhook 20 ms, default configuration, 2,000 events / 200 aggregates", procs: 1, webhook: true, delay: 20 * time.Millisecond, slow: true},
+	{key: "wh0r4", name: "webhook 0 ms, 4 relays, batch 500", procs: 1, env: relays(4, batch500...), webhook: true, extra: true},
+	{key: "wh20r4", name: "webhook 20 ms, 4 relays, 2,000 events / 200 aggregates", procs: 1, env: relays(4), webhook: true, delay: 20 * time.Millisecond, slow: true, extra: true},
+}
+
+// phaseRun is one phase in one round, with the ceiling run next to it.
+type phaseRun struct {
+	phase, ceiling drainResult
+	disorder       int // events the receiver saw out of their aggregate's order
+}
+
+// BenchmarkRelayScale drains the same 200,000-event backlog (1,000
+// aggregates) with the worker binary in each configuration of
+// scalePhases, and right before each phase the plain-SQL ceiling on the
+// same rows, for -rounds rounds with the phase order rotated. It prints
+// min / median / max events/s, the median ratio to the ceiling of the same
+// round, and CPU per event (database server processes plus the worker
+// process, or this process for the ceiling).
+func BenchmarkRelayScale(b *testing.B) {
+	phases := selectedPhases(b)
+	db := pgtest.New(b)
+	loadBacklog(b, db.Pool, slowBacklog, slowAggregates)
+	saveBacklog(b, db.Pool, "bench_slow")
+	loadBacklog(b, db.Pool, benchBacklog, benchAggregates)
+	saveBacklog(b, db.Pool, "bench_backlog")
+	idle := idleWorkerCPU(b, db)
+	before := machineConditions(b, db.Pool)
+	for range b.N {
+		runs := make([][]phaseRun, len(phases))
+		for round := range *benchRounds {
+			for k := range phases {
+				i := (k + round) % len(phases) // rotate the order between rounds
+				restoreBacklog(b, db.Pool, "bench_backlog")
+				ceiling := drainCeiling(b, db)
+				run := runScalePhase(b, db, phases[i], idle)
+				run.ceiling = ceiling
+				runs[i] = append(runs[i], run)
+				fmt.Printf("round %d, %s: %.0f events/s, ceiling %.0f, ratio %.2f\n",
+					round+1, phases[i].name, run.phase.rate, ceiling.rate, run.phase.rate/ceiling.rate)
+			}
+		}
+		printScale(os.Stdout, phases, runs, idle, before, machineConditions(b, db.Pool))
+		for i, ph := range phases {
+			b.ReportMetric(spreadOf(rates(runs[i])).med, ph.key+"_events/s")
+			b.ReportMetric(spreadOf(ratios(runs[i])).med, ph.key+"_ratio")
 		}
 	}
 }
 
-// ceilingSQL is the reference loop of PERFORMANCE.md: claim and mark
-// PUBLISHED in one statement, no ordering gate, no sink, one write per row.
-// It returns the columns a relay needs, as any relay must read them.
-const ceilingSQL = `
-UPDATE outbox_event SET status = 'PUBLISHED', published_at = clock_timestamp(), attempts = attempts + 1
-WHERE id IN (SELECT id FROM outbox_event
-             WHERE ` + unfinished + ` AND next_attempt_at <= now()
-             ORDER BY id LIMIT 500 FOR UPDATE SKIP LOCKED)
-RETURNING id, event_id::text, aggregate_type, aggregate_id, event_type, payload, headers, occurred_at, attempts`
+func selectedPhases(tb testing.TB) []scalePhase {
+	if *benchPhases == "" {
+		return slices.DeleteFunc(slices.Clone(scalePhases), func(p scalePhase) bool { return p.extra })
+	}
+	var out []scalePhase
+	for key := range strings.SplitSeq(*benchPhases, ",") {
+		i := slices.IndexFunc(scalePhases, func(p scalePhase) bool { return p.key == key })
+		if i < 0 {
+			tb.Fatalf("-phases: unknown phase %q", key)
+		}
+		out = append(out, scalePhases[i])
+	}
+	return out
+}
 
-// drainCeiling runs the ceiling loop on conns connections until the table
-// is drained and returns rows/s and the CPU seconds its server processes
-// used.
-func drainCeiling(tb testing.TB, db *pgtest.DB, conns int) (float64, float64) {
+// runScalePhase restores the phase's backlog, starts its worker processes
+// and measures the drain.
+func runScalePhase(tb testing.TB, db *pgtest.DB, ph scalePhase, idle time.Duration) phaseRun {
 	tb.Helper()
-	pool := benchPool(tb, db, "bench-ceiling", int32(conns))
-	defer pool.Close()
-	var total atomic.Int64
+	backlog := "bench_backlog"
+	if ph.slow {
+		backlog = "bench_slow"
+	}
+	restoreBacklog(tb, db.Pool, backlog)
+	env := ph.env
+	var rcv *receiver
+	if ph.webhook {
+		rcv = newReceiver(ph.delay, "", nil)
+		defer rcv.close()
+		env = append(slices.Clone(env), "APP_OUTBOX_SINK=webhook", "APP_OUTBOX_WEBHOOK_URL="+rcv.srv.URL)
+	}
+	instance := "bench-" + ph.key + "-"
+	var procs []*workerProc
+	for i := range ph.procs {
+		procs = append(procs, startWorkerProc(tb, db, fmt.Sprintf("%s%d", instance, i), nil, env...))
+	}
+	waitDrained(tb, db.Pool, 10*time.Minute)
+	var run phaseRun
+	run.phase.dbCPU = serverCPU(tb, db, "worker "+instance)
+	for _, p := range procs {
+		run.phase.clientCPU += max(p.stop(tb)-idle, 0)
+	}
+	run.phase.events, run.phase.rate = publishedSpan(tb, db.Pool)
+	if rcv != nil {
+		run.disorder, _ = rcv.stats()
+	}
+	return run
+}
+
+func rates(runs []phaseRun) []float64 {
+	var out []float64
+	for _, r := range runs {
+		out = append(out, r.phase.rate)
+	}
+	return out
+}
+
+func ratios(runs []phaseRun) []float64 {
+	var out []float64
+	for _, r := range runs {
+		out = append(out, r.phase.rate/r.ceiling.rate)
+	}
+	return out
+}
+
+// printScale prints the table of BenchmarkRelayScale.
+func printScale(w io.Writer, phases []scalePhase, runs [][]phaseRun, idle time.Duration, before, after string) {
+	fmt.Fprintf(w, "\nrelay scale: %d rounds; machine before: %s; after: %s; idle worker start+stop CPU %s (subtracted)\n",
+		len(runs[0]), before, after, idle.Round(time.Millisecond))
+	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight|tabwriter.Debug)
+	fmt.Fprintln(tw, "phase\tevents/s min / median / max\tceiling events/s, median\tratio median (min-max)\tCPU µs/event db+worker\tceiling CPU µs/event db+client\torder violations\t")
+	for i, ph := range phases {
+		r := spreadOf(rates(runs[i]))
+		q := spreadOf(ratios(runs[i]))
+		var ceil, db, client, cdb, cclient []float64
+		violations := 0
+		for _, run := range runs[i] {
+			ceil = append(ceil, run.ceiling.rate)
+			n := float64(max(run.phase.events, 1))
+			db = append(db, float64(run.phase.dbCPU.Microseconds())/n)
+			client = append(client, float64(run.phase.clientCPU.Microseconds())/n)
+			cn := float64(max(run.ceiling.events, 1))
+			cdb = append(cdb, float64(run.ceiling.dbCPU.Microseconds())/cn)
+			cclient = append(cclient, float64(run.ceiling.clientCPU.Microseconds())/cn)
+			violations += run.disorder
+		}
+		fmt.Fprintf(tw, "%s\t%.0f / %.0f / %.0f\t%.0f\t%.2f (%.2f-%.2f)\t%.1f+%.1f\t%.1f+%.1f\t%d\t\n",
+			ph.name, r.min, r.med, r.max, spreadOf(ceil).med, q.med, q.min, q.max,
+			spreadOf(db).med, spreadOf(client).med, spreadOf(cdb).med, spreadOf(cclient).med, violations)
+	}
+	tw.Flush()
+	// The goals compare phases within a round.
+	rate := func(r drainResult) float64 { return r.rate }
+	dbPerEvent := func(r drainResult) float64 { return r.dbCPU.Seconds() / float64(max(r.events, 1)) }
+	for _, c := range []struct {
+		name, num, den string
+		of             func(drainResult) float64
+	}{
+		{"4 relays ÷ 2 relays", "r4", "r2", rate},
+		{"2 processes x 2 relays ÷ 2 relays", "p2r2", "r2", rate},
+		{"webhook 0 ms ÷ log sink (1 relay, batch 500)", "wh0", "r1", rate},
+		{"database CPU per event, 4 relays ÷ 1 relay", "r4", "r1", dbPerEvent},
+	} {
+		i := slices.IndexFunc(phases, func(p scalePhase) bool { return p.key == c.num })
+		j := slices.IndexFunc(phases, func(p scalePhase) bool { return p.key == c.den })
+		if i < 0 || j < 0 {
+			continue
+		}
+		var xs []float64
+		for round := range runs[i] {
+			xs = append(xs, c.of(runs[i][round].phase)/c.of(runs[j][round].phase))
+		}
+		s := spreadOf(xs)
+		fmt.Fprintf(w, "%s, same round: median %.2f (%.2f-%.2f)\n", c.name, s.med, s.min, s.max)
+	}
+}
+
+// BenchmarkRelayLatency is the black-box latency measurement: producers
+// commit one event per transaction at -latency-rate for -latency-for while
+// a worker with the default configuration publishes, once through the log
+// sink (arrival = the line on the worker's stdout) and once through the
+// webhook sink (arrival = the request at a local receiver answering at
+// once), for -rounds rounds. It prints commit-to-arrival p50 / p99 / max,
+// min / median / max over rounds.
+func BenchmarkRelayLatency(b *testing.B) {
+	db := pgtest.New(b)
+	sinks := []string{"log", "webhook"}
+	before := machineConditions(b, db.Pool)
+	for range b.N {
+		res := map[string][][3]float64{}
+		for round := range *benchRounds {
+			for k := range sinks {
+				sink := sinks[(k+round)%len(sinks)]
+				p50, p99, worst := latencyRun(b, db, sink)
+				res[sink] = append(res[sink], [3]float64{ms(p50), ms(p99), ms(worst)})
+			}
+		}
+		fmt.Printf("\nrelay latency: %d commits/s for %s, default configuration, %d rounds; machine before: %s; after: %s\n",
+			*latencyRate, *latencyTotal, *benchRounds, before, machineConditions(b, db.Pool))
+		for _, sink := range sinks {
+			line := sink + " sink, commit to arrival, ms (min / median / max over rounds):"
+			for i, name := range []string{"p50", "p99", "max"} {
+				var xs []float64
+				for _, r := range res[sink] {
+					xs = append(xs, r[i])
+				}
+				s := spreadOf(xs)
+				line += fmt.Sprintf(" %s %.1f / %.1f / %.1f;", name, s.min, s.med, s.max)
+				b.ReportMetric(s.med, sink+"_"+name+"_ms")
+			}
+			fmt.Println(line)
+		}
+	}
+}
+
+// latencyRun runs one latency measurement through sink and returns the
+// commit-to-arrival p50, p99 and maximum.
+func latencyRun(tb testing.TB, db *pgtest.DB, sink string) (p50, p99, worst time.Duration) {
+	tb.Helper()
+	exec(tb, db.Pool, "TRUNCATE outbox_event")
+	arrivals := newArrivals()
+	var stdout io.Writer = arrivals
+	var env []string
+	if sink == "webhook" {
+		rcv := newReceiver(0, "", arrivals.arrive)
+		defer rcv.close()
+		stdout = nil
+		env = []string{"APP_OUTBOX_SINK=webhook", "APP_OUTBOX_WEBHOOK_URL=" + rcv.srv.URL}
+	}
+	w := startWorkerProc(tb, db, "bench-latency", stdout, env...)
+	w.waitReady(tb)
+	defer w.stop(tb)
+
+	commits := produce(tb, db, *latencyRate, *latencyTotal)
+	testkit.Eventually(tb, time.Minute, "every event to arrive", func() bool { return arrivals.count() >= len(commits) })
+	lat := arrivals.latencies(commits)
+	return percentile(lat, 0.50), percentile(lat, 0.99), percentile(lat, 1)
+}
+
+// BenchmarkRelayHungWebhook is goal 4, black-box: the webhook never answers
+// for one aggregate, whose 10 events are the oldest, while 1,000 events of
+// 100 other aggregates wait behind them. A worker in the default
+// configuration starts; it prints, per round, how long after the start the
+// last of the 1,000 arrived (the webhook timeout is 10 s), and how many
+// requests for the hung aggregate were left unanswered meanwhile.
+func BenchmarkRelayHungWebhook(b *testing.B) {
+	db := pgtest.New(b)
+	workerBinary(b) // built before the clock starts
+	for range b.N {
+		var secs []float64
+		for round := range *benchRounds {
+			exec(b, db.Pool, "TRUNCATE outbox_event")
+			exec(b, db.Pool, `INSERT INTO outbox_event (aggregate_type, aggregate_id, event_type, payload)
+				SELECT 'order', 'hung', 'order.updated', jsonb_build_object('seq', g) FROM generate_series(1, 10) g`)
+			loadBacklog(b, db.Pool, 1000, 100)
+			arrivals := newArrivals()
+			rcv := newReceiver(0, "hung", arrivals.arrive)
+			start := time.Now()
+			w := startWorkerProc(b, db, "bench-hung", nil, "APP_OUTBOX_SINK=webhook", "APP_OUTBOX_WEBHOOK_URL="+rcv.srv.URL)
+			testkit.Eventually(b, 2*time.Minute, "the other aggregates' events to arrive", func() bool { return arrivals.count() >= 1000 })
+			took := arrivals.last().Sub(start)
+			_, hung := rcv.stats()
+			rcv.close()
+			w.stop(b)
+			secs = append(secs, took.Seconds())
+			fmt.Printf("round %d: 1,000 events of other aggregates arrived within %.2f s of the worker's start; %d unanswered requests for the hung aggregate\n",
+				round+1, took.Seconds(), hung)
+		}
+		s := spreadOf(secs)
+		fmt.Printf("hung webhook for one aggregate: the others arrived within %.2f / %.2f / %.2f s (min / median / max; goal 10 s)\n", s.min, s.med, s.max)
+		b.ReportMetric(s.med, "others_arrived_s")
+	}
+}
+
+// produce commits one event per transaction at rate per second for d, over
+// 100 aggregates, and returns when each commit returned, by event_id. Four
+// producers each keep their own schedule of rate/4 per second, so a slow
+// commit delays only one of them.
+func produce(tb testing.TB, db *pgtest.DB, rate int, d time.Duration) map[string]time.Time {
+	tb.Helper()
+	pool := db.NewPool(tb, 8)
+	total := int(int64(rate) * int64(d) / int64(time.Second))
+	var mu sync.Mutex
+	commits := make(map[string]time.Time, total)
 	var wg sync.WaitGroup
 	start := time.Now()
-	for range conns {
+	for p := range 4 {
 		wg.Go(func() {
-			for {
-				rows, err := pool.Query(context.Background(), ceilingSQL)
+			for i := p; i < total; i += 4 {
+				time.Sleep(time.Until(start.Add(time.Duration(i) * time.Second / time.Duration(rate)))) // the producer's schedule
+				var id string
+				err := pool.QueryRow(context.Background(),
+					`INSERT INTO outbox_event (aggregate_type, aggregate_id, event_type, payload)
+					 VALUES ('order', $1, 'order.updated', $2) RETURNING event_id::text`,
+					fmt.Sprintf("order-%d", i%100), fmt.Sprintf(`{"seq": %d, "note": %q}`, i, strings.Repeat("x", 150))).Scan(&id)
 				if err != nil {
 					tb.Error(err)
 					return
 				}
-				n := 0
-				for rows.Next() {
-					var id int64
-					var attempts int
-					var eid, at, ai, et string
-					var payload, headers []byte
-					var occurred time.Time
-					if err := rows.Scan(&id, &eid, &at, &ai, &et, &payload, &headers, &occurred, &attempts); err != nil {
-						tb.Error(err)
-						return
-					}
-					n++
-				}
-				if err := rows.Err(); err != nil {
-					tb.Error(err)
-					return
-				}
-				if n == 0 {
-					return
-				}
-				total.Add(int64(n))
+				now := time.Now()
+				mu.Lock()
+				commits[id] = now
+				mu.Unlock()
 			}
 		})
 	}
 	wg.Wait()
-	el := time.Since(start)
-	if total.Load() != benchBacklog {
-		tb.Fatalf("ceiling drained %d rows, want %d", total.Load(), benchBacklog)
-	}
-	return float64(total.Load()) / el.Seconds(), serverCPU(tb, db, "bench-ceiling")
+	return commits
 }
 
-// benchPool opens a pool whose sessions carry appName, so serverCPU can
-// find their server processes.
-func benchPool(tb testing.TB, db *pgtest.DB, appName string, maxConns int32) *pgxpool.Pool {
-	tb.Helper()
-	cfg, err := pgxpool.ParseConfig(db.URL)
-	if err != nil {
-		tb.Fatal(err)
-	}
-	cfg.MaxConns = maxConns
-	cfg.ConnConfig.RuntimeParams["application_name"] = appName
-	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
-	if err != nil {
-		tb.Fatal(err)
-	}
-	return pool
-}
-
-// serverCPU sums the CPU time (user+system, seconds) of the server
-// processes of the sessions named appName (prefix match). It is a second,
-// load-independent measure: on a shared 2-core machine wall-clock rates
-// move with whatever else runs, CPU per row much less.
-func serverCPU(tb testing.TB, db *pgtest.DB, appName string) float64 {
-	tb.Helper()
-	rows, err := db.Pool.Query(context.Background(),
-		"SELECT pid FROM pg_stat_activity WHERE datname = current_database() AND application_name LIKE $1 || '%'", appName)
-	if err != nil {
-		tb.Fatal(err)
-	}
-	pids, err := pgx.CollectRows(rows, pgx.RowTo[int32])
-	if err != nil {
-		tb.Fatal(err)
-	}
-	var ticks int
-	for _, pid := range pids {
-		b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
-		if err != nil {
-			tb.Fatalf("server CPU needs the database on this machine: %v", err)
-		}
-		f := strings.Fields(string(b)[strings.LastIndexByte(string(b), ')')+2:])
-		utime, _ := strconv.Atoi(f[11])
-		stime, _ := strconv.Atoi(f[12])
-		ticks += utime + stime
-	}
-	return float64(ticks) / 100 // USER_HZ
-}
-
-// countingSink is the no-op sink of the drain benchmark.
-type countingSink struct {
-	n    atomic.Int64
-	want int64
-	done chan struct{}
-}
-
-func (s *countingSink) Name() string { return "noop" }
-func (s *countingSink) Publish(context.Context, Event) error {
-	if s.n.Add(1) == s.want {
-		close(s.done)
-	}
-	return nil
-}
-
-// drainRelay starts `relays` relays (each its own pool, like replicas) on
-// the backlog and returns rows/s until the sink has seen every event and
-// all relays have committed.
-func drainRelay(tb testing.TB, db *pgtest.DB, relays, batch int) (float64, float64) {
-	tb.Helper()
-	sink := &countingSink{want: benchBacklog, done: make(chan struct{})}
-	cfg := DefaultConfig()
-	cfg.BatchSize = batch
-	var rs []*Relay
-	var pools []*pgxpool.Pool
-	for i := range relays {
-		pool := benchPool(tb, db, fmt.Sprintf("bench-relay-%d", i), 4)
-		pools = append(pools, pool)
-		r, err := NewRelay(pool, sink, cfg, fmt.Sprintf("bench-%d", i), nil, nil)
-		if err != nil {
-			tb.Fatal(err)
-		}
-		rs = append(rs, r)
-	}
-	start := time.Now()
-	for _, r := range rs {
-		if err := r.Start(context.Background()); err != nil {
-			tb.Fatal(err)
-		}
-	}
-	select {
-	case <-sink.done:
-	case <-time.After(5 * time.Minute):
-		tb.Fatalf("relay published %d of %d events", sink.n.Load(), benchBacklog)
-	}
-	// Done means committed, not just handed to the sink.
-	testkit.Eventually(tb, time.Minute, "backlog marked published", func() bool {
-		var left int
-		err := db.Pool.QueryRow(context.Background(), `SELECT count(*) FROM outbox_event WHERE `+unfinished).Scan(&left)
-		return err == nil && left == 0
-	})
-	el := time.Since(start)
-	cpu := serverCPU(tb, db, "bench-relay")
-	for _, r := range rs {
-		if err := r.Shutdown(context.Background()); err != nil {
-			tb.Fatal(err)
-		}
-	}
-	for _, p := range pools {
-		p.Close()
-	}
-	return benchBacklog / el.Seconds(), cpu
-}
-
-// BenchmarkRelayDrain drains a 200,000-event backlog over 1,000 aggregates
-// with a no-op sink. Every phase starts from the same backlog: the plain-SQL
-// ceiling (1 connection) before and after, and between them the relay with
-// the ordering gate: 1 and 2 relays at batch 500 (the ceiling's batch), and
-// 1 relay at the default batch 100. Ratios are against the mean of the two
-// ceiling runs. It also reports the peak RSS of the process while relays
-// drain.
-func BenchmarkRelayDrain(b *testing.B) {
-	db := pgtest.New(b)
-	loadBacklog(b, db.Pool, benchBacklog, benchAggregates)
-	saveBacklog(b, db.Pool)
-	for range b.N {
-		restoreBacklog(b, db.Pool)
-		ceilA, ceilCPUA := drainCeiling(b, db, 1)
-		resetPeakRSS(b)
-		var rate, cpu []float64
-		for _, c := range []struct{ relays, batch int }{{1, 500}, {2, 500}, {1, 100}} {
-			restoreBacklog(b, db.Pool)
-			r, c := drainRelay(b, db, c.relays, c.batch)
-			rate, cpu = append(rate, r), append(cpu, c)
-		}
-		rss := peakRSSMB(b)
-		restoreBacklog(b, db.Pool)
-		ceilB, ceilCPUB := drainCeiling(b, db, 1)
-		ceiling, ceilCPU := (ceilA+ceilB)/2, (ceilCPUA+ceilCPUB)/2
-		b.ReportMetric(ceiling, "ceiling_rows/s")
-		for i, name := range []string{"relay1", "relay2", "relay1_b100"} {
-			b.ReportMetric(rate[i], name+"_rows/s")
-			b.ReportMetric(rate[i]/ceiling, name+"_ratio")
-			// Server CPU per row, ceiling over relay: the same ratio with
-			// the machine's other load taken out.
-			b.ReportMetric(ceilCPU/cpu[i], name+"_cpu_ratio")
-		}
-		b.ReportMetric(rss, "peak_rss_MB")
-	}
-}
-
-// saveBacklog keeps a copy of the loaded backlog, so every phase can start
-// from exactly the same rows without paying for the trigger path again.
-func saveBacklog(tb testing.TB, pool *pgxpool.Pool) {
-	tb.Helper()
-	if _, err := pool.Exec(context.Background(), "CREATE TABLE bench_backlog AS SELECT * FROM outbox_event"); err != nil {
-		tb.Fatal(err)
-	}
-}
-
-// restoreBacklog replaces the table's contents with the saved backlog. The
-// user triggers are off while copying: the rows already went through them
-// once, and the copy keeps their ids and event_ids.
-func restoreBacklog(tb testing.TB, pool *pgxpool.Pool) {
-	tb.Helper()
-	for _, q := range []string{
-		"TRUNCATE outbox_event",
-		"ALTER TABLE outbox_event DISABLE TRIGGER USER",
-		"INSERT INTO outbox_event SELECT * FROM bench_backlog",
-		"ALTER TABLE outbox_event ENABLE TRIGGER USER",
-		"VACUUM ANALYZE outbox_event",
-		"CHECKPOINT",
-	} {
-		if _, err := pool.Exec(context.Background(), q); err != nil {
-			tb.Fatal(err)
-		}
-	}
-}
-
-// BenchmarkRelayLatency inserts 500 events/s for 20 s, each in its own
-// producer transaction over 100 aggregates, with one relay running, and
-// reports commit-to-sink latency percentiles.
-func BenchmarkRelayLatency(b *testing.B) {
-	const rate, dur = 500, 20 * time.Second
-	for range b.N {
-		db := pgtest.New(b)
-		sink := newLatencySink()
-		cfg := DefaultConfig()
-		r, err := NewRelay(db.NewPool(b, 4), sink, cfg, "bench", nil, nil)
-		if err != nil {
-			b.Fatal(err)
-		}
-		if err := r.Start(context.Background()); err != nil {
-			b.Fatal(err)
-		}
-		total := int(rate * dur / time.Second)
-		producers := db.NewPool(b, 8)
-		var wg sync.WaitGroup
-		start := time.Now()
-		// Four producers, each on its own schedule of rate/4 per second, so a
-		// slow commit delays only one of them.
-		for p := range 4 {
-			wg.Go(func() {
-				for i := p; i < total; i += 4 {
-					time.Sleep(time.Until(start.Add(time.Duration(i) * time.Second / rate)))
-					var id string
-					err := producers.QueryRow(context.Background(),
-						`INSERT INTO outbox_event (aggregate_type, aggregate_id, event_type, payload)
-						 VALUES ('order', $1, 'order.updated', $2) RETURNING event_id::text`,
-						fmt.Sprintf("order-%d", i%100), fmt.Sprintf(`{"seq": %d, "note": %q}`, i, strings.Repeat("x", 150))).Scan(&id)
-					if err != nil {
-						b.Error(err)
-						return
-					}
-					sink.committed(id, time.Now())
-				}
-			})
-		}
-		wg.Wait()
-		testkit.Eventually(b, time.Minute, "all events published", func() bool { return sink.count() == total })
-		if err := r.Shutdown(context.Background()); err != nil {
-			b.Fatal(err)
-		}
-		lat := sink.latencies()
-		b.ReportMetric(ms(percentile(lat, 0.50)), "p50_ms")
-		b.ReportMetric(ms(percentile(lat, 0.99)), "p99_ms")
-		b.ReportMetric(ms(percentile(lat, 1)), "max_ms")
-	}
-}
-
-// latencySink records when each event reached it; producers record when
-// their commit returned. Latency is the difference (0 when the relay was
-// faster than the producer's commit acknowledgement).
-type latencySink struct {
+// arrivals records when each event first reached the consumer: a webhook
+// request, or a log sink line on the worker's stdout (as an io.Writer).
+type arrivals struct {
 	mu      sync.Mutex
-	arrived map[string]time.Time
-	commits map[string]time.Time
+	at      map[string]time.Time
+	partial []byte // an incomplete last line
 }
 
-func newLatencySink() *latencySink {
-	return &latencySink{arrived: map[string]time.Time{}, commits: map[string]time.Time{}}
-}
+func newArrivals() *arrivals { return &arrivals{at: map[string]time.Time{}} }
 
-func (s *latencySink) Name() string { return "latency" }
-
-func (s *latencySink) Publish(_ context.Context, e Event) error {
-	now := time.Now()
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	if _, dup := s.arrived[e.EventID]; !dup {
-		s.arrived[e.EventID] = now
+func (a *arrivals) arrive(id string, at time.Time) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if _, dup := a.at[id]; !dup {
+		a.at[id] = at
 	}
-	return nil
 }
 
-func (s *latencySink) committed(id string, at time.Time) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	s.commits[id] = at
+// Write takes the worker's stdout: event lines start with their event_id.
+func (a *arrivals) Write(p []byte) (int, error) {
+	now := time.Now()
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	a.partial = append(a.partial, p...)
+	for {
+		line, rest, ok := bytes.Cut(a.partial, []byte{'\n'})
+		if !ok {
+			break
+		}
+		if id, ok := bytes.CutPrefix(line, []byte(`{"event_id":"`)); ok && len(id) >= 36 {
+			if _, dup := a.at[string(id[:36])]; !dup {
+				a.at[string(id[:36])] = now
+			}
+		}
+		a.partial = rest
+	}
+	a.partial = slices.Clone(a.partial) // do not pin the whole buffer
+	return len(p), nil
 }
 
-func (s *latencySink) count() int {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return len(s.arrived)
+// last is when the latest event arrived.
+func (a *arrivals) last() time.Time {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	var t time.Time
+	for _, at := range a.at {
+		if at.After(t) {
+			t = at
+		}
+	}
+	return t
 }
 
-func (s *latencySink) latencies() []time.Duration {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	out := make([]time.Duration, 0, len(s.commits))
-	for id, c := range s.commits {
-		out = append(out, max(0, s.arrived[id].Sub(c)))
+func (a *arrivals) count() int {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	return len(a.at)
+}
+
+// latencies is arrival minus commit per event, sorted (0 when the event
+// arrived before the producer saw its commit acknowledged).
+func (a *arrivals) latencies(commits map[string]time.Time) []time.Duration {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	out := make([]time.Duration, 0, len(commits))
+	for id, c := range commits {
+		out = append(out, max(0, a.at[id].Sub(c)))
 	}
 	slices.Sort(out)
 	return out
@@ -400,32 +447,3 @@ func percentile(sorted []time.Duration, p float64) time.Duration {
 }
 
 func ms(d time.Duration) float64 { return float64(d) / float64(time.Millisecond) }
-
-// resetPeakRSS clears the kernel's peak-RSS mark (VmHWM) of this process, so
-// the next reading covers only what follows.
-func resetPeakRSS(tb testing.TB) {
-	if err := os.WriteFile("/proc/self/clear_refs", []byte("5"), 0); err != nil {
-		tb.Fatalf("reset peak RSS: %v", err)
-	}
-}
-
-// peakRSSMB reads VmHWM (peak resident set) from /proc/self/status.
-func peakRSSMB(tb testing.TB) float64 {
-	f, err := os.Open("/proc/self/status")
-	if err != nil {
-		tb.Fatal(err)
-	}
-	defer f.Close()
-	sc := bufio.NewScanner(f)
-	for sc.Scan() {
-		if v, ok := strings.CutPrefix(sc.Text(), "VmHWM:"); ok {
-			kb, err := strconv.Atoi(strings.TrimSpace(strings.TrimSuffix(strings.TrimSpace(v), "kB")))
-			if err != nil {
-				tb.Fatal(err)
-			}
-			return float64(kb) / 1024
-		}
-	}
-	tb.Fatal("VmHWM not found in /proc/self/status")
-	return 0
-}

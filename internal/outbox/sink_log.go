@@ -1,18 +1,21 @@
 package outbox
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
+	"slices"
 	"sync"
 )
 
 // LogSink writes one JSON line per event. It is the default sink: it needs
 // nothing outside the process, so a fresh deployment shows its events on
-// stdout before anyone has chosen a broker.
+// stdout before anyone has chosen a broker. It is safe for concurrent use.
 type LogSink struct {
-	mu sync.Mutex // one Write per line, so lines from concurrent relays never interleave
+	mu sync.Mutex // one Write per line, so lines from concurrent publishes never interleave
 	w  io.Writer
 }
 
@@ -22,17 +25,11 @@ func NewLogSink(w io.Writer) *LogSink { return &LogSink{w: w} }
 // Name implements Sink.
 func (s *LogSink) Name() string { return "log" }
 
-// logLine is the shape of one line. Field order is fixed so that lines are
-// easy to read and to grep.
-type logLine struct {
-	EventID       string            `json:"event_id"`
-	AggregateType string            `json:"aggregate_type"`
-	AggregateID   string            `json:"aggregate_id"`
-	EventType     string            `json:"event_type"`
-	OccurredAt    string            `json:"occurred_at"` // RFC 3339, UTC
-	Headers       map[string]string `json:"headers"`
-	Payload       json.RawMessage   `json:"payload"`
-}
+// lineBuffers recycles line buffers: the sink runs once per event.
+var lineBuffers = sync.Pool{New: func() any { return new([]byte) }}
+
+// maxPooledLine keeps an occasional huge payload's buffer out of the pool.
+const maxPooledLine = 64 << 10
 
 // Publish implements Sink. A payload that is not valid JSON, or an
 // occurred_at outside years 0001-9999 (no RFC 3339 form), is a permanent
@@ -43,31 +40,104 @@ func (s *LogSink) Publish(_ context.Context, e Event) error {
 	if err != nil {
 		return fmt.Errorf("log sink: event %s: %w", e.EventID, err)
 	}
-	l := logLine{
-		EventID:       e.EventID,
-		AggregateType: e.AggregateType,
-		AggregateID:   e.AggregateID,
-		EventType:     e.EventType,
-		OccurredAt:    occurred,
-		Headers:       e.Headers,
-		Payload:       e.Payload,
-	}
-	if l.Headers == nil {
-		l.Headers = map[string]string{} // consumers can rely on an object
-	}
-	if len(l.Payload) == 0 {
-		l.Payload = nil // encodes as null; an empty RawMessage is invalid JSON
-	}
-	b, err := json.Marshal(l)
+	buf := lineBuffers.Get().(*[]byte)
+	defer func() {
+		if cap(*buf) <= maxPooledLine {
+			lineBuffers.Put(buf)
+		}
+	}()
+	line, err := appendLogLine((*buf)[:0], e, occurred)
+	*buf = line
 	if err != nil {
 		return Permanent(fmt.Errorf("log sink: event %s: encode: %w", e.EventID, err))
 	}
-	b = append(b, '\n')
 
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	if _, err := s.w.Write(b); err != nil {
+	if _, err := s.w.Write(line); err != nil {
 		return fmt.Errorf("log sink: event %s: write: %w", e.EventID, err)
 	}
 	return nil
+}
+
+// appendLogLine appends e as one line of JSON, with occurred as its
+// occurred_at, fields in a fixed order so that lines are easy to read and
+// to grep. It writes the JSON itself instead of going through
+// encoding/json: this runs once per event, and the payload is already JSON
+// (PostgreSQL prints jsonb), so it is copied through as it is.
+func appendLogLine(b []byte, e Event, occurred string) ([]byte, error) {
+	b = append(b, `{"event_id":`...)
+	b = appendJSONString(b, e.EventID)
+	b = append(b, `,"aggregate_type":`...)
+	b = appendJSONString(b, e.AggregateType)
+	b = append(b, `,"aggregate_id":`...)
+	b = appendJSONString(b, e.AggregateID)
+	b = append(b, `,"event_type":`...)
+	b = appendJSONString(b, e.EventType)
+	b = append(b, `,"occurred_at":"`...)
+	b = append(b, occurred...)
+	b = append(b, `","headers":`...)
+	b = appendHeaders(b, e.Headers)
+	b = append(b, `,"payload":`...)
+	b, err := appendPayload(b, e.Payload)
+	if err != nil {
+		return b, err
+	}
+	return append(b, "}\n"...), nil
+}
+
+// appendJSONString appends s as a JSON string, escaped exactly as
+// encoding/json escapes it. Plain ASCII, the usual case, is copied.
+func appendJSONString(b []byte, s string) []byte {
+	for i := 0; i < len(s); i++ {
+		if c := s[i]; c < 0x20 || c >= 0x7f || c == '"' || c == '\\' || c == '<' || c == '>' || c == '&' {
+			q, _ := json.Marshal(s) // cannot fail for a string
+			return append(b, q...)
+		}
+	}
+	b = append(b, '"')
+	b = append(b, s...)
+	return append(b, '"')
+}
+
+// appendHeaders appends the headers as a JSON object with sorted keys,
+// `{}` when there are none, so consumers can rely on an object.
+func appendHeaders(b []byte, h map[string]string) []byte {
+	b = append(b, '{')
+	var small [8]string // the usual few headers sort without an allocation
+	keys := small[:0]
+	for k := range h {
+		keys = append(keys, k)
+	}
+	slices.Sort(keys)
+	for i, k := range keys {
+		if i > 0 {
+			b = append(b, ',')
+		}
+		b = appendJSONString(b, k)
+		b = append(b, ':')
+		b = appendJSONString(b, h[k])
+	}
+	return append(b, '}')
+}
+
+// appendPayload copies the payload through: JSON as PostgreSQL prints
+// jsonb, on one line. It must be valid JSON; line breaks, which JSON
+// allows only as whitespace between tokens, are compacted away so the
+// event stays on its line. An empty payload is null.
+func appendPayload(b []byte, p json.RawMessage) ([]byte, error) {
+	if len(p) == 0 {
+		return append(b, "null"...), nil
+	}
+	if !json.Valid(p) {
+		return b, errors.New("payload is not valid JSON")
+	}
+	if bytes.ContainsAny(p, "\r\n") {
+		var c bytes.Buffer
+		if err := json.Compact(&c, p); err != nil {
+			return b, err
+		}
+		return append(b, c.Bytes()...), nil
+	}
+	return append(b, p...), nil
 }

@@ -199,3 +199,57 @@ func BenchmarkLogSink(b *testing.B) {
 		}
 	}
 }
+
+// The line's own fields are encoded byte for byte as encoding/json encodes
+// them (HTML characters, control characters, U+2028, invalid UTF-8), and
+// headers come out with sorted keys.
+func TestLogSinkFieldsEncodeAsEncodingJSON(t *testing.T) {
+	odd := "a<b>&\"q\"\\ \n\t\x01 é 😀 \u2028 \xff end"
+	e := logSinkEvent(5)
+	e.EventID, e.AggregateType, e.AggregateID, e.EventType = odd, "order"+odd, odd+"id", "t"+odd
+	e.Headers = map[string]string{"z": "last", "a": odd, "tracestate": "k=v", odd: "key"}
+	e.Payload = json.RawMessage(`1`)
+	var buf bytes.Buffer
+	if err := NewLogSink(&buf).Publish(context.Background(), e); err != nil {
+		t.Fatal(err)
+	}
+	want, err := json.Marshal(struct {
+		EventID       string            `json:"event_id"`
+		AggregateType string            `json:"aggregate_type"`
+		AggregateID   string            `json:"aggregate_id"`
+		EventType     string            `json:"event_type"`
+		OccurredAt    time.Time         `json:"occurred_at"`
+		Headers       map[string]string `json:"headers"`
+		Payload       json.RawMessage   `json:"payload"`
+	}{e.EventID, e.AggregateType, e.AggregateID, e.EventType, e.OccurredAt.UTC(), e.Headers, e.Payload})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := buf.String(); got != string(want)+"\n" {
+		t.Errorf("line\n got %s\nwant %s", got, want)
+	}
+}
+
+// The payload is copied through as PostgreSQL prints it; only line breaks
+// (whitespace between tokens) are taken out, so an event stays one line.
+func TestLogSinkCopiesPayloadThrough(t *testing.T) {
+	for _, c := range []struct{ payload, want string }{
+		{`{"n": 1, "html": "<a href=\"x\">&</a>", "s": "caf\u00e9 é"}`, `{"n": 1, "html": "<a href=\"x\">&</a>", "s": "caf\u00e9 é"}`},
+		{"{\n  \"n\": 1,\r\n  \"s\": \"a\\nb\"\n}", `{"n":1,"s":"a\nb"}`},
+		{`[1, 2.50, "x"]`, `[1, 2.50, "x"]`},
+	} {
+		var buf bytes.Buffer
+		e := logSinkEvent(6)
+		e.Payload = json.RawMessage(c.payload)
+		if err := NewLogSink(&buf).Publish(context.Background(), e); err != nil {
+			t.Fatal(err)
+		}
+		var got struct{ Payload json.RawMessage }
+		if err := json.Unmarshal(buf.Bytes(), &got); err != nil {
+			t.Fatal(err)
+		}
+		if string(got.Payload) != c.want || bytes.Count(buf.Bytes(), []byte("\n")) != 1 {
+			t.Errorf("payload %q: line %q, want payload %s on one line", c.payload, buf.String(), c.want)
+		}
+	}
+}

@@ -61,7 +61,7 @@ func NewWebhookSink(cfg WebhookConfig, client *http.Client) (*WebhookSink, error
 	if err != nil {
 		return nil, err
 	}
-	c := &http.Client{}
+	c := &http.Client{Transport: newWebhookTransport()}
 	if client != nil {
 		cp := *client // a shallow copy shares the transport but leaves the caller's redirect policy alone
 		c = &cp
@@ -82,6 +82,24 @@ func NewWebhookSink(cfg WebhookConfig, client *http.Client) (*WebhookSink, error
 		s.secrets = []string{cfg.Secret, strings.TrimPrefix(cfg.Secret, webhookSecretPrefix), string(key)}
 	}
 	return s, nil
+}
+
+// webhookIdleConns is how many keep-alive connections the sink keeps to
+// its receiver. It must cover the publishes in flight at once
+// (outbox.max_in_flight, 64 by default): net/http keeps only 2 per host by
+// default, so every request beyond that would open a new connection and
+// leave one in TIME_WAIT. Connections are only opened when that many
+// publishes overlap, and idle ones close after the transport's idle
+// timeout.
+const webhookIdleConns = 1024
+
+// newWebhookTransport is http.DefaultTransport's configuration (proxy from
+// the environment, dial and TLS timeouts) with enough idle connections.
+func newWebhookTransport() *http.Transport {
+	t := http.DefaultTransport.(*http.Transport).Clone()
+	t.MaxIdleConns = webhookIdleConns
+	t.MaxIdleConnsPerHost = webhookIdleConns
+	return t
 }
 
 func parseWebhookURL(raw string) (*url.URL, error) {

@@ -15,6 +15,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 )
@@ -606,7 +607,7 @@ func BenchmarkWebhook(b *testing.B) {
 		w.WriteHeader(http.StatusNoContent)
 	}))
 	defer srv.Close()
-	s, err := NewWebhookSink(WebhookConfig{URL: srv.URL, Secret: "whsec_" + base64.StdEncoding.EncodeToString(make([]byte, 32)), Timeout: 5 * time.Second}, srv.Client())
+	s, err := NewWebhookSink(WebhookConfig{URL: srv.URL, Secret: "whsec_" + base64.StdEncoding.EncodeToString(make([]byte, 32)), Timeout: 5 * time.Second}, nil)
 	if err != nil {
 		b.Fatal(err)
 	}
@@ -649,4 +650,61 @@ func BenchmarkWebhook(b *testing.B) {
 			post(b, h)
 		}
 	})
+}
+
+// Publishes in flight at once each hold a connection, and the sink keeps
+// them all alive for the next ones: net/http's default of 2 idle
+// connections per host would make every further publish dial anew. The
+// receiver holds each burst until all of it has arrived, so a burst
+// really needs `inFlight` connections at once.
+func TestWebhookSinkReusesConnectionsOfConcurrentPublishes(t *testing.T) {
+	t.Parallel()
+	const inFlight, bursts = 8, 3
+	var dialed atomic.Int32
+	arrived := make(chan struct{})
+	var release atomic.Pointer[chan struct{}]
+	srv := httptest.NewUnstartedServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		gate := *release.Load()
+		arrived <- struct{}{}
+		<-gate
+		w.WriteHeader(http.StatusNoContent)
+	}))
+	srv.Config.ConnState = func(_ net.Conn, s http.ConnState) {
+		if s == http.StateNew {
+			dialed.Add(1)
+		}
+	}
+	srv.Start()
+	t.Cleanup(srv.Close)
+	s := newTestWebhookSink(t, srv.URL, "")
+
+	for burst := range bursts {
+		gate := make(chan struct{})
+		release.Store(&gate)
+		errs := make(chan error, inFlight)
+		for i := range inFlight {
+			go func() {
+				e := whEvent()
+				e.EventID = fmt.Sprintf("evt-%d-%d", burst, i)
+				errs <- s.Publish(context.Background(), e)
+			}()
+		}
+		for range inFlight {
+			select {
+			case <-arrived:
+			case <-time.After(10 * time.Second):
+				t.Fatalf("burst %d: the receiver did not see %d requests at once", burst, inFlight)
+			}
+		}
+		close(gate)
+		for range inFlight {
+			if err := <-errs; err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	if n := dialed.Load(); n != inFlight {
+		t.Errorf("%d bursts of %d concurrent publishes opened %d connections, want %d (one per publish in flight, then reused)",
+			bursts, inFlight, n, inFlight)
+	}
 }

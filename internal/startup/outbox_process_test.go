@@ -33,7 +33,7 @@ func TestOutboxCommandsEndToEnd(t *testing.T) {
 		t.Fatalf("emit printed %q, want an event_id", id)
 	}
 	testkit.Eventually(t, 10*time.Second, "the log sink to print the event", func() bool {
-		return strings.Contains(w.out.String(), id) && strings.Contains(w.out.String(), `"amount":1200`)
+		return strings.Contains(w.out.String(), id) && strings.Contains(w.out.String(), `"payload":{"amount": 1200}`)
 	})
 	if out := cli("outbox", "stats"); !strings.Contains(out, "PUBLISHED") || !strings.Contains(out, "1") {
 		t.Errorf("stats:\n%s", out)

@@ -163,6 +163,9 @@ type tasksListCmd struct {
 }
 
 func (c tasksListCmd) Run(e *cmdEnv) error {
+	if err := checkLimit(c.Limit); err != nil {
+		return err
+	}
 	if c.State != "" {
 		if err := tasks.CheckState(c.State); err != nil {
 			return &usageError{msg: "--state: " + err.Error()}
@@ -177,7 +180,19 @@ type tasksDeadListCmd struct {
 }
 
 func (c tasksDeadListCmd) Run(e *cmdEnv) error {
+	if err := checkLimit(c.Limit); err != nil {
+		return err
+	}
 	return listTasks(e, tasks.Filter{Dead: true, Limit: c.Limit}, c.json())
+}
+
+// checkLimit refuses a --limit below 1, as `outbox dead list` does, rather
+// than listing one task as if that were all.
+func checkLimit(limit int) error {
+	if limit < 1 {
+		return &usageError{msg: fmt.Sprintf("--limit %d: want at least 1", limit)}
+	}
+	return nil
 }
 
 func listTasks(e *cmdEnv, f tasks.Filter, asJSON bool) error {

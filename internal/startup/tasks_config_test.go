@@ -44,3 +44,27 @@ tasks:
 		}
 	}
 }
+
+// A queue key left out gets its default; only a written 0 makes the backlog
+// unbounded. Raising the default queue's max_workers once turned its
+// backlog bound off.
+func TestQueueKeysLeftOutGetTheirDefaults(t *testing.T) {
+	t.Parallel()
+	cfg, err := LoadConfig(writeFile(t, `
+tasks:
+  queues:
+    default: {max_workers: 20}
+    bulk: {max_backlog: 50}
+    open: {max_workers: 1, max_backlog: 0}
+`), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := map[string][2]int{"default": {20, 10000}, "bulk": {10, 50}, "open": {1, 0}}
+	for name, w := range want {
+		q := cfg.Tasks.Queues[name]
+		if got := [2]int{q.Workers(), q.Backlog()}; got != w {
+			t.Errorf("queue %s: max_workers, max_backlog = %v, want %v", name, got, w)
+		}
+	}
+}

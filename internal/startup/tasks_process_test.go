@@ -247,6 +247,16 @@ func TestTasksAndUIConfigErrorsExit78(t *testing.T) {
 	}
 }
 
+func TestTasksListLimitBelowOneExits64(t *testing.T) {
+	t.Parallel()
+	for _, args := range [][]string{{"tasks", "list", "--limit", "0"}, {"tasks", "dead", "list", "--limit=-1"}} {
+		code, out, errOut := runCLI(t, nil, args...)
+		if code != 64 || !strings.Contains(errOut, "want at least 1") {
+			t.Errorf("%v: exit %d, want 64 saying the limit is too small\n%s%s", args, code, out, errOut)
+		}
+	}
+}
+
 func TestRiverUIIsBehindBasicAuth(t *testing.T) {
 	t.Parallel()
 	db := pgtest.New(t)

@@ -114,7 +114,14 @@ func (a *Admin) Retry(ctx context.Context, id int64, who string) (Task, error) {
 	if err != nil {
 		return Task{}, notFound(err, id)
 	}
-	a.log.Info("task retried by an operator", "task_id", id, "task_kind", j.Kind, "operator", who)
+	log := a.log.With("task_id", id, "task_kind", j.Kind, "state", string(j.State), "operator", who)
+	if j.State == rivertype.JobStateRunning {
+		// River leaves a running task alone; saying "retried" would send
+		// the operator looking for a second run that never comes.
+		log.Warn("task not retried: it is running")
+	} else {
+		log.Info("task retried by an operator")
+	}
 	return toTask(j), nil
 }
 
@@ -144,13 +151,23 @@ func (a *Admin) RetryAllDead(ctx context.Context, who string) (int, error) {
 }
 
 // Cancel cancels a task: at once if it waits, or by cancelling its run's
-// context if it runs (the replica running it is told through LISTEN).
+// context if it runs (the replica running it is told through LISTEN). A
+// task that already completed or was discarded is left as it is, and the
+// log line says so rather than claiming a cancel.
 func (a *Admin) Cancel(ctx context.Context, id int64, who string) (Task, error) {
 	j, err := a.client.JobCancel(ctx, id)
 	if err != nil {
 		return Task{}, notFound(err, id)
 	}
-	a.log.Info("task cancelled by an operator", "task_id", id, "task_kind", j.Kind, "operator", who)
+	log := a.log.With("task_id", id, "task_kind", j.Kind, "state", string(j.State), "operator", who)
+	switch j.State {
+	case rivertype.JobStateCancelled:
+		log.Info("task cancelled by an operator")
+	case rivertype.JobStateRunning:
+		log.Info("task cancel requested by an operator; the replica running it cancels the run")
+	default:
+		log.Warn("task not cancelled: it has already finished")
+	}
 	return toTask(j), nil
 }
 

@@ -41,18 +41,27 @@ type Config struct {
 	Kinds  []Kind           `koanf:"kinds"`
 }
 
-// Queue bounds one River queue.
+// Queue bounds one River queue. The fields are pointers so that a key left
+// out gets its default while an explicit 0 keeps its meaning: raising a
+// queue's max_workers must not turn its backlog bound off. Validate fills
+// them in.
 type Queue struct {
 	// MaxWorkers is the most tasks of this queue running at once in one
 	// replica.
-	MaxWorkers int `koanf:"max_workers" yaml:"max_workers"`
+	MaxWorkers *int `koanf:"max_workers" yaml:"max_workers"`
 	// MaxBacklog is the most available (waiting) tasks the queue accepts;
 	// an enqueue beyond it is refused with JOB_EXECUTOR_REJECTED. 0 means
 	// unbounded.
-	MaxBacklog int `koanf:"max_backlog" yaml:"max_backlog"`
+	MaxBacklog *int `koanf:"max_backlog" yaml:"max_backlog"`
 }
 
-// Default queue bounds, also used for a queue that names neither.
+// Workers is MaxWorkers, once Validate has filled it in.
+func (q Queue) Workers() int { return *q.MaxWorkers }
+
+// Backlog is MaxBacklog, once Validate has filled it in.
+func (q Queue) Backlog() int { return *q.MaxBacklog }
+
+// Defaults of a queue's keys, for the default queue and any other.
 const (
 	defaultMaxWorkers = 10
 	defaultMaxBacklog = 10000
@@ -110,18 +119,21 @@ func (c *Config) Validate() error {
 		c.Queues = map[string]Queue{}
 	}
 	if _, ok := c.Queues[DefaultQueue]; !ok {
-		c.Queues[DefaultQueue] = Queue{MaxWorkers: defaultMaxWorkers, MaxBacklog: defaultMaxBacklog}
+		c.Queues[DefaultQueue] = Queue{}
 	}
 	for name, q := range c.Queues {
 		if len(name) > 64 || !queueNameRE.MatchString(name) {
 			return fmt.Errorf("tasks.queues.%s: queue names are lower-case letters, digits, - and _ (at most 64)", name)
 		}
-		if q.MaxWorkers < 1 {
-			return fmt.Errorf("tasks.queues.%s.max_workers=%d must be at least 1", name, q.MaxWorkers)
+		q.MaxWorkers = cmp.Or(q.MaxWorkers, ptr(defaultMaxWorkers))
+		q.MaxBacklog = cmp.Or(q.MaxBacklog, ptr(defaultMaxBacklog))
+		if q.Workers() < 1 {
+			return fmt.Errorf("tasks.queues.%s.max_workers=%d must be at least 1", name, q.Workers())
 		}
-		if q.MaxBacklog < 0 {
-			return fmt.Errorf("tasks.queues.%s.max_backlog=%d must be 0 (unbounded) or more", name, q.MaxBacklog)
+		if q.Backlog() < 0 {
+			return fmt.Errorf("tasks.queues.%s.max_backlog=%d must be 0 (unbounded) or more", name, q.Backlog())
 		}
+		c.Queues[name] = q
 	}
 	seen := map[string]bool{}
 	for i := range c.Kinds {
@@ -208,7 +220,7 @@ func (c *Config) KindNames() []string {
 func (c *Config) TotalWorkers() int {
 	n := 0
 	for _, q := range c.Queues {
-		n += q.MaxWorkers
+		n += q.Workers()
 	}
 	return n
 }
@@ -241,3 +253,5 @@ func validHeaderName(name string) bool {
 	}
 	return http.CanonicalHeaderKey(name) != "Host"
 }
+
+func ptr[T any](v T) *T { return &v }

@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"slices"
 	"testing"
 	"time"
 
@@ -22,7 +23,7 @@ func TestEnqueueFunctionInsertsWhatRiverInserts(t *testing.T) {
 	t.Parallel()
 	db := pgtest.New(t)
 	ctx := t.Context()
-	cfg := testConfig(t, map[string]Queue{"mail": {MaxWorkers: 1, MaxBacklog: 10}},
+	cfg := testConfig(t, map[string]Queue{"mail": queue(1, 10)},
 		Kind{Name: "send-receipt", Type: TypeGo, Queue: "mail", MaxAttempts: 7})
 	if err := publishConfig(ctx, db.Pool, &cfg); err != nil {
 		t.Fatal(err)
@@ -118,7 +119,7 @@ func TestFullQueueRefusesEnqueue(t *testing.T) {
 	t.Parallel()
 	db := pgtest.New(t)
 	ctx := t.Context()
-	cfg := testConfig(t, map[string]Queue{"small": {MaxWorkers: 1, MaxBacklog: 2}}, Kind{Name: "report", Type: TypeGo, Queue: "small"})
+	cfg := testConfig(t, map[string]Queue{"small": queue(1, 2)}, Kind{Name: "report", Type: TypeGo, Queue: "small"})
 	if err := publishConfig(ctx, db.Pool, &cfg); err != nil {
 		t.Fatal(err)
 	}
@@ -173,5 +174,32 @@ func TestEnqueueCopiesMetaFromContext(t *testing.T) {
 		TraceID: "4bf92f3577b34da6a3ce929d0e0e4736", CorrelationID: "corr-3", TenantID: "explicit"}
 	if got != want {
 		t.Fatalf("metadata %s, want %+v", md, want)
+	}
+}
+
+// A replica starting with a new configuration removes the kinds and queues
+// it no longer has, so a dropped kind's tasks stop going to its old queue.
+func TestPublishConfigForgetsDroppedKindsAndQueues(t *testing.T) {
+	t.Parallel()
+	db := pgtest.New(t)
+	ctx := context.Background()
+	old := testConfig(t, map[string]Queue{"mail": queue(1, 10)}, Kind{Name: "send-receipt", Type: TypeSQL, SQL: "SELECT $1", Queue: "mail"})
+	if err := publishConfig(ctx, db.Pool, &old); err != nil {
+		t.Fatal(err)
+	}
+	current := testConfig(t, nil)
+	if err := publishConfig(ctx, db.Pool, &current); err != nil {
+		t.Fatal(err)
+	}
+	var routed string
+	if err := db.Pool.QueryRow(ctx, "SELECT queue FROM worker_task_admit('send-receipt', NULL, NULL)").Scan(&routed); err != nil {
+		t.Fatal(err)
+	}
+	var queues []string
+	if err := db.Pool.QueryRow(ctx, "SELECT array_agg(queue ORDER BY queue) FROM worker_task_queue").Scan(&queues); err != nil {
+		t.Fatal(err)
+	}
+	if routed != DefaultQueue || !slices.Equal(queues, []string{DefaultQueue}) {
+		t.Fatalf("after dropping kind send-receipt and queue mail: the kind goes to %q, queues %v; want default and [default]", routed, queues)
 	}
 }

@@ -30,6 +30,11 @@ func testConfig(t testing.TB, queues map[string]Queue, kinds ...Kind) Config {
 	return cfg
 }
 
+// queue is a queue's configuration with both keys written.
+func queue(maxWorkers, maxBacklog int) Queue {
+	return Queue{MaxWorkers: &maxWorkers, MaxBacklog: &maxBacklog}
+}
+
 // harness is a started Runtime on a private database.
 type harness struct {
 	db   *pgtest.DB

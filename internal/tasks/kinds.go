@@ -138,12 +138,18 @@ func (w *httpWorker) NextRetry(job *river.Job[rawArgs]) time.Time {
 	return time.Time{}
 }
 
+// maxRetryAfter is the longest Retry-After in seconds that is honoured; a
+// longer one falls back to the retry policy.
+const maxRetryAfter = 100 * 365 * 24 * time.Hour
+
 // retryAfter parses a Retry-After header: seconds or an HTTP date.
 func retryAfter(v string, now time.Time) (time.Time, bool) {
 	if v == "" {
 		return time.Time{}, false
 	}
-	if s, err := strconv.Atoi(v); err == nil && s >= 0 {
+	// Beyond maxRetryAfter, seconds would overflow time.Duration and come out
+	// negative: a retry at once, the opposite of what the endpoint asked.
+	if s, err := strconv.ParseInt(v, 10, 64); err == nil && s >= 0 && s <= int64(maxRetryAfter/time.Second) {
 		return now.Add(time.Duration(s) * time.Second), true
 	}
 	if t, err := http.ParseTime(v); err == nil && t.After(now) {

@@ -35,8 +35,20 @@ var states = []rivertype.JobState{
 
 // countCap bounds each tasks{queue,state} count, so the refresh costs at most
 // this many index entries per series however large river_job grows. The
-// gauge reads countCap when there are more.
+// gauge reads countCap when there are more. A larger max_backlog raises it
+// (countLimit): a saturation computed from a count that stops short of the
+// bound would never reach 1, and the full-queue alert would never fire.
 const countCap = 100000
+
+// countLimit is where the refresh stops counting: countCap, or the largest
+// max_backlog if that is larger.
+func countLimit(cfg *Config) int {
+	limit := countCap
+	for _, q := range cfg.Queues {
+		limit = max(limit, q.Backlog())
+	}
+	return limit
+}
 
 type metrics struct {
 	runs       *prometheus.CounterVec   // task_runs_total{task_kind,outcome}
@@ -66,7 +78,7 @@ func newMetrics(reg prometheus.Registerer, kinds, queues []string) (*metrics, er
 			Buckets: []float64{.005, .01, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60, 300, 900},
 		}, []string{"queue"}),
 		tasks: prometheus.NewGaugeVec(prometheus.GaugeOpts{
-			Name: "tasks", Help: "Tasks by queue and River state, cluster-wide, refreshed every tasks.metrics_interval; each count stops at 100000.",
+			Name: "tasks", Help: "Tasks by queue and River state, cluster-wide, refreshed every tasks.metrics_interval; each count stops at 100000, or at the largest max_backlog if larger.",
 		}, []string{"queue", "state"}),
 		saturation: prometheus.NewGaugeVec(prometheus.GaugeOpts{
 			Name: "task_executor_saturation", Help: "Available (waiting) tasks of a queue divided by its max_backlog; at 1 enqueues are refused (JOB_EXECUTOR_REJECTED). 0 for an unbounded queue.",
@@ -107,7 +119,7 @@ func (m *metrics) refresh(ctx context.Context, pool *pgxpool.Pool, cfg *Config) 
 	rows, err := pool.Query(ctx, `
 		SELECT q, s, (SELECT count(*) FROM (
 		        SELECT 1 FROM river_job j WHERE j.state = s::river_job_state AND j.queue = q LIMIT $3) c)
-		  FROM unnest($1::text[]) q CROSS JOIN unnest($2::text[]) s`, queues, stateNames, countCap)
+		  FROM unnest($1::text[]) q CROSS JOIN unnest($2::text[]) s`, queues, stateNames, countLimit(cfg))
 	if err != nil {
 		return err
 	}
@@ -122,7 +134,7 @@ func (m *metrics) refresh(ctx context.Context, pool *pgxpool.Pool, cfg *Config) 
 		}
 		m.tasks.WithLabelValues(q, s).Set(float64(n))
 		if s == string(rivertype.JobStateAvailable) {
-			if limit := cfg.Queues[q].MaxBacklog; limit > 0 {
+			if limit := cfg.Queues[q].Backlog(); limit > 0 {
 				m.saturation.WithLabelValues(q).Set(float64(n) / float64(limit))
 			}
 		}

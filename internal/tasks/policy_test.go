@@ -42,7 +42,7 @@ func TestRetryPolicyIsFullJitterExponential(t *testing.T) {
 func TestUnboundedQueueWarnsAtStart(t *testing.T) {
 	t.Parallel()
 	db := pgtest.New(t)
-	h := start(t, db, testConfig(t, map[string]Queue{"bulk": {MaxWorkers: 1, MaxBacklog: 0}}), nil)
+	h := start(t, db, testConfig(t, map[string]Queue{"bulk": queue(1, 0)}), nil)
 	lines := h.logs.Lines(t, "task queue has no backlog bound; enqueues are never refused")
 	if len(lines) != 1 || lines[0]["queue"] != "bulk" || lines[0]["level"] != "WARN" {
 		t.Fatalf("warning lines: %v", lines)
@@ -55,7 +55,7 @@ func TestSaturationFollowsTheBacklog(t *testing.T) {
 	t.Parallel()
 	db := pgtest.New(t)
 	ctx := context.Background()
-	cfg := testConfig(t, map[string]Queue{"mail": {MaxWorkers: 1, MaxBacklog: 4}})
+	cfg := testConfig(t, map[string]Queue{"mail": queue(1, 4)})
 	if err := publishConfig(ctx, db.Pool, &cfg); err != nil {
 		t.Fatal(err)
 	}
@@ -78,5 +78,57 @@ func TestSaturationFollowsTheBacklog(t *testing.T) {
 		if v, _ := testkit.Metric(t, reg, name, labels); v != want {
 			t.Errorf("%s%v = %v, want %v", name, labels, v, want)
 		}
+	}
+}
+
+// Retry-After in seconds or as a date is honoured; a number of seconds too
+// large for a time.Duration is ignored rather than wrapping around to a
+// retry at once.
+func TestRetryAfterParsing(t *testing.T) {
+	t.Parallel()
+	now := time.Date(2026, 12, 1, 8, 0, 0, 0, time.UTC)
+	cases := []struct {
+		header string
+		want   time.Time
+		ok     bool
+	}{
+		{"120", now.Add(2 * time.Minute), true},
+		{"Tue, 01 Dec 2026 09:00:00 GMT", now.Add(time.Hour), true},
+		{"99999999999", time.Time{}, false},
+		{"-5", time.Time{}, false},
+		{"soon", time.Time{}, false},
+		{"", time.Time{}, false},
+	}
+	for _, c := range cases {
+		got, ok := retryAfter(c.header, now)
+		if ok != c.ok || !got.Equal(c.want) {
+			t.Errorf("Retry-After %q: %v, %v; want %v, %v", c.header, got, ok, c.want, c.ok)
+		}
+	}
+}
+
+// A queue bounded above countCap still reaches saturation 1 when full: the
+// count goes on to its max_backlog.
+func TestSaturationReachesOneAboveTheCountCap(t *testing.T) {
+	t.Parallel()
+	db := pgtest.New(t)
+	ctx := context.Background()
+	bound := countCap + 10
+	cfg := testConfig(t, map[string]Queue{"bulk": queue(1, bound)})
+	reg := prometheus.NewRegistry()
+	m, err := newMetrics(reg, nil, cfg.QueueNames())
+	if err != nil {
+		t.Fatal(err)
+	}
+	// River's own columns only: the admission check is not under test here.
+	if _, err := db.Pool.Exec(ctx, `INSERT INTO river_job (kind, args, queue, state, max_attempts)
+		SELECT 'k', '{}', 'bulk', 'available', 3 FROM generate_series(1, $1)`, bound); err != nil {
+		t.Fatal(err)
+	}
+	if err := m.refresh(ctx, db.Pool, &cfg); err != nil {
+		t.Fatal(err)
+	}
+	if v, _ := testkit.Metric(t, reg, "task_executor_saturation", map[string]string{"queue": "bulk"}); v != 1 {
+		t.Errorf("task_executor_saturation{queue=bulk} = %v with %d available tasks and max_backlog %d, want 1", v, bound, bound)
 	}
 }

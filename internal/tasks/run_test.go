@@ -261,7 +261,7 @@ func TestMaxWorkersBoundsConcurrency(t *testing.T) {
 	t.Parallel()
 	db := pgtest.New(t)
 	w := &blockWorker{release: make(chan struct{})}
-	cfg := testConfig(t, map[string]Queue{"default": {MaxWorkers: 2, MaxBacklog: 100}})
+	cfg := testConfig(t, map[string]Queue{"default": queue(2, 100)})
 	start(t, db, cfg, func(r *Registry) error { return AddWorker(r, w) })
 	ids := make([]int64, 6)
 	for i := range ids {
@@ -331,7 +331,7 @@ func TestShutdownCancelsRunningTaskWhichRunsAgainLater(t *testing.T) {
 func TestMetricsStartAtZeroAndFollowTheTable(t *testing.T) {
 	t.Parallel()
 	db := pgtest.New(t)
-	cfg := testConfig(t, map[string]Queue{"mail": {MaxWorkers: 1, MaxBacklog: 4}},
+	cfg := testConfig(t, map[string]Queue{"mail": queue(1, 4)},
 		Kind{Name: "later", Type: TypeGo, Queue: "mail"})
 	h := start(t, db, cfg, func(r *Registry) error {
 		return AddWorker(r, river.WorkFunc(func(context.Context, *river.Job[laterArgs]) error { return nil }))

@@ -91,7 +91,7 @@ func New(opts Options) (*Runtime, error) {
 
 	queues := make(map[string]river.QueueConfig, len(cfg.Queues))
 	for name, q := range cfg.Queues {
-		queues[name] = river.QueueConfig{MaxWorkers: q.MaxWorkers}
+		queues[name] = river.QueueConfig{MaxWorkers: q.Workers()}
 	}
 	log := opts.Logger.With("component", "tasks")
 	rt := &Runtime{cfg: cfg, log: log, pool: pool, m: m}
@@ -174,7 +174,7 @@ func (r *Runtime) Start(ctx context.Context) error {
 		return fmt.Errorf("tasks: publish configuration: %w", err)
 	}
 	for _, name := range r.cfg.QueueNames() {
-		if r.cfg.Queues[name].MaxBacklog == 0 {
+		if r.cfg.Queues[name].Backlog() == 0 {
 			r.log.Warn("task queue has no backlog bound; enqueues are never refused", "queue", name)
 		}
 	}
@@ -216,12 +216,17 @@ func (r *Runtime) Shutdown(ctx context.Context) error {
 }
 
 // publishConfig writes the kinds' queues and max_attempts and the queues'
-// max_backlog where worker_enqueue and Enqueue read them.
+// max_backlog where worker_enqueue and Enqueue read them, and removes the
+// kinds and queues the configuration no longer has: a kind dropped from it
+// would otherwise keep routing its tasks to its old queue, perhaps one no
+// replica works any more.
 func publishConfig(ctx context.Context, pool *pgxpool.Pool, cfg *Config) error {
 	return pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
-		// Rows in one order (defaults, then kinds and queues by name), so
-		// replicas starting together never deadlock on them.
+		// Rows in one order (stale ones, defaults, then kinds and queues by
+		// name), so replicas starting together never deadlock on them.
 		b := &pgx.Batch{}
+		b.Queue(`DELETE FROM worker_task_kind WHERE kind <> '*' AND kind <> ALL($1)`, cfg.KindNames())
+		b.Queue(`DELETE FROM worker_task_queue WHERE queue <> ALL($1)`, cfg.QueueNames())
 		b.Queue(`INSERT INTO worker_task_kind VALUES ('*', 'default', $1)
 			ON CONFLICT (kind) DO UPDATE SET queue = excluded.queue, max_attempts = excluded.max_attempts`, cfg.MaxAttempts)
 		kinds := slices.SortedFunc(slices.Values(cfg.Kinds), func(a, b Kind) int { return strings.Compare(a.Name, b.Name) })
@@ -231,7 +236,7 @@ func publishConfig(ctx context.Context, pool *pgxpool.Pool, cfg *Config) error {
 		}
 		for _, name := range cfg.QueueNames() {
 			b.Queue(`INSERT INTO worker_task_queue VALUES ($1, $2)
-				ON CONFLICT (queue) DO UPDATE SET max_backlog = excluded.max_backlog`, name, cfg.Queues[name].MaxBacklog)
+				ON CONFLICT (queue) DO UPDATE SET max_backlog = excluded.max_backlog`, name, cfg.Queues[name].Backlog())
 		}
 		return tx.SendBatch(ctx, b).Close()
 	})
