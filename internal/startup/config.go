@@ -386,10 +386,8 @@ func (c *Config) validate(source func(string) string) error {
 		return configErrorf("%s=%d must exceed %s=%d: each relay loop holds a connection while there is backlog, and jobs and leases need one too",
 			source("database.max_conns"), c.Database.MaxConns, source("outbox.relays"), c.Outbox.Relays)
 	}
-	if c.Outbox.Sink == "webhook" {
-		if _, err := newWebhookSink(c.Outbox.Webhook); err != nil {
-			return err
-		}
+	if err := validateSink(c.Outbox); err != nil {
+		return err
 	}
 	if err := c.Tasks.Validate(); err != nil {
 		return configErrorf("%v", err)

@@ -116,10 +116,18 @@ func (runCmd) Run(e *cmdEnv) error {
 	if cfg.Lock.Provider == ProviderPostgres {
 		warnAsyncCommit(ctx, pool, log)
 	}
-	parts, cleanup, err := wire(cfg, pool, log, reg, e.Stdout)
+	parts, cleanup, err := wire(ctx, cfg, pool, log, reg, e.Stdout)
 	defer cleanup()
 	if err != nil {
+		if ctx.Err() != nil {
+			return nil // asked to stop while connecting to the broker
+		}
 		return err
+	}
+	for _, p := range parts {
+		if r, ok := p.(readyChecker); ok {
+			ready.broker = r.Ready
+		}
 	}
 	if ui != nil {
 		part, err := ui.attach(pool, log)
@@ -172,7 +180,7 @@ func shutdownAll(parts []component, budget time.Duration, log *slog.Logger) {
 
 func newLogger(e *cmdEnv, cfg *Config) (*slog.Logger, error) {
 	log, err := obs.NewLogger(e.Stderr, cfg.Log.Format, cfg.Log.Level, cfg.Instance.ID,
-		append(logSecrets(cfg.Database.URL, cfg.Outbox.Webhook.Secret), cfg.UI.Password)...)
+		append(logSecrets(cfg.Database.URL, sinkSecrets(cfg.Outbox)...), cfg.UI.Password)...)
 	if err != nil {
 		return nil, configErrorf("%w", err)
 	}
@@ -182,9 +190,9 @@ func newLogger(e *cmdEnv, cfg *Config) (*slog.Logger, error) {
 
 // logSecrets are the literal values the logger hides wherever they appear:
 // the database password (from the URL, a key=value DSN or the passfile) and
-// the webhook secret. The rest of a database URL stays readable.
-func logSecrets(databaseURL, webhookSecret string) []string {
-	secrets := []string{webhookSecret}
+// the sinks' secrets. The rest of a database URL stays readable.
+func logSecrets(databaseURL string, others ...string) []string {
+	secrets := others
 	if c, err := pgconn.ParseConfig(databaseURL); err == nil && c.Password != "" {
 		secrets = append(secrets, c.Password, url.QueryEscape(c.Password))
 	}
