@@ -108,7 +108,7 @@ func (e *cmdEnv) fatalLogger() *slog.Logger {
 		env[name] = v
 	}
 	log, err := obs.NewLogger(e.Stderr, earlyLogFormat(e.ConfigPath, e.Environ), "info", env["APP_INSTANCE_ID"],
-		logSecrets(env["APP_DATABASE_URL"], env["APP_OUTBOX_WEBHOOK_SECRET"])...)
+		append(logSecrets(env["APP_DATABASE_URL"], env["APP_OUTBOX_WEBHOOK_SECRET"]), env["APP_UI_PASSWORD"])...)
 	if err != nil {
 		panic(err) // earlyLogFormat returns only formats NewLogger knows
 	}
