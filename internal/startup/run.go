@@ -180,7 +180,7 @@ func shutdownAll(parts []component, budget time.Duration, log *slog.Logger) {
 
 func newLogger(e *cmdEnv, cfg *Config) (*slog.Logger, error) {
 	log, err := obs.NewLogger(e.Stderr, cfg.Log.Format, cfg.Log.Level, cfg.Instance.ID,
-		append(logSecrets(cfg.Database.URL, sinkSecrets(cfg.Outbox)...), cfg.UI.Password)...)
+		logSecrets(cfg.Database.URL, append(sinkSecrets(cfg.Outbox), cfg.UI.Password)...)...)
 	if err != nil {
 		return nil, configErrorf("%w", err)
 	}
