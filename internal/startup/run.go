@@ -43,6 +43,9 @@ func (runCmd) Run(e *cmdEnv) error {
 	if err := CheckLockProvider(cfg); err != nil {
 		return err
 	}
+	if err := cfg.checkUI(); err != nil {
+		return err
+	}
 
 	// Signals are watched from the start, so SIGTERM during a slow database
 	// connect ends the wait instead of being lost.
@@ -183,6 +186,9 @@ func newLogger(e *cmdEnv, cfg *Config) (*slog.Logger, error) {
 		logSecrets(cfg.Database.URL, append(sinkSecrets(cfg.Outbox), cfg.UI.Password)...)...)
 	if err != nil {
 		return nil, configErrorf("%w", err)
+	}
+	for _, m := range cfg.misspeltEnv {
+		log.Warn("environment variable " + m)
 	}
 	e.log = log
 	return log, nil
