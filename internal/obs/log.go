@@ -41,7 +41,13 @@ func NewLogger(w io.Writer, format, level, instanceID string, secrets ...string)
 	default:
 		return nil, fmt.Errorf("log format %q: want json or text", format)
 	}
-	return slog.New(h).With("instance_id", instanceID), nil
+	log := slog.New(h)
+	if instanceID == "" {
+		// Not known yet (a command failing before its configuration is
+		// read): an empty field would only mislead a search by instance.
+		return log, nil
+	}
+	return log.With("instance_id", instanceID), nil
 }
 
 // Masker removes secrets from text: passwords inside URLs and key=value

@@ -15,12 +15,6 @@ func TestConfigValidate(t *testing.T) {
 		key    string
 		change func(*Config)
 	}{
-		{"outbox.sink", func(c *Config) { c.Sink = "kafka" }},
-		{"outbox.webhook.url", func(c *Config) { c.Sink = "webhook" }},
-		{"outbox.webhook.timeout", func(c *Config) { c.Sink, c.Webhook.URL, c.Webhook.Timeout = "webhook", "http://x", 0 }},
-		{"outbox.in_flight_timeout", func(c *Config) {
-			c.Sink, c.Webhook.URL, c.Webhook.Timeout, c.InFlightTimeout = "webhook", "http://x", 20*time.Second, 30*time.Second
-		}},
 		{"outbox.relays", func(c *Config) { c.Relays = 0 }},
 		{"outbox.batch_size", func(c *Config) { c.BatchSize = 0 }},
 		{"outbox.batch_size", func(c *Config) { c.BatchSize = 10001 }},

@@ -107,8 +107,12 @@ func (e *cmdEnv) fatalLogger() *slog.Logger {
 		name, v, _ := strings.Cut(kv, "=")
 		env[name] = v
 	}
+	sinks := outbox.Config{}
+	sinks.Webhook.Secret = env["APP_OUTBOX_WEBHOOK_SECRET"]
+	sinks.NATS.URL, sinks.NATS.Password, sinks.NATS.Token = env["APP_OUTBOX_NATS_URL"], env["APP_OUTBOX_NATS_PASSWORD"], env["APP_OUTBOX_NATS_TOKEN"]
+	sinks.RabbitMQ.URL, sinks.Kafka.SASLPassword = env["APP_OUTBOX_RABBITMQ_URL"], env["APP_OUTBOX_KAFKA_SASL_PASSWORD"]
 	log, err := obs.NewLogger(e.Stderr, earlyLogFormat(e.ConfigPath, e.Environ), "info", env["APP_INSTANCE_ID"],
-		logSecrets(env["APP_DATABASE_URL"], env["APP_OUTBOX_WEBHOOK_SECRET"])...)
+		logSecrets(env["APP_DATABASE_URL"], append(sinkSecrets(sinks), env["APP_UI_PASSWORD"])...)...)
 	if err != nil {
 		panic(err) // earlyLogFormat returns only formats NewLogger knows
 	}

@@ -70,6 +70,20 @@ type Config struct {
 	// derived one, so `config print` can say how rather than show a value
 	// that changes on every call.
 	instanceIDDerived bool
+	// misspeltEnv names APP_* variables that are no setting but nearly
+	// one: the logger warns about each, since the setting meant was not
+	// applied.
+	misspeltEnv []string
+}
+
+// checkUI refuses to serve River UI without credentials. Only `run` serves
+// it, so operator commands read a file with ui.enabled without needing
+// the password.
+func (c *Config) checkUI() error {
+	if c.UI.Enabled && (c.UI.Username == "" || c.UI.Password == "") {
+		return configErrorf("ui.enabled=true needs ui.username (APP_UI_USERNAME) and APP_UI_PASSWORD: River UI is only served behind authentication")
+	}
+	return nil
 }
 
 // Lock providers.
@@ -175,13 +189,21 @@ func LoadConfig(path string, environ []string) (*Config, error) {
 	}
 
 	fromEnv := map[string]string{} // key -> env var, to name the source in errors
+	var misspelt []string
+	envNames := slices.Sorted(maps.Keys(envToKey))
 	err := k.Load(kenv.Provider(".", kenv.Opt{
 		Prefix:      "APP_",
 		EnvironFunc: func() []string { return environ },
 		TransformFunc: func(name, v string) (string, any) {
 			key, ok := envToKey[name]
 			if !ok {
-				return "", nil // APP_CONFIG_FILE and unrelated variables
+				// APP_CONFIG_FILE, or a variable of something else (Kubernetes
+				// sets APP_SERVICE_HOST for a Service named app): not an error.
+				// One that nearly names a setting is most likely a typo.
+				if hint := didYouMean(name, envNames); hint != "" && name != "APP_CONFIG_FILE" {
+					misspelt = append(misspelt, name+" is not a setting and is ignored"+hint)
+				}
+				return "", nil
 			}
 			fromEnv[key] = name
 			return key, v
@@ -221,6 +243,7 @@ func LoadConfig(path string, environ []string) (*Config, error) {
 	if err := cfg.validate(source); err != nil {
 		return nil, nameEnvSources(err, fromEnv)
 	}
+	cfg.misspeltEnv = misspelt
 	return &cfg, nil
 }
 
@@ -386,22 +409,16 @@ func (c *Config) validate(source func(string) string) error {
 		return configErrorf("%s=%d must exceed %s=%d: each relay loop holds a connection while there is backlog, and jobs and leases need one too",
 			source("database.max_conns"), c.Database.MaxConns, source("outbox.relays"), c.Outbox.Relays)
 	}
-	if c.Outbox.Sink == "webhook" {
-		if _, err := newWebhookSink(c.Outbox.Webhook); err != nil {
-			return err
-		}
+	if err := validateSink(c.Outbox); err != nil {
+		return err
 	}
 	if err := c.Tasks.Validate(); err != nil {
 		return configErrorf("%v", err)
 	}
-	if c.Outbox.Sink == "river" {
+	if c.Outbox.Sink == outbox.SinkRiver {
 		if _, err := tasks.NewOutboxSink(c.Tasks, c.Outbox.River.Routes); err != nil {
 			return configErrorf("%v", err)
 		}
-	}
-	if c.UI.Enabled && (c.UI.Username == "" || c.UI.Password == "") {
-		return configErrorf("ui.enabled=true needs %s and %s: River UI is only served behind authentication",
-			source("ui.username"), "APP_UI_PASSWORD")
 	}
 	if err := jobs.ValidateDefinitions(c.Jobs); err != nil {
 		return configErrorf("%w", err)

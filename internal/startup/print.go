@@ -14,6 +14,7 @@ import (
 
 	"worker/internal/jobs"
 	"worker/internal/obs"
+	"worker/internal/outbox/sink"
 )
 
 // PrintConfig writes the configuration the worker will use as YAML: with
@@ -114,6 +115,8 @@ func printable(v reflect.Value, secret string) any {
 		return obs.MaskDSN(v.String())
 	case v.Kind() == reflect.String && secret == "url":
 		return maskURL(v.String())
+	case v.Kind() == reflect.String && secret == "urls":
+		return sink.RedactURLs(v.String()) // a broker's comma-separated server list
 	case v.Kind() == reflect.Map && secret == "values":
 		// Header values often carry tokens (Authorization, X-Api-Key):
 		// show the names only.

@@ -361,6 +361,9 @@ func TestFatalErrorIsOneLogLine(t *testing.T) {
 			if err := json.Unmarshal([]byte(out), &line); err != nil || line.Level != "ERROR" || line.ExitCode != c.code || line.Error == "" {
 				t.Errorf("want a JSON log line with level, error and exit_code (%v):\n%s", err, out)
 			}
+			if strings.Contains(out, `"instance_id":""`) {
+				t.Errorf("an instance id not known yet should be left out, not empty:\n%s", out)
+			}
 		})
 	}
 }

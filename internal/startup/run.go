@@ -43,6 +43,9 @@ func (runCmd) Run(e *cmdEnv) error {
 	if err := CheckLockProvider(cfg); err != nil {
 		return err
 	}
+	if err := cfg.checkUI(); err != nil {
+		return err
+	}
 
 	// Signals are watched from the start, so SIGTERM during a slow database
 	// connect ends the wait instead of being lost.
@@ -116,10 +119,18 @@ func (runCmd) Run(e *cmdEnv) error {
 	if cfg.Lock.Provider == ProviderPostgres {
 		warnAsyncCommit(ctx, pool, log)
 	}
-	parts, cleanup, err := wire(cfg, pool, log, reg, e.Stdout)
+	parts, cleanup, err := wire(ctx, cfg, pool, log, reg, e.Stdout)
 	defer cleanup()
 	if err != nil {
+		if ctx.Err() != nil {
+			return nil // asked to stop while connecting to the broker
+		}
 		return err
+	}
+	for _, p := range parts {
+		if r, ok := p.(readyChecker); ok {
+			ready.broker = r.Ready
+		}
 	}
 	if ui != nil {
 		part, err := ui.attach(pool, log)
@@ -172,9 +183,12 @@ func shutdownAll(parts []component, budget time.Duration, log *slog.Logger) {
 
 func newLogger(e *cmdEnv, cfg *Config) (*slog.Logger, error) {
 	log, err := obs.NewLogger(e.Stderr, cfg.Log.Format, cfg.Log.Level, cfg.Instance.ID,
-		append(logSecrets(cfg.Database.URL, cfg.Outbox.Webhook.Secret), cfg.UI.Password)...)
+		logSecrets(cfg.Database.URL, append(sinkSecrets(cfg.Outbox), cfg.UI.Password)...)...)
 	if err != nil {
 		return nil, configErrorf("%w", err)
+	}
+	for _, m := range cfg.misspeltEnv {
+		log.Warn("environment variable " + m)
 	}
 	e.log = log
 	return log, nil
@@ -182,9 +196,9 @@ func newLogger(e *cmdEnv, cfg *Config) (*slog.Logger, error) {
 
 // logSecrets are the literal values the logger hides wherever they appear:
 // the database password (from the URL, a key=value DSN or the passfile) and
-// the webhook secret. The rest of a database URL stays readable.
-func logSecrets(databaseURL, webhookSecret string) []string {
-	secrets := []string{webhookSecret}
+// the sinks' secrets. The rest of a database URL stays readable.
+func logSecrets(databaseURL string, others ...string) []string {
+	secrets := others
 	if c, err := pgconn.ParseConfig(databaseURL); err == nil && c.Password != "" {
 		secrets = append(secrets, c.Password, url.QueryEscape(c.Password))
 	}

@@ -15,13 +15,15 @@ import (
 	"worker/internal/migrate"
 )
 
-// readiness decides /readyz: ready only when the database answers, the
-// migrations are current and the scheduler has started, and not while
-// draining.
+// readiness decides /readyz: ready only when the database (and a broker
+// sink's broker) answers, the migrations are current and the scheduler has
+// started, and not while draining.
 type readiness struct {
 	started  atomic.Bool
 	draining atomic.Bool
 	pool     atomic.Pointer[pgxpool.Pool]
+	// broker reports a broker sink's connection; set before started.
+	broker func(context.Context) error
 
 	mu       sync.Mutex
 	migrated bool // sticky once seen current: migrations never go back
@@ -39,6 +41,11 @@ func (r *readiness) check(ctx context.Context) (bool, string) {
 	defer cancel()
 	if err := pool.Ping(ctx); err != nil {
 		return false, "database unreachable"
+	}
+	if r.broker != nil {
+		if err := r.broker(ctx); err != nil {
+			return false, "broker unreachable: " + err.Error()
+		}
 	}
 	r.mu.Lock()
 	defer r.mu.Unlock()

@@ -247,6 +247,17 @@ func TestTasksAndUIConfigErrorsExit78(t *testing.T) {
 	}
 }
 
+// Only `run` serves the UI: an operator command reading the same
+// configuration needs no UI password.
+func TestOperatorCommandsNeedNoUIPassword(t *testing.T) {
+	t.Parallel()
+	db := pgtest.New(t)
+	code, out, errOut := runCLI(t, []string{"APP_DATABASE_URL=" + db.URL, "APP_UI_ENABLED=true"}, "outbox", "stats")
+	if code != 0 {
+		t.Errorf("outbox stats with ui.enabled and no password: exit %d, want 0\n%s%s", code, out, errOut)
+	}
+}
+
 func TestTasksListLimitBelowOneExits64(t *testing.T) {
 	t.Parallel()
 	for _, args := range [][]string{{"tasks", "list", "--limit", "0"}, {"tasks", "dead", "list", "--limit=-1"}} {

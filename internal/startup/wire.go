@@ -13,7 +13,6 @@ import (
 	"worker/internal/jobs"
 	"worker/internal/lock"
 	"worker/internal/outbox"
-	"worker/internal/tasks"
 )
 
 // Housekeeping cadence. Both jobs delete in bounded chunks.
@@ -27,7 +26,7 @@ const (
 
 // wire builds the worker's components: the job scheduler and, when enabled,
 // the outbox relay. cleanup runs after they have stopped.
-func wire(cfg *Config, pool *pgxpool.Pool, log *slog.Logger, reg prometheus.Registerer, stdout io.Writer) (parts []component, cleanup func(), err error) {
+func wire(ctx context.Context, cfg *Config, pool *pgxpool.Pool, log *slog.Logger, reg prometheus.Registerer, stdout io.Writer) (parts []component, cleanup func(), err error) {
 	cleanup = func() {}
 	var (
 		locker lock.Locker
@@ -75,15 +74,18 @@ func wire(cfg *Config, pool *pgxpool.Pool, log *slog.Logger, reg prometheus.Regi
 	}
 
 	if cfg.Outbox.Enabled {
-		sink, err := newSink(cfg, stdout)
+		sink, err := newSink(ctx, cfg, stdout, log)
 		if err != nil {
 			return nil, cleanup, err
 		}
 		relay, err := outbox.NewRelay(pool, sink, cfg.Outbox, cfg.Instance.ID, log, reg)
 		if err != nil {
+			if c, ok := sink.(closer); ok {
+				_ = c.Close(ctx)
+			}
 			return nil, cleanup, err
 		}
-		parts = append(parts, relay)
+		parts = append(parts, sinkRelay{Relay: relay, sink: sink})
 	}
 	if cfg.Tasks.Enabled {
 		rt, err := newTaskRuntime(cfg, pool, log, reg)
@@ -117,19 +119,4 @@ func wire(cfg *Config, pool *pgxpool.Pool, log *slog.Logger, reg prometheus.Regi
 		return nil, cleanup, fmt.Errorf("jobs: %w", err)
 	}
 	return append(parts, sched), cleanup, nil
-}
-
-func newSink(cfg *Config, stdout io.Writer) (outbox.Sink, error) {
-	switch cfg.Outbox.Sink {
-	case "webhook":
-		s, err := newWebhookSink(cfg.Outbox.Webhook)
-		if err != nil {
-			return nil, err
-		}
-		return s, nil
-	case "river":
-		return tasks.NewOutboxSink(cfg.Tasks, cfg.Outbox.River.Routes)
-	default:
-		return outbox.NewLogSink(stdout), nil
-	}
 }

@@ -131,7 +131,7 @@ func startWired(t *testing.T, db *pgtest.DB, jobsYAML string, env ...string) ([]
 	}
 	t.Cleanup(pool.Close)
 	reg := prometheus.NewRegistry()
-	parts, cleanup, err := wire(cfg, pool, log, reg, io.Discard)
+	parts, cleanup, err := wire(t.Context(), cfg, pool, log, reg, io.Discard)
 	if err != nil {
 		t.Fatal(err)
 	}

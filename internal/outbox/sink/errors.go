@@ -1,0 +1,15 @@
+package sink
+
+import "errors"
+
+// Why a sink could not start. Startup maps them to exit codes: 69, 77, 78.
+var (
+	// ErrUnreachable: the broker did not answer within its connect_timeout.
+	ErrUnreachable = errors.New("broker unreachable")
+	// ErrRefused: the broker refused the credentials.
+	ErrRefused = errors.New("broker refused the credentials")
+	// ErrSetup: the broker answered, but the configuration does not fit it
+	// (a missing stream, an exchange of another type). The message names the
+	// key to change.
+	ErrSetup = errors.New("broker setup does not match the configuration")
+)

@@ -1,0 +1,218 @@
+// Package kafka is the Kafka sink (outbox.sink: kafka): each event is one
+// record, keyed by its aggregate so the default partitioner keeps an
+// aggregate on one partition, with the CloudEvents attributes as ce_
+// headers, produced by franz-go's idempotent producer with acks=all and
+// reported published only once the partition's in-sync replicas have it.
+package kafka
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"strings"
+	"time"
+
+	"github.com/twmb/franz-go/pkg/kerr"
+	"github.com/twmb/franz-go/pkg/kgo"
+	"github.com/twmb/franz-go/pkg/sasl"
+	"github.com/twmb/franz-go/pkg/sasl/plain"
+	"github.com/twmb/franz-go/pkg/sasl/scram"
+
+	"worker/internal/outbox"
+	"worker/internal/outbox/sink"
+)
+
+// maxTopic is Kafka's limit on a topic name's length.
+const maxTopic = 249
+
+// Sink produces events to Kafka. It is safe for concurrent Publish: each
+// call waits for its own record's ack, and franz-go batches the records in
+// flight per partition.
+type Sink struct {
+	cfg   outbox.KafkaConfig
+	topic *sink.Template
+	opts  []kgo.Opt
+	log   *slog.Logger
+
+	client *kgo.Client
+}
+
+// Options are what the sink needs beside its configuration section.
+type Options struct {
+	Logger *slog.Logger
+}
+
+// New checks cfg and returns an unconnected sink; Connect connects it.
+func New(cfg outbox.KafkaConfig, opts Options) (*Sink, error) {
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	topic, err := sink.ParseTemplate("outbox.kafka.topic", cfg.Topic, nil, TopicPart)
+	if err != nil {
+		return nil, err
+	}
+	if lit := topic.Pattern("x"); strings.Trim(lit, "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-") != "" {
+		return nil, fmt.Errorf("outbox.kafka.topic=%q: want letters, digits, '.', '_' and '-' around the placeholders", cfg.Topic)
+	}
+	log := opts.Logger
+	if log == nil {
+		log = slog.New(slog.DiscardHandler)
+	}
+	s := &Sink{cfg: cfg, topic: topic, log: log.With("sink", outbox.SinkKafka)}
+	s.opts = []kgo.Opt{
+		kgo.SeedBrokers(strings.Split(strings.ReplaceAll(cfg.Brokers, " ", ""), ",")...),
+		kgo.ClientID(cfg.ClientID),
+		// The idempotent producer (franz-go's default) with acks from every
+		// in-sync replica: a record is confirmed once it cannot be lost with
+		// a leader, and retries never duplicate or reorder it.
+		kgo.RequiredAcks(kgo.AllISRAcks()),
+		kgo.RecordDeliveryTimeout(cfg.PublishTimeout),
+		kgo.ProduceRequestTimeout(cfg.PublishTimeout),
+	}
+	if m := mechanism(cfg); m != nil {
+		s.opts = append(s.opts, kgo.SASL(m))
+	}
+	if cfg.TLS || cfg.TLSCAFile != "" || cfg.TLSCertFile != "" {
+		tc, err := sink.TLSConfig("outbox.kafka", cfg.TLSCAFile, cfg.TLSCertFile, cfg.TLSKeyFile)
+		if err != nil {
+			return nil, err
+		}
+		s.opts = append(s.opts, kgo.DialTLSConfig(tc))
+	}
+	return s, nil
+}
+
+func mechanism(c outbox.KafkaConfig) sasl.Mechanism {
+	switch c.SASLMechanism {
+	case "PLAIN":
+		return plain.Auth{User: c.SASLUser, Pass: c.SASLPassword}.AsMechanism()
+	case "SCRAM-SHA-256":
+		return scram.Auth{User: c.SASLUser, Pass: c.SASLPassword}.AsSha256Mechanism()
+	case "SCRAM-SHA-512":
+		return scram.Auth{User: c.SASLUser, Pass: c.SASLPassword}.AsSha512Mechanism()
+	}
+	return nil
+}
+
+// TopicPart escapes one value into legal topic characters: letters,
+// digits, '.' and '-' stay, every other byte (including '_', the escape
+// character) becomes _XY (its hex), and an empty value becomes "_".
+func TopicPart(v string) string {
+	if v == "" {
+		return "_"
+	}
+	return strings.ReplaceAll(sink.PercentEncode(v, func(c byte) bool {
+		return c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z' || c >= '0' && c <= '9' || c == '.' || c == '-'
+	}), "%", "_")
+}
+
+// Key is the record key of e: its aggregate, so all of an aggregate's
+// events land on one partition, in order.
+func Key(e outbox.Event) []byte { return []byte(e.AggregateType + ":" + e.AggregateID) }
+
+// Name implements outbox.Sink.
+func (s *Sink) Name() string { return outbox.SinkKafka }
+
+// Topic returns the topic e is produced to.
+func (s *Sink) Topic(e outbox.Event) string { return s.topic.Render(e) }
+
+// Connect creates the client and waits until a broker answers, retrying
+// until ctx ends. Its errors wrap sink.ErrUnreachable or sink.ErrRefused.
+func (s *Sink) Connect(ctx context.Context) error {
+	client, err := kgo.NewClient(s.opts...)
+	if err != nil {
+		return fmt.Errorf("%w: %w", sink.ErrSetup, err)
+	}
+	for {
+		err := client.Ping(ctx)
+		switch {
+		case err == nil:
+			s.client = client
+			return nil
+		case errors.Is(err, kerr.SaslAuthenticationFailed), errors.Is(err, kerr.ClusterAuthorizationFailed):
+			client.Close()
+			return fmt.Errorf("%w: kafka %s: %w", sink.ErrRefused, s.cfg.Brokers, err)
+		case ctx.Err() != nil:
+			client.Close()
+			return fmt.Errorf("%w: kafka %s: %w", sink.ErrUnreachable, s.cfg.Brokers, err)
+		}
+		s.log.Warn("kafka not ready yet", "error", err.Error())
+		select {
+		case <-ctx.Done():
+		case <-time.After(200 * time.Millisecond):
+		}
+	}
+}
+
+// Publish implements outbox.Sink: one record, acked by all in-sync
+// replicas. A record the broker can never take is permanent: too large,
+// an invalid topic, refused by the broker's validation, or not authorised.
+// Timeouts, lost connections and a topic that does not exist (yet) are
+// transient.
+func (s *Sink) Publish(ctx context.Context, e outbox.Event) error {
+	if s.client == nil {
+		return errors.New("kafka: publish before Connect")
+	}
+	topic := s.topic.Render(e)
+	if len(topic) > maxTopic {
+		return outbox.Permanent(fmt.Errorf("kafka: event %s: topic %q is longer than %d bytes", e.EventID, topic, maxTopic))
+	}
+	rec := &kgo.Record{Topic: topic, Key: Key(e), Value: e.Payload, Headers: headers(e)}
+	// franz-go times a record out only between attempts; a request on the
+	// wire waits for its answer. The publish timeout bounds the whole wait.
+	ctx, cancel := context.WithTimeout(ctx, s.cfg.PublishTimeout)
+	defer cancel()
+	done := make(chan error, 1)
+	s.client.Produce(ctx, rec, func(_ *kgo.Record, err error) { done <- err })
+	var err error
+	select {
+	case err = <-done:
+	case <-ctx.Done():
+		// franz-go fails the record at once unless it is on the wire; then
+		// it may still land, which a retry makes a duplicate, never a loss.
+		err = ctx.Err()
+	}
+	if err == nil {
+		return nil
+	}
+	err = fmt.Errorf("kafka: event %s to %s: %w", e.EventID, topic, err)
+	for _, p := range []error{kerr.MessageTooLarge, kerr.RecordListTooLarge, kerr.InvalidTopicException, kerr.InvalidRecord, kerr.TopicAuthorizationFailed} {
+		if errors.Is(err, p) {
+			return outbox.Permanent(err)
+		}
+	}
+	return err
+}
+
+// headers are the CloudEvents attributes in the Kafka binding's binary
+// mode (ce_ headers, content-type) after the stored headers.
+func headers(e outbox.Event) []kgo.RecordHeader {
+	h := make([]kgo.RecordHeader, 0, len(e.Headers)+7)
+	for k, v := range e.Headers {
+		if n := strings.ToLower(k); !strings.HasPrefix(n, "ce_") && n != "content-type" {
+			h = append(h, kgo.RecordHeader{Key: k, Value: []byte(v)})
+		}
+	}
+	h = append(h, kgo.RecordHeader{Key: "content-type", Value: []byte(sink.ContentType)})
+	for _, a := range sink.CloudEvent(e) {
+		h = append(h, kgo.RecordHeader{Key: "ce_" + a.Name, Value: []byte(a.Value)})
+	}
+	return h
+}
+
+// Ready reports whether a broker answers, for /readyz.
+func (s *Sink) Ready(ctx context.Context) error {
+	if s.client == nil {
+		return errors.New("kafka: not connected")
+	}
+	return s.client.Ping(ctx)
+}
+
+// Close closes the client; the relay has stopped.
+func (s *Sink) Close(context.Context) error {
+	if s.client != nil {
+		s.client.Close()
+	}
+	return nil
+}

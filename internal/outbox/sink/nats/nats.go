@@ -1,0 +1,338 @@
+// Package nats is the NATS JetStream sink (outbox.sink: nats): each event is
+// one message on a subject named after it, with Nats-Msg-Id = event_id and
+// the CloudEvents attributes as ce- headers, published asynchronously and
+// reported published only once the stream has acknowledged it.
+package nats
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"strings"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+
+	"worker/internal/outbox"
+	"worker/internal/outbox/sink"
+)
+
+// reconnectWait is the pause between reconnect attempts; the client retries
+// for ever, and publishes in the meantime fail by their timeout.
+const reconnectWait = 500 * time.Millisecond
+
+// Sink publishes events to a JetStream stream. It is safe for concurrent
+// Publish: every call waits for its own ack, so many calls in flight
+// pipeline on the one connection.
+type Sink struct {
+	cfg      outbox.NATSConfig
+	subject  *sink.Template
+	log      *slog.Logger
+	name     string
+	shownURL string // cfg.URL without credentials, for errors and logs
+	minDedup time.Duration
+
+	conn *nats.Conn
+	js   jetstream.JetStream
+}
+
+// Options are what the sink needs beside its configuration section.
+type Options struct {
+	// Name identifies the connection on the server (`nats server report
+	// connections`).
+	Name string
+	// RedeliveryGap is the longest time after which the relay may publish an
+	// event again; a stream whose duplicate window is shorter gets a warning
+	// at Connect, because a redelivery after the window is a duplicate.
+	RedeliveryGap time.Duration
+	Logger        *slog.Logger
+}
+
+// New checks cfg and returns an unconnected sink; Connect connects it.
+func New(cfg outbox.NATSConfig, opts Options) (*Sink, error) {
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	if err := validSubjectText("outbox.nats.subject_prefix", cfg.SubjectPrefix); err != nil {
+		return nil, err
+	}
+	tmpl, err := sink.ParseTemplate("outbox.nats.subject", cfg.Subject, map[string]string{"prefix": cfg.SubjectPrefix}, SubjectToken)
+	if err != nil {
+		return nil, err
+	}
+	if err := validSubjectText("outbox.nats.subject", tmpl.Pattern("x")); err != nil {
+		return nil, err
+	}
+	log := opts.Logger
+	if log == nil {
+		log = slog.New(slog.DiscardHandler)
+	}
+	return &Sink{
+		cfg:      cfg,
+		subject:  tmpl,
+		log:      log.With("sink", outbox.SinkNATS),
+		name:     opts.Name,
+		shownURL: sink.RedactURLs(cfg.URL),
+		minDedup: opts.RedeliveryGap,
+	}, nil
+}
+
+// validSubjectText rejects a subject (or a fixed part of one) that would
+// not name exactly one subject: empty tokens, wildcards, whitespace.
+func validSubjectText(key, s string) error {
+	if s == "" {
+		return fmt.Errorf("%s is empty", key)
+	}
+	for tok := range strings.SplitSeq(s, ".") {
+		if tok == "" || tok == "*" || tok == ">" || strings.ContainsFunc(tok, func(r rune) bool { return r <= ' ' || r == 0x7f }) {
+			return fmt.Errorf("%s=%q: want dot-separated tokens without wildcards or whitespace", key, s)
+		}
+	}
+	return nil
+}
+
+// Name implements outbox.Sink.
+func (s *Sink) Name() string { return outbox.SinkNATS }
+
+// Subject returns the subject e is published on.
+func (s *Sink) Subject(e outbox.Event) string { return s.subject.Render(e) }
+
+// SubjectToken escapes one value so that it stays one subject token and
+// reads the same for every consumer: '%', '.', '*', '>', whitespace,
+// control characters and non-ASCII bytes become %XY (their hex), and an
+// empty value becomes "_" (the producer rules refuse empty keys anyway).
+func SubjectToken(v string) string {
+	if v == "" {
+		return "_"
+	}
+	return sink.PercentEncode(v, func(c byte) bool {
+		return c > ' ' && c < 0x7f && c != '.' && c != '*' && c != '>'
+	})
+}
+
+// Connect connects and checks the stream, retrying until ctx ends. Its
+// errors wrap sink.ErrUnreachable, sink.ErrRefused or sink.ErrSetup.
+func (s *Sink) Connect(ctx context.Context) error {
+	opts, err := s.options()
+	if err != nil {
+		return fmt.Errorf("%w: %w", sink.ErrSetup, err)
+	}
+	var last error
+	for wait := 100 * time.Millisecond; ; wait = min(2*wait, 2*time.Second) {
+		last = s.connectOnce(ctx, opts)
+		if last == nil || errors.Is(last, sink.ErrRefused) || errors.Is(last, sink.ErrSetup) {
+			return last
+		}
+		s.log.Warn("nats not ready yet", "error", last.Error(), "retry_in", wait.String())
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("%w: nats %s: %w", sink.ErrUnreachable, s.shownURL, last)
+		case <-time.After(wait):
+		}
+	}
+}
+
+func (s *Sink) connectOnce(ctx context.Context, opts []nats.Option) error {
+	dial := 2 * time.Second
+	if d, ok := ctx.Deadline(); ok {
+		dial = max(min(dial, time.Until(d)), 10*time.Millisecond)
+	}
+	conn, err := nats.Connect(s.cfg.URL, append(opts, nats.Timeout(dial))...)
+	if err != nil {
+		if errors.Is(err, nats.ErrAuthorization) || strings.Contains(strings.ToLower(err.Error()), "authorization") {
+			return fmt.Errorf("%w: nats %s: %w", sink.ErrRefused, s.shownURL, err)
+		}
+		return err
+	}
+	js, err := jetstream.New(conn,
+		jetstream.WithPublishAsyncMaxPending(s.cfg.MaxPending),
+		jetstream.WithPublishAsyncTimeout(s.cfg.PublishTimeout))
+	if err == nil {
+		err = s.checkStream(ctx, js)
+	}
+	if err != nil {
+		conn.Close()
+		return err
+	}
+	s.conn, s.js = conn, js
+	return nil
+}
+
+func (s *Sink) options() ([]nats.Option, error) {
+	log := s.log
+	opts := []nats.Option{
+		nats.Name(s.name),
+		nats.MaxReconnects(-1),
+		nats.ReconnectWait(reconnectWait),
+		nats.DisconnectErrHandler(func(_ *nats.Conn, err error) {
+			if err != nil {
+				log.Warn("nats disconnected", "error", err.Error())
+			}
+		}),
+		nats.ReconnectHandler(func(c *nats.Conn) { log.Info("nats reconnected", "server", c.ConnectedUrlRedacted()) }),
+		nats.ErrorHandler(func(_ *nats.Conn, _ *nats.Subscription, err error) { log.Warn("nats error", "error", err.Error()) }),
+	}
+	c := s.cfg
+	switch {
+	case c.User != "":
+		opts = append(opts, nats.UserInfo(c.User, c.Password))
+	case c.Token != "":
+		opts = append(opts, nats.Token(c.Token))
+	case c.CredsFile != "":
+		opts = append(opts, nats.UserCredentials(c.CredsFile))
+	case c.NKeySeedFile != "":
+		o, err := nats.NkeyOptionFromSeed(c.NKeySeedFile)
+		if err != nil {
+			// The library's text never quotes the seed, only the file.
+			return nil, fmt.Errorf("outbox.nats.nkey_seed_file=%q: %w", c.NKeySeedFile, err)
+		}
+		opts = append(opts, o)
+	}
+	if c.TLSCAFile != "" {
+		opts = append(opts, nats.RootCAs(c.TLSCAFile))
+	}
+	if c.TLSCertFile != "" {
+		opts = append(opts, nats.ClientCert(c.TLSCertFile, c.TLSKeyFile))
+	}
+	return opts, nil
+}
+
+// checkStream finds (or creates) the stream and warns when its duplicate
+// window is shorter than the relay's longest redelivery gap.
+func (s *Sink) checkStream(ctx context.Context, js jetstream.JetStream) error {
+	stream, err := js.Stream(ctx, s.cfg.Stream)
+	switch {
+	case errors.Is(err, jetstream.ErrStreamNotFound) && s.cfg.CreateStream:
+		stream, err = js.CreateStream(ctx, jetstream.StreamConfig{
+			Name:       s.cfg.Stream,
+			Subjects:   []string{s.streamSubjects()},
+			Storage:    jetstream.FileStorage,
+			Duplicates: max(2*time.Minute, s.minDedup),
+		})
+		if err != nil {
+			return fmt.Errorf("%w: outbox.nats.create_stream: creating stream %q: %w", sink.ErrSetup, s.cfg.Stream, err)
+		}
+		s.log.Info("nats stream created", "stream", s.cfg.Stream, "subjects", s.streamSubjects())
+	case errors.Is(err, jetstream.ErrStreamNotFound):
+		return fmt.Errorf("%w: outbox.nats.stream=%q does not exist; create it for subjects %q or set outbox.nats.create_stream=true",
+			sink.ErrSetup, s.cfg.Stream, s.streamSubjects())
+	case errors.Is(err, jetstream.ErrJetStreamNotEnabled), errors.Is(err, jetstream.ErrJetStreamNotEnabledForAccount):
+		return fmt.Errorf("%w: outbox.nats.url=%s: JetStream is not enabled for this account", sink.ErrSetup, s.shownURL)
+	case err != nil:
+		return err
+	}
+	if window := stream.CachedInfo().Config.Duplicates; window < s.minDedup {
+		s.log.Warn("nats stream duplicate window is shorter than the relay's longest redelivery gap: a late redelivery is stored twice; raise the stream's duplicate_window",
+			"stream", s.cfg.Stream, "duplicate_window", window.String(), "redelivery_gap", s.minDedup.String())
+	}
+	return nil
+}
+
+// streamSubjects is the subject filter that matches every subject the
+// template renders: event tokens become '*'.
+func (s *Sink) streamSubjects() string {
+	toks := strings.Split(s.subject.Pattern("\x00"), ".")
+	for i, t := range toks {
+		if strings.Contains(t, "\x00") {
+			toks[i] = "*"
+		}
+	}
+	return strings.Join(toks, ".")
+}
+
+// Publish implements outbox.Sink: one message, acknowledged by the stream.
+// A duplicate ack (the stream already holds this Nats-Msg-Id) is success.
+func (s *Sink) Publish(ctx context.Context, e outbox.Event) error {
+	if s.js == nil {
+		return errors.New("nats: publish before Connect")
+	}
+	msg := &nats.Msg{Subject: s.subject.Render(e), Data: e.Payload, Header: headers(e)}
+	ack, err := s.js.PublishMsgAsync(msg,
+		jetstream.WithMsgID(e.EventID),
+		jetstream.WithExpectStream(s.cfg.Stream),
+		jetstream.WithStallWait(s.cfg.PublishTimeout))
+	if err != nil {
+		return s.failure(e, err)
+	}
+	select {
+	case <-ack.Ok():
+		return nil
+	case err := <-ack.Err():
+		return s.failure(e, err)
+	case <-ctx.Done():
+		return fmt.Errorf("nats: event %s: waiting for the ack: %w", e.EventID, ctx.Err())
+	}
+}
+
+// failure classifies a publish error: a message the stream can never take
+// is permanent; timeouts, lost connections, a stalled producer, no
+// responders (the stream's leader moving) are transient.
+func (s *Sink) failure(e outbox.Event, err error) error {
+	err = fmt.Errorf("nats: event %s to %s: %w", e.EventID, s.cfg.Stream, err)
+	var api *jetstream.APIError
+	switch {
+	case errors.Is(err, nats.ErrMaxPayload), errors.Is(err, nats.ErrBadSubject), errors.Is(err, nats.ErrHeadersNotSupported):
+		return outbox.Permanent(err)
+	case errors.As(err, &api) && permanentCodes[api.ErrorCode]:
+		return outbox.Permanent(err)
+	}
+	return err
+}
+
+// permanentCodes are JetStream refusals that no retry can change.
+var permanentCodes = map[jetstream.ErrorCode]bool{
+	jetstream.JSErrCodeStreamMessageExceedsMaximum: true,
+	10060: true, // expected stream does not match: the subject belongs to another stream
+}
+
+// headers carries the CloudEvents attributes (binary mode, ce- headers,
+// values percent-encoded as in the HTTP binding) and the stored headers.
+// Stored headers go first, so the ones the protocol owns win.
+func headers(e outbox.Event) nats.Header {
+	h := make(nats.Header, len(e.Headers)+8)
+	for k, v := range e.Headers {
+		if passThrough(k, v) {
+			h[k] = []string{v}
+		}
+	}
+	h["content-type"] = []string{sink.ContentType}
+	for _, a := range sink.CloudEvent(e) {
+		h["ce-"+a.Name] = []string{sink.PercentEncode(a.Value, sink.HeaderSafe)}
+	}
+	return h
+}
+
+// passThrough reports whether a stored header may travel: not one the
+// protocol owns (ce-*, Nats-*, content-type), and a name and value the
+// NATS header block can carry.
+func passThrough(name, value string) bool {
+	n := strings.ToLower(name)
+	if strings.HasPrefix(n, "ce-") || strings.HasPrefix(n, "nats-") || n == "content-type" || n == "" {
+		return false
+	}
+	bad := func(r rune) bool { return r < ' ' || r == 0x7f }
+	return !strings.ContainsFunc(name, func(r rune) bool { return bad(r) || r == ' ' || r == ':' }) &&
+		!strings.ContainsFunc(value, func(r rune) bool { return bad(r) && r != '\t' })
+}
+
+// Ready reports whether the connection is up, for /readyz.
+func (s *Sink) Ready(context.Context) error {
+	if s.conn == nil {
+		return errors.New("nats: not connected")
+	}
+	if st := s.conn.Status(); st != nats.CONNECTED {
+		return fmt.Errorf("nats: connection %s", strings.ToLower(st.String()))
+	}
+	return nil
+}
+
+// Close closes the connection. The relay has stopped, so every publish has
+// its answer or has given up on it.
+func (s *Sink) Close(context.Context) error {
+	if s.conn != nil {
+		s.conn.Close()
+	}
+	return nil
+}

@@ -1,0 +1,351 @@
+// Package rabbitmq is the RabbitMQ sink (outbox.sink: rabbitmq): each event
+// is one persistent message, published mandatory to an exchange with a
+// routing key named after it, message_id = event_id and the CloudEvents
+// attributes as cloudEvents: headers, reported published only once the
+// broker confirmed it and did not return it as unroutable.
+package rabbitmq
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"strings"
+	"sync"
+	"time"
+
+	amqp "github.com/rabbitmq/amqp091-go"
+
+	"worker/internal/outbox"
+	"worker/internal/outbox/sink"
+)
+
+// blockedRetry is how long the relay waits before retrying an event while
+// the broker has blocked the connection (a memory or disk alarm).
+const blockedRetry = time.Second
+
+// Sink publishes events to an exchange. It is safe for concurrent Publish:
+// one channel in confirm mode carries them all, each call waiting for its
+// own confirm, so many calls in flight pipeline on it.
+type Sink struct {
+	cfg      outbox.RabbitMQConfig
+	key      *sink.Template
+	log      *slog.Logger
+	name     string
+	shownURL string
+	amqpCfg  amqp.Config
+	slots    chan struct{} // one per publish awaiting its confirm
+
+	mu   sync.Mutex // guards the connection below and its replacement
+	conn *amqp.Connection
+	ch   *amqp.Channel
+	link *link
+}
+
+// link is the state of one connection: returned message ids and whether the
+// broker has blocked it.
+type link struct {
+	returns chan amqp.Return
+	blocked chan amqp.Blocking
+
+	mu         sync.Mutex
+	returned   map[string]amqp.Return
+	isBlocked  bool
+	blockCause string
+}
+
+// Options are what the sink needs beside its configuration section.
+type Options struct {
+	Name   string // the connection's name in the management UI
+	Logger *slog.Logger
+}
+
+// New checks cfg and returns an unconnected sink; Connect connects it.
+func New(cfg outbox.RabbitMQConfig, opts Options) (*Sink, error) {
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	uri, err := amqp.ParseURI(cfg.URL)
+	if err != nil {
+		return nil, fmt.Errorf("outbox.rabbitmq.url=%q: %v", sink.RedactURLs(cfg.URL), err)
+	}
+	key, err := sink.ParseTemplate("outbox.rabbitmq.routing_key", cfg.RoutingKey, nil, RoutingWord)
+	if err != nil {
+		return nil, err
+	}
+	log := opts.Logger
+	if log == nil {
+		log = slog.New(slog.DiscardHandler)
+	}
+	s := &Sink{
+		cfg:      cfg,
+		key:      key,
+		log:      log.With("sink", outbox.SinkRabbitMQ),
+		name:     opts.Name,
+		shownURL: sink.RedactURLs(cfg.URL),
+		slots:    make(chan struct{}, cfg.MaxPending),
+	}
+	s.amqpCfg = amqp.Config{
+		Heartbeat:  10 * time.Second,
+		Properties: amqp.Table{"connection_name": opts.Name},
+	}
+	if uri.Scheme == "amqps" || cfg.TLSCAFile != "" || cfg.TLSCertFile != "" {
+		if s.amqpCfg.TLSClientConfig, err = sink.TLSConfig("outbox.rabbitmq", cfg.TLSCAFile, cfg.TLSCertFile, cfg.TLSKeyFile); err != nil {
+			return nil, err
+		}
+	}
+	return s, nil
+}
+
+// RoutingWord escapes one value so that it stays one word of a topic
+// routing key: '%', '.', '*', '#', whitespace, control characters and
+// non-ASCII bytes become %XY, and an empty value becomes "_".
+func RoutingWord(v string) string {
+	if v == "" {
+		return "_"
+	}
+	return sink.PercentEncode(v, func(c byte) bool {
+		return c > ' ' && c < 0x7f && c != '.' && c != '*' && c != '#'
+	})
+}
+
+// Name implements outbox.Sink.
+func (s *Sink) Name() string { return outbox.SinkRabbitMQ }
+
+// RoutingKey returns the routing key of e.
+func (s *Sink) RoutingKey(e outbox.Event) string { return s.key.Render(e) }
+
+// Connect connects and checks (or declares) the exchange, retrying until
+// ctx ends. Its errors wrap sink.ErrUnreachable, sink.ErrRefused or
+// sink.ErrSetup.
+func (s *Sink) Connect(ctx context.Context) error {
+	var last error
+	for wait := 100 * time.Millisecond; ; wait = min(2*wait, 2*time.Second) {
+		_, last = s.channel(ctx)
+		if last == nil || errors.Is(last, sink.ErrRefused) || errors.Is(last, sink.ErrSetup) {
+			return last
+		}
+		s.log.Warn("rabbitmq not ready yet", "error", last.Error(), "retry_in", wait.String())
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("%w: rabbitmq %s: %w", sink.ErrUnreachable, s.shownURL, last)
+		case <-time.After(wait):
+		}
+	}
+}
+
+// channel returns the open channel, connecting first when there is none
+// or the broker closed it: a lost connection costs the publishes in flight
+// a retry, and the next publish reconnects.
+func (s *Sink) channel(ctx context.Context) (*amqp.Channel, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.ch != nil && !s.ch.IsClosed() && !s.conn.IsClosed() {
+		return s.ch, nil
+	}
+	if s.conn != nil {
+		_ = s.conn.CloseDeadline(time.Now()) // already lost; do not wait for the broker
+		s.log.Warn("rabbitmq connection lost; reconnecting")
+	}
+	s.conn, s.ch, s.link = nil, nil, nil
+	cfg := s.amqpCfg
+	dial := 5 * time.Second
+	if d, ok := ctx.Deadline(); ok {
+		dial = max(min(dial, time.Until(d)), 10*time.Millisecond)
+	}
+	cfg.Dial = amqp.DefaultDial(dial)
+	conn, err := amqp.DialConfig(s.cfg.URL, cfg)
+	if err != nil {
+		var ae *amqp.Error
+		if errors.As(err, &ae) && (ae.Code == amqp.AccessRefused || ae.Code == amqp.NotAllowed) {
+			return nil, fmt.Errorf("%w: rabbitmq %s: %s", sink.ErrRefused, s.shownURL, ae.Reason)
+		}
+		return nil, fmt.Errorf("rabbitmq %s: %w", s.shownURL, err)
+	}
+	ch, err := s.setup(conn)
+	if err != nil {
+		_ = conn.Close()
+		return nil, err
+	}
+	l := &link{
+		returns:  ch.NotifyReturn(make(chan amqp.Return, s.cfg.MaxPending)),
+		blocked:  conn.NotifyBlocked(make(chan amqp.Blocking, 16)),
+		returned: map[string]amqp.Return{},
+	}
+	s.conn, s.ch, s.link = conn, ch, l
+	return ch, nil
+}
+
+// setup opens the publishing channel: the exchange checked or declared,
+// confirm mode on.
+func (s *Sink) setup(conn *amqp.Connection) (*amqp.Channel, error) {
+	ch, err := conn.Channel()
+	if err != nil {
+		return nil, fmt.Errorf("rabbitmq: open channel: %w", err)
+	}
+	if s.cfg.Exchange != "" {
+		declare := ch.ExchangeDeclarePassive
+		if s.cfg.DeclareExchange {
+			declare = ch.ExchangeDeclare
+		}
+		if err := declare(s.cfg.Exchange, s.cfg.ExchangeType, true, false, false, false, nil); err != nil {
+			var ae *amqp.Error
+			if errors.As(err, &ae) && (ae.Code == amqp.NotFound || ae.Code == amqp.PreconditionFailed) {
+				return nil, fmt.Errorf("%w: outbox.rabbitmq.exchange=%q: %s; declare it or set outbox.rabbitmq.declare_exchange=true (with the right outbox.rabbitmq.exchange_type)",
+					sink.ErrSetup, s.cfg.Exchange, ae.Reason)
+			}
+			return nil, fmt.Errorf("rabbitmq: exchange %q: %w", s.cfg.Exchange, err)
+		}
+	}
+	if err := ch.Confirm(false); err != nil {
+		return nil, fmt.Errorf("rabbitmq: confirm mode: %w", err)
+	}
+	return ch, nil
+}
+
+// Publish implements outbox.Sink: one persistent, mandatory message,
+// confirmed by the broker. An ack after the broker returned the message
+// (no queue bound for its routing key) is a permanent failure: it reached
+// nobody, and retrying will not change that until someone binds a queue.
+func (s *Sink) Publish(ctx context.Context, e outbox.Event) error {
+	ctx, cancel := context.WithTimeout(ctx, s.cfg.PublishTimeout)
+	defer cancel()
+	select {
+	case s.slots <- struct{}{}:
+		defer func() { <-s.slots }()
+	case <-ctx.Done():
+		return fmt.Errorf("rabbitmq: event %s: waiting for a publish slot: %w", e.EventID, ctx.Err())
+	}
+	ch, err := s.channel(ctx)
+	if err != nil {
+		return fmt.Errorf("rabbitmq: event %s: %w", e.EventID, err)
+	}
+	l := s.linkOf(ch)
+	if cause, blocked := l.blockedNow(); blocked {
+		return &outbox.RetryAfterError{Err: fmt.Errorf("rabbitmq: event %s: the broker blocked the connection: %s", e.EventID, cause), After: blockedRetry}
+	}
+	key := s.key.Render(e)
+	if len(key) > 255 {
+		return outbox.Permanent(fmt.Errorf("rabbitmq: event %s: routing key is %d bytes, the limit is 255", e.EventID, len(key)))
+	}
+	dc, err := ch.PublishWithDeferredConfirmWithContext(ctx, s.cfg.Exchange, key, true, false, s.message(e))
+	if err != nil {
+		return fmt.Errorf("rabbitmq: event %s: publish: %w", e.EventID, err)
+	}
+	acked, err := dc.WaitContext(ctx)
+	switch {
+	case err != nil:
+		return fmt.Errorf("rabbitmq: event %s: waiting for the confirm: %w", e.EventID, err)
+	case !acked:
+		return fmt.Errorf("rabbitmq: event %s: the broker did not confirm it (nack or connection lost)", e.EventID)
+	}
+	if r, ok := l.takeReturn(e.EventID); ok {
+		return outbox.Permanent(fmt.Errorf("rabbitmq: event %s: returned unroutable by exchange %q with routing key %q: %d %s; bind a queue for it",
+			e.EventID, s.cfg.Exchange, key, r.ReplyCode, r.ReplyText))
+	}
+	return nil
+}
+
+func (s *Sink) linkOf(ch *amqp.Channel) *link {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.ch == ch && s.link != nil {
+		return s.link
+	}
+	return &link{returned: map[string]amqp.Return{}} // replaced meanwhile: a closed channel's publish fails anyway
+}
+
+// takeReturn reports whether the broker returned the message id. The
+// broker sends basic.return before the basic.ack of the same message and
+// the client hands both over in that order, so after the ack the return, if
+// any, is in the channel or already moved to the map.
+func (l *link) takeReturn(id string) (amqp.Return, bool) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	for drained := false; !drained && l.returns != nil; {
+		select {
+		case r, ok := <-l.returns:
+			if !ok { // the channel closed
+				l.returns = nil
+				break
+			}
+			l.returned[r.MessageId] = r
+		default:
+			drained = true
+		}
+	}
+	r, ok := l.returned[id]
+	delete(l.returned, id)
+	return r, ok
+}
+
+// blockedNow applies the connection.blocked and unblocked notifications
+// received so far.
+func (l *link) blockedNow() (string, bool) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	for drained := false; !drained && l.blocked != nil; {
+		select {
+		case b, ok := <-l.blocked:
+			if !ok {
+				l.blocked = nil
+				break
+			}
+			l.isBlocked, l.blockCause = b.Active, b.Reason
+		default:
+			drained = true
+		}
+	}
+	return l.blockCause, l.isBlocked
+}
+
+// message is the AMQP message of e: CloudEvents attributes as
+// "cloudEvents:" headers (the AMQP binding's application properties),
+// datacontenttype as content_type, stored headers passed through.
+func (s *Sink) message(e outbox.Event) amqp.Publishing {
+	h := make(amqp.Table, len(e.Headers)+7)
+	for k, v := range e.Headers {
+		if !strings.HasPrefix(strings.ToLower(k), "cloudevents") {
+			h[k] = v
+		}
+	}
+	for _, a := range sink.CloudEvent(e) {
+		h["cloudEvents:"+a.Name] = a.Value
+	}
+	return amqp.Publishing{
+		Headers:      h,
+		ContentType:  sink.ContentType,
+		DeliveryMode: amqp.Persistent,
+		MessageId:    e.EventID,
+		Type:         e.EventType,
+		Timestamp:    e.OccurredAt,
+		AppId:        s.cfg.AppID,
+		Body:         e.Payload,
+	}
+}
+
+// Ready reports whether the broker can be reached, reconnecting if the
+// connection was lost while no event was published.
+func (s *Sink) Ready(ctx context.Context) error {
+	_, err := s.channel(ctx)
+	return err
+}
+
+// Close closes the connection; the relay has stopped, so every publish
+// has its answer or has given up on it. A broker that does not answer the
+// close within a second (or ctx) is left behind.
+func (s *Sink) Close(ctx context.Context) error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.conn == nil || s.conn.IsClosed() {
+		return nil
+	}
+	deadline := time.Now().Add(time.Second)
+	if d, ok := ctx.Deadline(); ok && d.Before(deadline) {
+		deadline = d
+	}
+	if err := s.conn.CloseDeadline(deadline); err != nil && !errors.Is(err, amqp.ErrClosed) {
+		s.log.Warn("rabbitmq connection did not close cleanly", "error", err.Error())
+	}
+	return nil
+}

@@ -1,0 +1,275 @@
+package rabbitmq
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"os/exec"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/google/uuid"
+	amqp "github.com/rabbitmq/amqp091-go"
+
+	"worker/internal/outbox"
+	"worker/internal/outbox/sink"
+	"worker/internal/outbox/sinktest"
+)
+
+// These tests need a real RabbitMQ: WORKER_TEST_RABBITMQ_URL, by default
+// the local one with guest/guest. They fail when it is unreachable, unless
+// WORKER_TEST_RABBITMQ_SKIP=1 says to skip them.
+const (
+	urlEnv  = "WORKER_TEST_RABBITMQ_URL"
+	skipEnv = "WORKER_TEST_RABBITMQ_SKIP"
+)
+
+// Child process settings of TestRelays.
+const (
+	childURLEnv      = "WORKER_SINKTEST_RABBITMQ_URL"
+	childExchangeEnv = "WORKER_SINKTEST_RABBITMQ_EXCHANGE"
+)
+
+func brokerURL() string {
+	if u := os.Getenv(urlEnv); u != "" {
+		return u
+	}
+	return "amqp://guest:guest@127.0.0.1:5672/"
+}
+
+// requireBroker returns a connection to the test broker, or fails the
+// test saying how to get one.
+func requireBroker(t testing.TB) *amqp.Connection {
+	t.Helper()
+	if os.Getenv(skipEnv) != "" {
+		t.Skipf("%s is set: RabbitMQ tests skipped", skipEnv)
+	}
+	conn, err := amqp.Dial(brokerURL())
+	if err != nil {
+		t.Fatalf("RabbitMQ is not reachable at %s: %v\nStart one (`rabbitmq-server -detached`; .ci/run does it), point %s at one, or set %s=1 to skip these tests.",
+			sink.RedactURLs(brokerURL()), err, urlEnv, skipEnv)
+	}
+	t.Cleanup(func() { _ = conn.Close() })
+	return conn
+}
+
+// target is an exchange and a queue bound to it, for one test.
+type target struct {
+	url, exchange, queue string
+}
+
+// newTarget declares a topic exchange and a queue bound with binding.
+func newTarget(t testing.TB, binding string) target {
+	t.Helper()
+	conn := requireBroker(t)
+	ch, err := conn.Channel()
+	if err != nil {
+		t.Fatal(err)
+	}
+	id := uuid.NewString()[:8]
+	tg := target{url: brokerURL(), exchange: "sinktest-" + id, queue: "sinktest-" + id}
+	if err := ch.ExchangeDeclare(tg.exchange, "topic", true, false, false, false, nil); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := ch.QueueDeclare(tg.queue, true, false, false, false, nil); err != nil {
+		t.Fatal(err)
+	}
+	if err := ch.QueueBind(tg.queue, binding, tg.exchange, false, nil); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if conn, err := amqp.Dial(tg.url); err == nil {
+			ch, _ := conn.Channel()
+			_, _ = ch.QueueDelete(tg.queue, false, false, false)
+			_ = ch.ExchangeDelete(tg.exchange, false, false)
+			_ = conn.Close()
+		}
+	})
+	return tg
+}
+
+func (tg target) config() outbox.RabbitMQConfig {
+	c := outbox.DefaultRabbitMQConfig()
+	c.URL, c.Exchange = tg.url, tg.exchange
+	c.ConnectTimeout = 10 * time.Second
+	c.PublishTimeout = 2 * time.Second
+	return c
+}
+
+func connect(t testing.TB, cfg outbox.RabbitMQConfig) *Sink {
+	t.Helper()
+	s, err := New(cfg, Options{Name: "sinktest"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), cfg.ConnectTimeout)
+	defer cancel()
+	if err := s.Connect(ctx); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = s.Close(context.Background()) })
+	return s
+}
+
+// read takes every message off the target's queue, in queue order, and
+// checks the AMQP properties a consumer relies on.
+func (tg target) read(t *testing.T) []sinktest.Message {
+	t.Helper()
+	conn := requireBroker(t)
+	ch, err := conn.Channel()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var out []sinktest.Message
+	for {
+		d, ok, err := ch.Get(tg.queue, true)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !ok {
+			return out
+		}
+		m := sinktest.Message{ID: d.MessageId, Attrs: map[string]string{"datacontenttype": d.ContentType}, Headers: map[string]string{}, Body: d.Body}
+		for k, v := range d.Headers {
+			if name, ok := strings.CutPrefix(k, "cloudEvents:"); ok {
+				m.Attrs[name] = fmt.Sprint(v)
+			} else {
+				m.Headers[k] = fmt.Sprint(v)
+			}
+		}
+		if d.DeliveryMode != amqp.Persistent || d.Type != m.Attrs["type"] || d.AppId != "worker" || d.Timestamp.IsZero() {
+			t.Errorf("message %s: delivery mode %d, type %q, app_id %q, timestamp %s", d.MessageId, d.DeliveryMode, d.Type, d.AppId, d.Timestamp)
+		}
+		out = append(out, m)
+	}
+}
+
+func TestConformance(t *testing.T) {
+	t.Parallel()
+	tg := newTarget(t, "Sales%20Order.*")
+	// Through a proxy the test can take the broker away from one sink.
+	viaProxy := func(t *testing.T, publishTimeout time.Duration) (*Sink, *sinktest.Proxy) {
+		p := sinktest.NewProxy(t, "127.0.0.1:5672")
+		cfg := tg.config()
+		cfg.URL = strings.Replace(tg.url, "127.0.0.1:5672", p.Addr(), 1)
+		cfg.PublishTimeout = publishTimeout
+		return connect(t, cfg), p
+	}
+	sinktest.Exercise(t, sinktest.Broker{
+		New:  func(t *testing.T) outbox.Sink { return connect(t, tg.config()) },
+		Read: tg.read,
+		Refused: func(*testing.T) outbox.Event {
+			e := sinktest.Event("nobody", 0)
+			e.AggregateType = "Unbound" // no queue is bound for its routing key
+			return e
+		},
+		Unreachable: func(t *testing.T, publishTimeout time.Duration) outbox.Sink {
+			s, p := viaProxy(t, publishTimeout)
+			p.Cut()
+			return s
+		},
+		Silent: func(t *testing.T, publishTimeout time.Duration) outbox.Sink {
+			s, p := viaProxy(t, publishTimeout)
+			p.Freeze()
+			return s
+		},
+		Secret: "guest:guest",
+	})
+}
+
+// TestRelayProcess is the child relay process of TestRelays.
+func TestRelayProcess(t *testing.T) {
+	sinktest.RelayProcess(t, func(t *testing.T) outbox.Sink {
+		return connect(t, target{url: os.Getenv(childURLEnv), exchange: os.Getenv(childExchangeEnv)}.config())
+	})
+}
+
+// TestRelays: 3 relays in 2 processes publish 20,000 events over 200
+// aggregates; the child is SIGKILLed mid-batch and the broker closes every
+// connection mid-run (rabbitmqctl close_all_connections). Every event is in
+// the queue, first deliveries in per-aggregate order.
+func TestRelays(t *testing.T) {
+	t.Parallel()
+	tg := newTarget(t, "#")
+	sinktest.RelayRun(t, sinktest.Relays{
+		Broker:     sinktest.Broker{New: func(t *testing.T) outbox.Sink { return connect(t, tg.config()) }, Read: tg.read},
+		HelperTest: "TestRelayProcess",
+		ChildEnv:   []string{childURLEnv + "=" + tg.url, childExchangeEnv + "=" + tg.exchange},
+		Disrupt: func(t *testing.T) {
+			out, err := exec.Command("rabbitmqctl", "close_all_connections", "closed by the sink test").CombinedOutput()
+			if err != nil {
+				t.Fatalf("rabbitmqctl close_all_connections: %v\n%s", err, out)
+			}
+		},
+	})
+}
+
+func TestRoutingWord(t *testing.T) {
+	t.Parallel()
+	for in, want := range map[string]string{
+		"Order":         "Order",
+		"order.created": "order%2Ecreated",
+		"a*b#c":         "a%2Ab%23c",
+		"two words":     "two%20words",
+		"50%":           "50%25",
+		"":              "_",
+	} {
+		if got := RoutingWord(in); got != want {
+			t.Errorf("RoutingWord(%q) = %q, want %q", in, got, want)
+		}
+	}
+}
+
+func TestConnect(t *testing.T) {
+	t.Parallel()
+	requireBroker(t)
+	ctx := t.Context()
+	t.Run("missing exchange names the key", func(t *testing.T) {
+		cfg := outbox.DefaultRabbitMQConfig()
+		cfg.URL, cfg.Exchange = brokerURL(), "sinktest-missing-"+uuid.NewString()[:8]
+		s, err := New(cfg, Options{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		err = s.Connect(ctx)
+		if !errors.Is(err, sink.ErrSetup) || !strings.Contains(err.Error(), "outbox.rabbitmq.exchange") {
+			t.Errorf("got %v", err)
+		}
+	})
+	t.Run("declare_exchange declares it", func(t *testing.T) {
+		cfg := outbox.DefaultRabbitMQConfig()
+		cfg.URL, cfg.Exchange, cfg.DeclareExchange = brokerURL(), "sinktest-declared-"+uuid.NewString()[:8], true
+		s := connect(t, cfg)
+		if err := s.Ready(ctx); err != nil {
+			t.Errorf("ready: %v", err)
+		}
+		conn := requireBroker(t)
+		ch, _ := conn.Channel()
+		if err := ch.ExchangeDeclarePassive(cfg.Exchange, "topic", true, false, false, false, nil); err != nil {
+			t.Errorf("exchange not declared: %v", err)
+		}
+		_ = ch.ExchangeDelete(cfg.Exchange, false, false)
+	})
+	t.Run("wrong password is refused at once", func(t *testing.T) {
+		cfg := outbox.DefaultRabbitMQConfig()
+		cfg.URL = "amqp://guest:wrong-secret-9@127.0.0.1:5672/"
+		s, _ := New(cfg, Options{})
+		err := s.Connect(ctx)
+		if !errors.Is(err, sink.ErrRefused) || strings.Contains(err.Error(), "wrong-secret-9") {
+			t.Errorf("got %v", err)
+		}
+	})
+	t.Run("unreachable until the budget ends", func(t *testing.T) {
+		cfg := outbox.DefaultRabbitMQConfig()
+		cfg.URL = "amqp://guest:hidden-7@127.0.0.1:1/"
+		s, _ := New(cfg, Options{})
+		cctx, cancel := context.WithTimeout(ctx, 500*time.Millisecond)
+		defer cancel()
+		err := s.Connect(cctx)
+		if !errors.Is(err, sink.ErrUnreachable) || strings.Contains(err.Error(), "hidden-7") {
+			t.Errorf("got %v", err)
+		}
+	})
+}

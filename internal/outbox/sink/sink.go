@@ -1,0 +1,125 @@
+// Package sink holds what the broker sinks (sink/nats, ...) share: the
+// CloudEvents attributes of an event and the templates that name a
+// subject, routing key or topic after it.
+package sink
+
+import (
+	"fmt"
+	"strings"
+	"time"
+
+	"worker/internal/outbox"
+)
+
+// ContentType is the datacontenttype of every event: the payload is jsonb.
+const ContentType = "application/json"
+
+// Attribute is one CloudEvents context attribute.
+type Attribute struct{ Name, Value string }
+
+// CloudEvent returns e's CloudEvents context attributes other than
+// datacontenttype, which each binding carries in its own content-type
+// field: id = event_id, source = aggregate_type, subject = aggregate_id,
+// type = event_type, time = occurred_at.
+func CloudEvent(e outbox.Event) []Attribute {
+	attrs := make([]Attribute, 0, 6)
+	attrs = append(attrs,
+		Attribute{"specversion", "1.0"},
+		Attribute{"id", e.EventID},
+		Attribute{"source", e.AggregateType},
+		Attribute{"type", e.EventType},
+	)
+	if e.AggregateID != "" {
+		attrs = append(attrs, Attribute{"subject", e.AggregateID})
+	}
+	if !e.OccurredAt.IsZero() {
+		attrs = append(attrs, Attribute{"time", e.OccurredAt.UTC().Format(time.RFC3339Nano)})
+	}
+	return attrs
+}
+
+// Template names a subject, routing key or topic after an event. It is
+// text with placeholders: {aggregate_type}, {aggregate_id}, {event_type},
+// and the fixed values the sink passes (such as {prefix}). Event values go
+// through the sink's escape function, fixed values do not.
+type Template struct {
+	parts  []templatePart
+	escape func(string) string
+}
+
+type templatePart struct {
+	text  string
+	field func(outbox.Event) string // nil for literal text
+}
+
+var eventFields = map[string]func(outbox.Event) string{
+	"aggregate_type": func(e outbox.Event) string { return e.AggregateType },
+	"aggregate_id":   func(e outbox.Event) string { return e.AggregateID },
+	"event_type":     func(e outbox.Event) string { return e.EventType },
+}
+
+// ParseTemplate parses text; key names the setting in errors.
+func ParseTemplate(key, text string, fixed map[string]string, escape func(string) string) (*Template, error) {
+	t := &Template{escape: escape}
+	rest := text
+	for rest != "" {
+		open := strings.IndexByte(rest, '{')
+		if open < 0 {
+			t.parts = append(t.parts, templatePart{text: rest})
+			break
+		}
+		closing := strings.IndexByte(rest[open:], '}')
+		if closing < 0 {
+			return nil, fmt.Errorf("%s=%q: unclosed '{'", key, text)
+		}
+		name := rest[open+1 : open+closing]
+		if open > 0 {
+			t.parts = append(t.parts, templatePart{text: rest[:open]})
+		}
+		switch v, isFixed := fixed[name]; {
+		case isFixed:
+			t.parts = append(t.parts, templatePart{text: v})
+		case eventFields[name] != nil:
+			t.parts = append(t.parts, templatePart{field: eventFields[name]})
+		default:
+			return nil, fmt.Errorf("%s=%q: unknown placeholder {%s}; want %s", key, text, name, placeholders(fixed))
+		}
+		rest = rest[open+closing+1:]
+	}
+	return t, nil
+}
+
+func placeholders(fixed map[string]string) string {
+	names := []string{"{aggregate_type}", "{aggregate_id}", "{event_type}"}
+	for name := range fixed {
+		names = append(names, "{"+name+"}")
+	}
+	return strings.Join(names, ", ")
+}
+
+// Render returns the name for e.
+func (t *Template) Render(e outbox.Event) string {
+	var b strings.Builder
+	for _, p := range t.parts {
+		if p.field == nil {
+			b.WriteString(p.text)
+		} else {
+			b.WriteString(t.escape(p.field(e)))
+		}
+	}
+	return b.String()
+}
+
+// Pattern returns the template with every event placeholder replaced by
+// wildcard, for a check or a filter that must match every rendered name.
+func (t *Template) Pattern(wildcard string) string {
+	var b strings.Builder
+	for _, p := range t.parts {
+		if p.field == nil {
+			b.WriteString(p.text)
+		} else {
+			b.WriteString(wildcard)
+		}
+	}
+	return b.String()
+}

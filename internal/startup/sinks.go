@@ -1,0 +1,245 @@
+package startup
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"maps"
+	"net/url"
+	"slices"
+	"strings"
+	"time"
+
+	"worker/internal/outbox"
+	"worker/internal/outbox/sink"
+	kafkasink "worker/internal/outbox/sink/kafka"
+	natssink "worker/internal/outbox/sink/nats"
+	rabbitsink "worker/internal/outbox/sink/rabbitmq"
+	"worker/internal/tasks"
+)
+
+// sinkKind is what startup knows about one value of outbox.sink.
+type sinkKind struct {
+	// validate checks the sink's own section (outbox.<sink>), without
+	// connecting.
+	validate func(outbox.Config) error
+	// new builds the sink and, for a broker, connects within its
+	// connect_timeout.
+	new func(ctx context.Context, env sinkEnv) (outbox.Sink, error)
+	// publishTimeout bounds one Publish; 0 for a sink that cannot hang.
+	publishTimeout func(outbox.Config) time.Duration
+}
+
+// sinkEnv is what a sink may need from the process.
+type sinkEnv struct {
+	cfg    *Config
+	stdout io.Writer
+	log    *slog.Logger
+}
+
+// sinkKinds is every sink, by its outbox.sink name.
+var sinkKinds = map[string]sinkKind{
+	outbox.SinkLog: {
+		validate:       func(outbox.Config) error { return nil },
+		new:            func(_ context.Context, env sinkEnv) (outbox.Sink, error) { return outbox.NewLogSink(env.stdout), nil },
+		publishTimeout: func(outbox.Config) time.Duration { return 0 },
+	},
+	outbox.SinkWebhook: {
+		validate: func(c outbox.Config) error {
+			if err := c.Webhook.Validate(); err != nil {
+				return err
+			}
+			_, err := newWebhookSink(c.Webhook)
+			return err
+		},
+		new: func(_ context.Context, env sinkEnv) (outbox.Sink, error) {
+			return newWebhookSink(env.cfg.Outbox.Webhook)
+		},
+		publishTimeout: func(c outbox.Config) time.Duration { return c.Webhook.Timeout },
+	},
+	outbox.SinkNATS: {
+		validate: func(c outbox.Config) error {
+			_, err := natssink.New(c.NATS, natssink.Options{})
+			return err
+		},
+		new: func(ctx context.Context, env sinkEnv) (outbox.Sink, error) {
+			c := env.cfg.Outbox
+			s, err := natssink.New(c.NATS, natssink.Options{
+				Name:          "worker " + env.cfg.Instance.ID,
+				RedeliveryGap: redeliveryGap(c, c.NATS.PublishTimeout),
+				Logger:        env.log,
+			})
+			if err != nil {
+				return nil, err
+			}
+			return connectBroker(ctx, s, "outbox.nats.connect_timeout", c.NATS.ConnectTimeout)
+		},
+		publishTimeout: func(c outbox.Config) time.Duration { return c.NATS.PublishTimeout },
+	},
+	outbox.SinkRabbitMQ: {
+		validate: func(c outbox.Config) error {
+			_, err := rabbitsink.New(c.RabbitMQ, rabbitsink.Options{})
+			return err
+		},
+		new: func(ctx context.Context, env sinkEnv) (outbox.Sink, error) {
+			c := env.cfg.Outbox.RabbitMQ
+			s, err := rabbitsink.New(c, rabbitsink.Options{Name: "worker " + env.cfg.Instance.ID, Logger: env.log})
+			if err != nil {
+				return nil, err
+			}
+			return connectBroker(ctx, s, "outbox.rabbitmq.connect_timeout", c.ConnectTimeout)
+		},
+		publishTimeout: func(c outbox.Config) time.Duration { return c.RabbitMQ.PublishTimeout },
+	},
+	outbox.SinkKafka: {
+		validate: func(c outbox.Config) error {
+			_, err := kafkasink.New(c.Kafka, kafkasink.Options{})
+			return err
+		},
+		new: func(ctx context.Context, env sinkEnv) (outbox.Sink, error) {
+			c := env.cfg.Outbox.Kafka
+			s, err := kafkasink.New(c, kafkasink.Options{Logger: env.log})
+			if err != nil {
+				return nil, err
+			}
+			return connectBroker(ctx, s, "outbox.kafka.connect_timeout", c.ConnectTimeout)
+		},
+		publishTimeout: func(c outbox.Config) time.Duration { return c.Kafka.PublishTimeout },
+	},
+	// The routes' targets are checked against tasks.kinds in Config.validate.
+	outbox.SinkRiver: {
+		validate: func(c outbox.Config) error {
+			if len(c.River.Routes) == 0 {
+				return fmt.Errorf(`%s is empty: sink river needs a task kind per event type, or a "*" default`, tasks.RoutesKey)
+			}
+			return nil
+		},
+		new: func(_ context.Context, env sinkEnv) (outbox.Sink, error) {
+			return tasks.NewOutboxSink(env.cfg.Tasks, env.cfg.Outbox.River.Routes)
+		},
+		publishTimeout: func(outbox.Config) time.Duration { return 0 },
+	},
+}
+
+// validateSink checks outbox.sink and its section. A claim transaction
+// starts publishes only in the first 45% of in_flight_timeout and cancels
+// them at 90%, so every sink's publish must fit in it.
+func validateSink(c outbox.Config) error {
+	kind, ok := sinkKinds[c.Sink]
+	if !ok {
+		return configErrorf("outbox.sink=%q: want one of %s", c.Sink, strings.Join(slices.Sorted(maps.Keys(sinkKinds)), ", "))
+	}
+	if err := kind.validate(c); err != nil {
+		var ce *ConfigError
+		if errors.As(err, &ce) {
+			return err
+		}
+		return configErrorf("%w", err)
+	}
+	if t := kind.publishTimeout(c); c.InFlightTimeout < t*5/2 {
+		return configErrorf("outbox.in_flight_timeout=%s: want at least 2.5 x the %s sink's publish timeout (%s), so a publish always has its full timeout",
+			c.InFlightTimeout, c.Sink, t)
+	}
+	return nil
+}
+
+// newSink builds the configured sink (connected, for a broker).
+func newSink(ctx context.Context, cfg *Config, stdout io.Writer, log *slog.Logger) (outbox.Sink, error) {
+	return sinkKinds[cfg.Outbox.Sink].new(ctx, sinkEnv{cfg: cfg, stdout: stdout, log: log})
+}
+
+// redeliveryGap is the longest time between two publishes of one event
+// that the relay itself causes: a publish whose answer was lost, retried
+// after the longest backoff it can draw, or a claim of a vanished relay
+// taken over after in_flight_timeout. A broker's deduplication window must
+// cover it (an operator's `dead retry` can always come later).
+func redeliveryGap(c outbox.Config, publishTimeout time.Duration) time.Duration {
+	longestBackoff := c.BackoffBase
+	for i := 2; i < c.MaxAttempts && longestBackoff < c.BackoffMax; i++ {
+		longestBackoff *= 2
+	}
+	return max(min(longestBackoff, c.BackoffMax), c.InFlightTimeout) + publishTimeout
+}
+
+// brokerSink is a sink that connects to a broker before its first publish.
+type brokerSink interface {
+	outbox.Sink
+	Connect(ctx context.Context) error
+}
+
+// connectBroker connects s, trying for at most timeout (the sink's
+// connect_timeout, named by key in the error).
+func connectBroker(ctx context.Context, s brokerSink, key string, timeout time.Duration) (outbox.Sink, error) {
+	ctx, cancel := context.WithTimeout(ctx, timeout)
+	defer cancel()
+	if err := s.Connect(ctx); err != nil {
+		return nil, brokerError(err, key, timeout)
+	}
+	return s, nil
+}
+
+// brokerError maps a broker sink's start failure to its exit code: 69 when
+// the broker stayed unreachable, 77 when it refused the credentials, 78
+// when the configuration does not fit it.
+func brokerError(err error, timeoutKey string, timeout time.Duration) error {
+	switch {
+	case errors.Is(err, sink.ErrRefused):
+		return &AuthError{Msg: err.Error(), Err: err}
+	case errors.Is(err, sink.ErrSetup):
+		return &ConfigError{Msg: err.Error(), Err: err}
+	default:
+		return &UnavailableError{Msg: fmt.Sprintf("%v (waited %s=%s, %s)", err, timeoutKey, timeout, setting{Key: timeoutKey}.Env()), Err: err}
+	}
+}
+
+// sinkSecrets are the broker credentials the logger must hide: passwords
+// and tokens, also where they sit in a URL.
+func sinkSecrets(c outbox.Config) []string {
+	secrets := []string{c.Webhook.Secret, c.NATS.Password, c.NATS.Token, c.Kafka.SASLPassword}
+	for raw := range strings.SplitSeq(c.NATS.URL+","+c.RabbitMQ.URL, ",") {
+		if u, err := url.Parse(strings.TrimSpace(raw)); err == nil && u.User != nil {
+			if p, ok := u.User.Password(); ok {
+				secrets = append(secrets, p)
+			} else {
+				secrets = append(secrets, u.User.Username()) // nats://token@host
+			}
+		}
+	}
+	return secrets
+}
+
+// closer is a sink that holds a connection: Close runs after the relay
+// has shut down.
+type closer interface {
+	Close(ctx context.Context) error
+}
+
+// readyChecker is a sink whose connection /readyz reports.
+type readyChecker interface {
+	Ready(ctx context.Context) error
+}
+
+// sinkRelay is the relay component with its sink's lifecycle: the sink is
+// closed after the relay stopped, and /readyz asks it about its broker.
+type sinkRelay struct {
+	*outbox.Relay
+	sink outbox.Sink
+}
+
+func (r sinkRelay) Shutdown(ctx context.Context) error {
+	err := r.Relay.Shutdown(ctx)
+	if c, ok := r.sink.(closer); ok {
+		err = errors.Join(err, c.Close(ctx))
+	}
+	return err
+}
+
+// Ready reports the broker connection of a broker sink; nil for the others.
+func (r sinkRelay) Ready(ctx context.Context) error {
+	if c, ok := r.sink.(readyChecker); ok {
+		return c.Ready(ctx)
+	}
+	return nil
+}

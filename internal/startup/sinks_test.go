@@ -1,0 +1,92 @@
+package startup
+
+import (
+	"bytes"
+	"strings"
+	"testing"
+	"time"
+
+	"worker/internal/outbox"
+)
+
+// Every sink goes through the one table: an unknown name, a bad section
+// and a publish timeout that does not fit in_flight_timeout exit 78 naming
+// the key as the operator set it.
+func TestSinkTableValidates(t *testing.T) {
+	t.Parallel()
+	for _, c := range []struct {
+		env  []string
+		want string
+	}{
+		{[]string{"APP_OUTBOX_SINK=kafkaa"}, `APP_OUTBOX_SINK="kafkaa": want one of kafka, log, nats, rabbitmq, webhook`},
+		{[]string{"APP_OUTBOX_SINK=kafka", "APP_OUTBOX_KAFKA_TOPIC=a/{aggregate_type}"}, `APP_OUTBOX_KAFKA_TOPIC="a/{aggregate_type}"`},
+		{[]string{"APP_OUTBOX_SINK=kafka", "APP_OUTBOX_KAFKA_SASL_MECHANISM=GSSAPI"}, `APP_OUTBOX_KAFKA_SASL_MECHANISM="GSSAPI"`},
+		{[]string{"APP_OUTBOX_SINK=kafka", "APP_OUTBOX_KAFKA_PUBLISH_TIMEOUT=20s"}, "2.5 x the kafka sink's publish timeout (20s)"},
+		{[]string{"APP_OUTBOX_SINK=rabbitmq", "APP_OUTBOX_RABBITMQ_PUBLISH_TIMEOUT=13s"}, "2.5 x the rabbitmq sink's publish timeout (13s)"},
+		{[]string{"APP_OUTBOX_SINK=rabbitmq", "APP_OUTBOX_RABBITMQ_ROUTING_KEY={type}"}, `APP_OUTBOX_RABBITMQ_ROUTING_KEY="{type}": unknown placeholder`},
+		{[]string{"APP_OUTBOX_SINK=rabbitmq", "APP_OUTBOX_RABBITMQ_URL=http://x"}, `APP_OUTBOX_RABBITMQ_URL="http://x"`},
+		{[]string{"APP_OUTBOX_SINK=rabbitmq", "APP_OUTBOX_RABBITMQ_DECLARE_EXCHANGE=true", "APP_OUTBOX_RABBITMQ_EXCHANGE_TYPE=fan"}, `APP_OUTBOX_RABBITMQ_EXCHANGE_TYPE="fan"`},
+		{[]string{"APP_OUTBOX_SINK=webhook"}, "outbox.webhook.url is empty"},
+		{[]string{"APP_OUTBOX_SINK=webhook", "APP_OUTBOX_WEBHOOK_URL=http://x", "APP_OUTBOX_WEBHOOK_TIMEOUT=20s"}, "outbox.in_flight_timeout=30s: want at least 2.5 x the webhook sink's publish timeout (20s)"},
+		{[]string{"APP_OUTBOX_SINK=nats", "APP_OUTBOX_NATS_PUBLISH_TIMEOUT=15s"}, "outbox.in_flight_timeout=30s: want at least 2.5 x the nats sink's publish timeout (15s)"},
+		{[]string{"APP_OUTBOX_SINK=nats", "APP_OUTBOX_NATS_SUBJECT={prefix}.{aggregate}"}, `APP_OUTBOX_NATS_SUBJECT="{prefix}.{aggregate}": unknown placeholder {aggregate}`},
+		{[]string{"APP_OUTBOX_SINK=nats", "APP_OUTBOX_NATS_SUBJECT_PREFIX=a.>"}, `APP_OUTBOX_NATS_SUBJECT_PREFIX="a.>"`},
+		{[]string{"APP_OUTBOX_SINK=nats", "APP_OUTBOX_NATS_TOKEN=t", "APP_OUTBOX_NATS_CREDS_FILE=/c"}, "user, token, nkey_seed_file and creds_file are alternatives"},
+		{[]string{"APP_OUTBOX_SINK=nats", "APP_OUTBOX_NATS_MAX_PENDING=0"}, "APP_OUTBOX_NATS_MAX_PENDING=0: want at least 1"},
+	} {
+		_, err := LoadConfig(writeFile(t, "{}"), c.env)
+		if ExitCode(err) != ExitConfig || !strings.Contains(err.Error(), c.want) {
+			t.Errorf("%v: got %v (exit %d), want exit 78 with %q", c.env, err, ExitCode(err), c.want)
+		}
+	}
+	for _, name := range []string{"nats", "rabbitmq", "kafka"} {
+		if _, err := LoadConfig(writeFile(t, "{}"), []string{"APP_OUTBOX_SINK=" + name}); err != nil {
+			t.Errorf("%s with its defaults: %v", name, err)
+		}
+	}
+}
+
+// The redelivery gap covers the longest backoff the relay can draw and the
+// takeover of a vanished relay's claims, plus one publish.
+func TestRedeliveryGap(t *testing.T) {
+	t.Parallel()
+	c := outbox.DefaultConfig() // base 1s, 3 attempts: at most 2s of backoff
+	if got, want := redeliveryGap(c, 5*time.Second), c.InFlightTimeout+5*time.Second; got != want {
+		t.Errorf("defaults: %s, want %s", got, want)
+	}
+	c.MaxAttempts = 20 // the backoff reaches backoff_max (5m)
+	if got, want := redeliveryGap(c, time.Second), c.BackoffMax+time.Second; got != want {
+		t.Errorf("20 attempts: %s, want %s", got, want)
+	}
+}
+
+// Broker credentials are masked by `config print` and hidden in logs.
+func TestSinkSecretsMasked(t *testing.T) {
+	t.Parallel()
+	cfg, err := LoadConfig(writeFile(t, "{}"), []string{
+		"APP_OUTBOX_SINK=nats",
+		"APP_OUTBOX_NATS_URL=nats://relay:url-pass-1@n1:4222,nats://tok-in-url-2@n2:4222",
+		"APP_OUTBOX_NATS_USER=relay", "APP_OUTBOX_NATS_PASSWORD=nats-pass-3",
+		"APP_OUTBOX_RABBITMQ_URL=amqps://app:amqp-pass-4@mq:5671/prod",
+		"APP_OUTBOX_KAFKA_SASL_MECHANISM=PLAIN", "APP_OUTBOX_KAFKA_SASL_USER=app", "APP_OUTBOX_KAFKA_SASL_PASSWORD=sasl-pass-5",
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var out bytes.Buffer
+	if err := PrintConfig(&out, cfg); err != nil {
+		t.Fatal(err)
+	}
+	secrets := []string{"url-pass-1", "tok-in-url-2", "nats-pass-3", "amqp-pass-4", "sasl-pass-5"}
+	for _, s := range secrets {
+		if strings.Contains(out.String(), s) {
+			t.Errorf("config print leaks %q:\n%s", s, out.String())
+		}
+	}
+	hidden := logSecrets(cfg.Database.URL, sinkSecrets(cfg.Outbox)...)
+	for _, s := range secrets {
+		if !strings.Contains(strings.Join(hidden, " "), s) {
+			t.Errorf("the logger does not hide %q", s)
+		}
+	}
+}
