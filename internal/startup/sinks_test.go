@@ -18,7 +18,7 @@ func TestSinkTableValidates(t *testing.T) {
 		env  []string
 		want string
 	}{
-		{[]string{"APP_OUTBOX_SINK=kafkaa"}, `APP_OUTBOX_SINK="kafkaa": want one of kafka, log, nats, rabbitmq, webhook`},
+		{[]string{"APP_OUTBOX_SINK=kafkaa"}, `APP_OUTBOX_SINK="kafkaa": want one of kafka, log, nats, rabbitmq, river, webhook`},
 		{[]string{"APP_OUTBOX_SINK=kafka", "APP_OUTBOX_KAFKA_TOPIC=a/{aggregate_type}"}, `APP_OUTBOX_KAFKA_TOPIC="a/{aggregate_type}"`},
 		{[]string{"APP_OUTBOX_SINK=kafka", "APP_OUTBOX_KAFKA_SASL_MECHANISM=GSSAPI"}, `APP_OUTBOX_KAFKA_SASL_MECHANISM="GSSAPI"`},
 		{[]string{"APP_OUTBOX_SINK=kafka", "APP_OUTBOX_KAFKA_PUBLISH_TIMEOUT=20s"}, "2.5 x the kafka sink's publish timeout (20s)"},
