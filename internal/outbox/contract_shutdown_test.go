@@ -84,6 +84,16 @@ func contractUnlocked(t testing.TB, pool *pgxpool.Pool, ids []string) map[string
 	return free
 }
 
+// oneAtATimeConfig publishes one event at a time and never detaches a
+// publish, so the shutdown tests below know which publish is in progress
+// and that every claim is still a row lock when Shutdown begins.
+func oneAtATimeConfig() outbox.Config {
+	cfg := contractConfig()
+	cfg.MaxInFlight = 1
+	cfg.DetachAfter = cfg.InFlightTimeout / 2
+	return cfg
+}
+
 // TestContractShutdownHandsBackClaims: a relay whose sink hangs is shut down
 // with a short deadline. The hanging publish is cancelled and every claimed
 // event goes back to PENDING without using an attempt (a FAILED event keeps
@@ -91,7 +101,7 @@ func contractUnlocked(t testing.TB, pool *pgxpool.Pool, ids []string) map[string
 func TestContractShutdownHandsBackClaims(t *testing.T) {
 	db := pgtest.New(t)
 	ctx := context.Background()
-	cfg := contractConfig()
+	cfg := oneAtATimeConfig()
 
 	// Give event A one failed attempt first, so the hand-back is seen to
 	// turn FAILED back into PENDING as well. The sink asks for a retry no
@@ -212,7 +222,7 @@ func TestContractShutdownLetsPublishFinish(t *testing.T) {
 	}
 	blocking := newContractBlockingSink()
 	rec := newContractRecordingSink(blocking.behave)
-	r, err := outbox.NewRelay(db.Pool, rec, contractConfig(), "relay", contractTestLogger(t), prometheus.NewRegistry())
+	r, err := outbox.NewRelay(db.Pool, rec, oneAtATimeConfig(), "relay", contractTestLogger(t), prometheus.NewRegistry())
 	if err != nil {
 		t.Fatal(err)
 	}
