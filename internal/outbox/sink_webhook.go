@@ -312,9 +312,19 @@ func validHeaderValue(s string) bool {
 // ceEncode percent-encodes a CloudEvents attribute for an HTTP header
 // (HTTP binding 3.1.3.2): space, '"', '%' and every byte outside printable
 // ASCII become %XY, so any UTF-8 aggregate id survives the trip.
-func ceEncode(s string) string {
+func ceEncode(s string) string { return PercentEncode(s, HeaderSafe) }
+
+// HeaderSafe keeps printable ASCII other than '"' (CloudEvents HTTP
+// binding 3.1.3.2, which the NATS binding follows for ce- headers).
+func HeaderSafe(c byte) bool { return c > ' ' && c < 0x7f && c != '"' }
+
+// PercentEncode replaces each byte of s for which keep is false with %XY
+// (upper-case hex), as CloudEvents' HTTP binding does for header values.
+// '%' itself is always encoded, so the result decodes back unambiguously.
+// The broker sinks use it for their header and name escaping too.
+func PercentEncode(s string, keep func(c byte) bool) string {
 	i := 0
-	for i < len(s) && ceSafe(s[i]) {
+	for i < len(s) && s[i] != '%' && keep(s[i]) {
 		i++
 	}
 	if i == len(s) {
@@ -325,7 +335,7 @@ func ceEncode(s string) string {
 	b.Grow(len(s) + 16)
 	b.WriteString(s[:i])
 	for ; i < len(s); i++ {
-		if c := s[i]; ceSafe(c) {
+		if c := s[i]; c != '%' && keep(c) {
 			b.WriteByte(c)
 		} else {
 			b.WriteByte('%')
@@ -335,8 +345,6 @@ func ceEncode(s string) string {
 	}
 	return b.String()
 }
-
-func ceSafe(c byte) bool { return c > ' ' && c < 0x7f && c != '"' && c != '%' }
 
 // retryAfter parses a Retry-After value: delay-seconds or an HTTP date.
 func retryAfter(v string, now time.Time) (time.Duration, bool) {

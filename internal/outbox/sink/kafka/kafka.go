@@ -102,7 +102,7 @@ func TopicPart(v string) string {
 	if v == "" {
 		return "_"
 	}
-	return strings.ReplaceAll(sink.PercentEncode(v, func(c byte) bool {
+	return strings.ReplaceAll(outbox.PercentEncode(v, func(c byte) bool {
 		return c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z' || c >= '0' && c <= '9' || c == '.' || c == '-'
 	}), "%", "_")
 }

@@ -107,7 +107,7 @@ func SubjectToken(v string) string {
 	if v == "" {
 		return "_"
 	}
-	return sink.PercentEncode(v, func(c byte) bool {
+	return outbox.PercentEncode(v, func(c byte) bool {
 		return c > ' ' && c < 0x7f && c != '.' && c != '*' && c != '>'
 	})
 }
@@ -299,7 +299,7 @@ func headers(e outbox.Event) nats.Header {
 	}
 	h["content-type"] = []string{sink.ContentType}
 	for _, a := range sink.CloudEvent(e) {
-		h["ce-"+a.Name] = []string{sink.PercentEncode(a.Value, sink.HeaderSafe)}
+		h["ce-"+a.Name] = []string{outbox.PercentEncode(a.Value, outbox.HeaderSafe)}
 	}
 	return h
 }

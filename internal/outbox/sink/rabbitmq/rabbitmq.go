@@ -104,7 +104,7 @@ func RoutingWord(v string) string {
 	if v == "" {
 		return "_"
 	}
-	return sink.PercentEncode(v, func(c byte) bool {
+	return outbox.PercentEncode(v, func(c byte) bool {
 		return c > ' ' && c < 0x7f && c != '.' && c != '*' && c != '#'
 	})
 }
