@@ -3,6 +3,7 @@ package sinktest
 import (
 	"bufio"
 	"bytes"
+	"cmp"
 	"context"
 	"fmt"
 	"log/slog"
@@ -75,7 +76,7 @@ type Relays struct {
 // and with Dedup every event exactly once although the killed batch was
 // published again.
 func RelayRun(t *testing.T, r Relays) {
-	events, aggregates := cmpOr(r.Events, 20000), cmpOr(r.Aggregates, 200)
+	events, aggregates := cmp.Or(r.Events, 20000), cmp.Or(r.Aggregates, 200)
 	db := pgtest.New(t)
 	ctx := t.Context()
 	if _, err := db.Pool.Exec(ctx, `
@@ -162,13 +163,6 @@ FROM generate_series(1, $1) g ORDER BY g`, events, aggregates); err != nil {
 			t.Errorf("the broker holds %d messages for %d events: redeliveries were not dropped", len(msgs), events)
 		}
 	}
-}
-
-func cmpOr(v, def int) int {
-	if v == 0 {
-		return def
-	}
-	return v
 }
 
 // storedEvent is an outbox row as the broker must show it.
