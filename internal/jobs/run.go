@@ -288,6 +288,10 @@ func call(ctx context.Context, j Job) (stack []byte, err error) {
 func classify(ctx context.Context, err error, panicked, committed bool) (outcome, code string) {
 	cause := context.Cause(ctx)
 	switch {
+	case errors.Is(err, ErrCommitUnknown):
+		// Neither lease_lost nor timeout, whose rows say the work rolled
+		// back: it may have committed.
+		return OutcomeFailure, obs.CodeOf(err)
 	case errors.Is(cause, lock.ErrLeaseLost) && (err != nil || !committed),
 		errors.Is(err, lock.ErrLeaseLost): // a failed fence, before Lost reached ctx
 		// Even if the job returned nil: unless its writes committed under

@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 )
 
@@ -32,6 +33,12 @@ var (
 	// errTxEnded: the work ended InTx's transaction itself.
 	errTxEnded = errors.New("jobs: the job's work ended its transaction itself (COMMIT or ROLLBACK), " +
 		"so its writes were not fenced by the lease and may have committed; remove the transaction control")
+
+	// ErrCommitUnknown: the COMMIT was sent but no answer came back (the
+	// connection broke or the commit timeout passed). The server may have
+	// committed or not; only the data can tell.
+	ErrCommitUnknown = errors.New("jobs: commit outcome unknown: the connection failed before the server answered the COMMIT, " +
+		"so the transaction's writes may or may not be in")
 )
 
 // InTx runs fn in a transaction on pool, fenced by the current run's lease,
@@ -50,6 +57,8 @@ var (
 //     during a statement, pgx abandons the connection and sends the server a
 //     cancel request, so the statement stops there too, and nothing
 //     commits.
+//   - A COMMIT that got no answer (the connection broke) returns an error
+//     wrapping ErrCommitUnknown: the writes may be in or not.
 //   - A COMMIT that succeeded counts: the run's outcome is success even if
 //     the lease is lost afterwards (a warning is logged).
 //
@@ -76,7 +85,11 @@ func InTx(ctx context.Context, pool *pgxpool.Pool, fn func(pgx.Tx) error) error 
 	cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), commitTimeout)
 	defer cancel()
 	if err := tx.Commit(cctx); err != nil {
-		return fmt.Errorf("commit: %w", err)
+		var pgErr *pgconn.PgError
+		if !errors.As(err, &pgErr) {
+			return fmt.Errorf("%w: %w", ErrCommitUnknown, err)
+		}
+		return fmt.Errorf("commit: %w", err) // the server answered: rolled back
 	}
 	ri.committed.Store(true)
 	return nil

@@ -218,6 +218,7 @@ func TestClassify(t *testing.T) {
 		{"shutdown", cancelled(errShutdown), failed, false, OutcomeCancelled},
 		{"committed before shutdown", cancelled(errShutdown), nil, true, OutcomeSuccess},
 		{"failure", context.Background(), failed, false, OutcomeFailure},
+		{"commit unanswered, lease lost", cancelled(lock.ErrLeaseLost), fmt.Errorf("%w: EOF", ErrCommitUnknown), false, OutcomeFailure},
 	} {
 		if got, _ := classify(c.ctx, c.err, false, c.committed); got != c.want {
 			t.Errorf("%s: outcome %s, want %s", c.name, got, c.want)
