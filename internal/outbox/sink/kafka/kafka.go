@@ -124,6 +124,7 @@ func (s *Sink) Connect(ctx context.Context) error {
 	if err != nil {
 		return fmt.Errorf("%w: %w", sink.ErrSetup, err)
 	}
+	var last error
 	for {
 		err := client.Ping(ctx)
 		switch {
@@ -135,8 +136,14 @@ func (s *Sink) Connect(ctx context.Context) error {
 			return fmt.Errorf("%w: kafka %s: %w", sink.ErrRefused, s.cfg.Brokers, err)
 		case ctx.Err() != nil:
 			client.Close()
-			return fmt.Errorf("%w: kafka %s: %w", sink.ErrUnreachable, s.cfg.Brokers, err)
+			// The attempt the deadline cut short says only that; the one
+			// before it says why no broker answered (a certificate, ...).
+			if last == nil || !errors.Is(err, ctx.Err()) {
+				last = err
+			}
+			return fmt.Errorf("%w: kafka %s: %w", sink.ErrUnreachable, s.cfg.Brokers, last)
 		}
+		last = err
 		s.log.Warn("kafka not ready yet", "error", err.Error())
 		select {
 		case <-ctx.Done():
