@@ -203,6 +203,34 @@ func TestSASL(t *testing.T) {
 	}
 }
 
+// A mechanism the broker does not enable is a configuration error (exit
+// 78, naming the key) at once, not a broker to wait for. kfake enables
+// every mechanism it knows, so it is made to answer the handshake as a
+// broker without SCRAM-SHA-512 does.
+func TestSASLMechanismNotEnabled(t *testing.T) {
+	t.Parallel()
+	const mech = "SCRAM-SHA-512"
+	c, brokers := secureCluster(t, kfake.EnableSASL(), kfake.Superuser(mech, saslUser, saslPassword))
+	c.ControlKey(int16(kmsg.SASLHandshake), func(r kmsg.Request) (kmsg.Response, error, bool) {
+		c.KeepControl()
+		resp := r.ResponseKind().(*kmsg.SASLHandshakeResponse)
+		resp.ErrorCode = kerr.UnsupportedSaslMechanism.Code
+		resp.SupportedMechanisms = []string{"PLAIN"}
+		return resp, nil, true
+	})
+	cfg := saslConfig(brokers, mech, saslPassword)
+	s, logs := loggedSink(t, cfg)
+	ctx, cancel := context.WithTimeout(t.Context(), cfg.ConnectTimeout)
+	defer cancel()
+	err := s.Connect(ctx)
+	if !errors.Is(err, sink.ErrSetup) || !strings.Contains(err.Error(), "outbox.kafka.sasl_mechanism=SCRAM-SHA-512") {
+		t.Fatalf("got %v, want %v naming outbox.kafka.sasl_mechanism", err, sink.ErrSetup)
+	}
+	if strings.Contains(logs.String(), "kafka not ready yet") {
+		t.Errorf("a setup error was retried:\n%s", logs)
+	}
+}
+
 // authority is a certificate with its key: a CA, or a leaf it signed.
 type authority struct {
 	cert *x509.Certificate

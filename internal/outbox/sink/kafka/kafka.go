@@ -118,7 +118,8 @@ func (s *Sink) Name() string { return outbox.SinkKafka }
 func (s *Sink) Topic(e outbox.Event) string { return s.topic.Render(e) }
 
 // Connect creates the client and waits until a broker answers, retrying
-// until ctx ends. Its errors wrap sink.ErrUnreachable or sink.ErrRefused.
+// until ctx ends. Its errors wrap sink.ErrUnreachable, sink.ErrRefused or
+// sink.ErrSetup.
 func (s *Sink) Connect(ctx context.Context) error {
 	client, err := kgo.NewClient(s.opts...)
 	if err != nil {
@@ -134,6 +135,10 @@ func (s *Sink) Connect(ctx context.Context) error {
 		case errors.Is(err, kerr.SaslAuthenticationFailed), errors.Is(err, kerr.ClusterAuthorizationFailed):
 			client.Close()
 			return fmt.Errorf("%w: kafka %s: %w", sink.ErrRefused, s.cfg.Brokers, err)
+		case errors.Is(err, kerr.UnsupportedSaslMechanism):
+			client.Close()
+			return fmt.Errorf("%w: kafka %s: outbox.kafka.sasl_mechanism=%s is not enabled on the broker: %w",
+				sink.ErrSetup, s.cfg.Brokers, s.cfg.SASLMechanism, err)
 		case ctx.Err() != nil:
 			client.Close()
 			// The attempt the deadline cut short says only that; the one
