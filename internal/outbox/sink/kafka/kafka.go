@@ -118,12 +118,14 @@ func (s *Sink) Name() string { return outbox.SinkKafka }
 func (s *Sink) Topic(e outbox.Event) string { return s.topic.Render(e) }
 
 // Connect creates the client and waits until a broker answers, retrying
-// until ctx ends. Its errors wrap sink.ErrUnreachable or sink.ErrRefused.
+// until ctx ends. Its errors wrap sink.ErrUnreachable, sink.ErrRefused or
+// sink.ErrSetup.
 func (s *Sink) Connect(ctx context.Context) error {
 	client, err := kgo.NewClient(s.opts...)
 	if err != nil {
 		return fmt.Errorf("%w: %w", sink.ErrSetup, err)
 	}
+	var last error
 	for {
 		err := client.Ping(ctx)
 		switch {
@@ -133,10 +135,20 @@ func (s *Sink) Connect(ctx context.Context) error {
 		case errors.Is(err, kerr.SaslAuthenticationFailed), errors.Is(err, kerr.ClusterAuthorizationFailed):
 			client.Close()
 			return fmt.Errorf("%w: kafka %s: %w", sink.ErrRefused, s.cfg.Brokers, err)
+		case errors.Is(err, kerr.UnsupportedSaslMechanism):
+			client.Close()
+			return fmt.Errorf("%w: kafka %s: outbox.kafka.sasl_mechanism=%s is not enabled on the broker: %w",
+				sink.ErrSetup, s.cfg.Brokers, s.cfg.SASLMechanism, err)
 		case ctx.Err() != nil:
 			client.Close()
-			return fmt.Errorf("%w: kafka %s: %w", sink.ErrUnreachable, s.cfg.Brokers, err)
+			// The attempt the deadline cut short says only that; the one
+			// before it says why no broker answered (a certificate, ...).
+			if last == nil || !errors.Is(err, ctx.Err()) {
+				last = err
+			}
+			return fmt.Errorf("%w: kafka %s: %w", sink.ErrUnreachable, s.cfg.Brokers, last)
 		}
+		last = err
 		s.log.Warn("kafka not ready yet", "error", err.Error())
 		select {
 		case <-ctx.Done():
