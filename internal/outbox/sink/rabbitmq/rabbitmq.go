@@ -7,6 +7,7 @@ package rabbitmq
 
 import (
 	"context"
+	"crypto/tls"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -46,7 +47,6 @@ type Sink struct {
 // broker has blocked it.
 type link struct {
 	returns chan amqp.Return
-	blocked chan amqp.Blocking
 
 	mu         sync.Mutex
 	returned   map[string]amqp.Return
@@ -89,7 +89,12 @@ func New(cfg outbox.RabbitMQConfig, opts Options) (*Sink, error) {
 		Heartbeat:  10 * time.Second,
 		Properties: amqp.Table{"connection_name": opts.Name},
 	}
-	if uri.Scheme == "amqps" || cfg.TLSCAFile != "" || cfg.TLSCertFile != "" {
+	if uri.Scheme != "amqps" && (cfg.TLSCAFile != "" || cfg.TLSCertFile != "") {
+		// The client speaks TLS only to an amqps:// URL: the files would be
+		// ignored, and the connection left in plain text.
+		return nil, fmt.Errorf("outbox.rabbitmq.tls_ca_file and tls_cert_file need an amqps:// outbox.rabbitmq.url, not %q", s.shownURL)
+	}
+	if uri.Scheme == "amqps" {
 		if s.amqpCfg.TLSClientConfig, err = sink.TLSConfig("outbox.rabbitmq", cfg.TLSCAFile, cfg.TLSCertFile, cfg.TLSKeyFile); err != nil {
 			return nil, err
 		}
@@ -160,6 +165,12 @@ func (s *Sink) channel(ctx context.Context) (*amqp.Channel, error) {
 		if errors.As(err, &ae) && (ae.Code == amqp.AccessRefused || ae.Code == amqp.NotAllowed) {
 			return nil, fmt.Errorf("%w: rabbitmq %s: %s", sink.ErrRefused, s.shownURL, ae.Reason)
 		}
+		// Retrying will not make the broker's certificate trusted.
+		var cv *tls.CertificateVerificationError
+		if errors.As(err, &cv) {
+			return nil, fmt.Errorf("%w: rabbitmq %s: %v; outbox.rabbitmq.tls_ca_file must hold the CA that signed the broker's certificate, for the host in outbox.rabbitmq.url",
+				sink.ErrSetup, s.shownURL, err)
+		}
 		return nil, fmt.Errorf("rabbitmq %s: %w", s.shownURL, err)
 	}
 	ch, err := s.setup(conn)
@@ -169,9 +180,9 @@ func (s *Sink) channel(ctx context.Context) (*amqp.Channel, error) {
 	}
 	l := &link{
 		returns:  ch.NotifyReturn(make(chan amqp.Return, s.cfg.MaxPending)),
-		blocked:  conn.NotifyBlocked(make(chan amqp.Blocking, 16)),
 		returned: map[string]amqp.Return{},
 	}
+	go l.followBlocking(conn.NotifyBlocked(make(chan amqp.Blocking, 1)), s.log)
 	s.conn, s.ch, s.link = conn, ch, l
 	return ch, nil
 }
@@ -279,23 +290,32 @@ func (l *link) takeReturn(id string) (amqp.Return, bool) {
 	return r, ok
 }
 
-// blockedNow applies the connection.blocked and unblocked notifications
-// received so far.
+// followBlocking applies the broker's connection.blocked and unblocked
+// notifications until the connection closes, and logs one warning per
+// blocked period. It reads them as they come: the client hands them over
+// from its frame reader, which stalls on a full channel and then drops the
+// notification, and a lost "unblocked" would fail every publish until the
+// connection is replaced.
+func (l *link) followBlocking(notes <-chan amqp.Blocking, log *slog.Logger) {
+	for b := range notes {
+		l.mu.Lock()
+		was := l.isBlocked
+		l.isBlocked, l.blockCause = b.Active, b.Reason
+		l.mu.Unlock()
+		switch {
+		case b.Active && !was:
+			log.Warn("rabbitmq blocked the connection (a memory or disk alarm); publishes are retried until it unblocks", "reason", b.Reason)
+		case !b.Active && was:
+			log.Info("rabbitmq unblocked the connection")
+		}
+	}
+}
+
+// blockedNow reports whether the broker has blocked the connection, and
+// why.
 func (l *link) blockedNow() (string, bool) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
-	for drained := false; !drained && l.blocked != nil; {
-		select {
-		case b, ok := <-l.blocked:
-			if !ok {
-				l.blocked = nil
-				break
-			}
-			l.isBlocked, l.blockCause = b.Active, b.Reason
-		default:
-			drained = true
-		}
-	}
 	return l.blockCause, l.isBlocked
 }
 

@@ -63,13 +63,18 @@ type target struct {
 // newTarget declares a topic exchange and a queue bound with binding.
 func newTarget(t testing.TB, binding string) target {
 	t.Helper()
-	conn := requireBroker(t)
+	return declareTarget(t, requireBroker(t), brokerURL(), binding)
+}
+
+// declareTarget declares the target on the broker at url, conn.
+func declareTarget(t testing.TB, conn *amqp.Connection, url, binding string) target {
+	t.Helper()
 	ch, err := conn.Channel()
 	if err != nil {
 		t.Fatal(err)
 	}
 	id := uuid.NewString()[:8]
-	tg := target{url: brokerURL(), exchange: "sinktest-" + id, queue: "sinktest-" + id}
+	tg := target{url: url, exchange: "sinktest-" + id, queue: "sinktest-" + id}
 	if err := ch.ExchangeDeclare(tg.exchange, "topic", true, false, false, false, nil); err != nil {
 		t.Fatal(err)
 	}
@@ -117,7 +122,11 @@ func connect(t testing.TB, cfg outbox.RabbitMQConfig) *Sink {
 // checks the AMQP properties a consumer relies on.
 func (tg target) read(t *testing.T) []sinktest.Message {
 	t.Helper()
-	conn := requireBroker(t)
+	conn, err := amqp.Dial(tg.url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
 	ch, err := conn.Channel()
 	if err != nil {
 		t.Fatal(err)

@@ -1,0 +1,343 @@
+package rabbitmq
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/prometheus/client_golang/prometheus"
+	amqp "github.com/rabbitmq/amqp091-go"
+
+	"worker/internal/outbox"
+	"worker/internal/outbox/sink"
+	"worker/internal/outbox/sinktest"
+	"worker/internal/pgtest"
+	"worker/internal/testkit"
+)
+
+// target declares a topic exchange and a bound queue on the node.
+func (n *privateNode) target(t *testing.T, binding string) target {
+	t.Helper()
+	conn, err := amqp.Dial(n.url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = conn.Close() })
+	return declareTarget(t, conn, n.url, binding)
+}
+
+// TestTLS: the sink publishes over amqps:// to a listener that requires a
+// client certificate (verify_peer, fail_if_no_peer_cert), trusting the CA
+// in tls_ca_file.
+func TestTLS(t *testing.T) {
+	t.Parallel()
+	n := usePrivateNode(t, false)
+	tg := n.target(t, "#")
+	tlsConfig := func() outbox.RabbitMQConfig {
+		c := tg.config()
+		c.URL = n.tlsURL
+		c.TLSCAFile, c.TLSCertFile, c.TLSKeyFile = n.certs.ca, n.certs.clientCert, n.certs.clientKey
+		return c
+	}
+
+	t.Run("publishes with a client certificate", func(t *testing.T) {
+		s := connect(t, tlsConfig())
+		e := sinktest.Event("tls", 0)
+		if err := s.Publish(t.Context(), e); err != nil {
+			t.Fatal(err)
+		}
+		msgs := tg.read(t)
+		if len(msgs) != 1 {
+			t.Fatalf("the queue holds %d messages, want 1", len(msgs))
+		}
+		sinktest.CheckMessage(t, msgs[0], e)
+	})
+
+	// Startup exits 78 on sink.ErrSetup: retrying for connect_timeout
+	// would not make the certificate trusted.
+	t.Run("a broker certificate the CA did not sign fails Connect at once", func(t *testing.T) {
+		c := tlsConfig()
+		c.TLSCAFile = n.certs.otherCA
+		err := connectErr(t, c, time.Minute)
+		if !errors.Is(err, sink.ErrSetup) || !strings.Contains(err.Error(), "outbox.rabbitmq.tls_ca_file") ||
+			!strings.Contains(err.Error(), "certificate signed by unknown authority") {
+			t.Errorf("got %v, want a setup error naming outbox.rabbitmq.tls_ca_file", err)
+		}
+		if strings.Contains(err.Error(), "guest:guest") {
+			t.Errorf("the error quotes the password: %v", err)
+		}
+	})
+
+	// The broker closes the handshake, which looks like a lost connection:
+	// retried for connect_timeout, then startup exits 69.
+	t.Run("without a client certificate the broker refuses the connection", func(t *testing.T) {
+		c := tlsConfig()
+		c.TLSCertFile, c.TLSKeyFile = "", ""
+		if err := connectErr(t, c, time.Second); !errors.Is(err, sink.ErrUnreachable) {
+			t.Errorf("got %v, want unreachable", err)
+		}
+	})
+}
+
+// connectErr connects a sink with cfg within budget and returns the error.
+func connectErr(t *testing.T, cfg outbox.RabbitMQConfig, budget time.Duration) error {
+	t.Helper()
+	s, err := New(cfg, Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(t.Context(), budget)
+	defer cancel()
+	err = s.Connect(ctx)
+	_ = s.Close(context.Background())
+	if err == nil {
+		t.Fatal("Connect succeeded")
+	}
+	return err
+}
+
+// The client speaks TLS only to an amqps:// URL: TLS files with amqp://
+// would leave the connection in plain text.
+func TestTLSFilesNeedAMQPS(t *testing.T) {
+	t.Parallel()
+	certs, err := writeTestCerts(t.TempDir())
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg := outbox.DefaultRabbitMQConfig()
+	cfg.URL, cfg.TLSCAFile = "amqp://guest:guest@127.0.0.1:5672/", certs.ca
+	if _, err := New(cfg, Options{}); err == nil || !strings.Contains(err.Error(), "amqps://") || strings.Contains(err.Error(), "guest:guest") {
+		t.Errorf("got %v, want an error asking for amqps://", err)
+	}
+}
+
+// blockedMsg is the sink's warning when the broker blocks its connection.
+const blockedMsg = "rabbitmq blocked the connection (a memory or disk alarm); publishes are retried until it unblocks"
+
+// TestBlocked raises a memory alarm on the private node, which blocks
+// every publishing connection (connection.blocked). A publish fails as
+// transient within publish_timeout, then at once with a RetryAfterError
+// naming the cause, and the sink logs the block once. A relay publishing
+// through the alarm loses nothing and dead-letters nothing: once the alarm
+// clears every event is on the queue, first deliveries in per-aggregate
+// order, and an event is held twice only if it was attempted twice.
+func TestBlocked(t *testing.T) {
+	t.Parallel()
+	n := usePrivateNode(t, true) // the alarm blocks every publisher on the node
+	const aggregates, before, during = 20, 500, 1500
+
+	db := pgtest.New(t)
+	tg := n.target(t, "#")
+	cfg := tg.config()
+	relayLog := &testkit.LogBuffer{}
+	log := slog.New(slog.NewJSONHandler(relayLog, &slog.HandlerOptions{Level: slog.LevelInfo}))
+	s, err := New(cfg, Options{Name: "relay", Logger: log})
+	if err != nil {
+		t.Fatal(err)
+	}
+	rcfg := sinktest.RelayConfig()
+	rcfg.MaxAttempts, rcfg.BackoffBase, rcfg.BackoffMax = 60, 100*time.Millisecond, time.Second
+	// Each retry while blocked waits at least blockedRetry: this is how
+	// long an alarm may last before an event can go DEAD.
+	covered := time.Duration(rcfg.MaxAttempts-1) * blockedRetry
+	startRelay(t, db.Pool, s, rcfg, log)
+
+	insertEvents(t, db.Pool, before, aggregates)
+	testkit.Eventually(t, time.Minute, "the events before the alarm published", func() bool {
+		return countStatus(t, db.Pool, outbox.StatusPublished) == before
+	})
+
+	alarmStart := time.Now()
+	clearAlarm := n.raiseMemoryAlarm(t)
+	probeBlocked(t, n)
+
+	insertEvents(t, db.Pool, during, aggregates)
+	testkit.Eventually(t, time.Minute, "the relay to retry after a block", func() bool {
+		for _, l := range relayLog.Lines(t, "outbox publish failed; retry scheduled") {
+			if strings.Contains(fmt.Sprint(l["error"]), "blocked the connection: low on memory") {
+				return true
+			}
+		}
+		return false
+	})
+	clearAlarm()
+	alarm := time.Since(alarmStart)
+	if alarm >= covered {
+		t.Fatalf("the alarm lasted %s, longer than the relay's retries cover (%s): the test cannot judge DEAD events", alarm, covered)
+	}
+
+	testkit.Eventually(t, 2*time.Minute, "every event published", func() bool {
+		return countStatus(t, db.Pool, outbox.StatusPublished) == before+during
+	})
+	if dead := countStatus(t, db.Pool, outbox.StatusDead); dead != 0 {
+		t.Errorf("%d events DEAD after an alarm of %s", dead, alarm)
+	}
+	if warned := relayLog.Lines(t, blockedMsg); len(warned) != 1 || warned[0]["reason"] != "low on memory" {
+		t.Errorf("blocked warnings: %v, want one with reason \"low on memory\"", warned)
+	}
+	if len(relayLog.Lines(t, "rabbitmq unblocked the connection")) != 1 {
+		t.Error("no line says the connection was unblocked")
+	}
+	checkDeliveries(t, tg.read(t), storedRows(t, db.Pool))
+}
+
+// probeBlocked publishes through a sink of its own while the alarm is on:
+// the broker blocks its connection on the first message, which then times
+// out; the next publish fails at once with a RetryAfterError.
+func probeBlocked(t *testing.T, n *privateNode) {
+	t.Helper()
+	cfg := n.target(t, "#").config()
+	log := &testkit.LogBuffer{}
+	s, err := New(cfg, Options{Name: "probe", Logger: log.Logger()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Connect(t.Context()); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = s.Close(context.Background()) })
+	for i := range 3 {
+		err := boundedPublish(t, s, sinktest.Event("probe", i), cfg.PublishTimeout)
+		if err == nil || outbox.IsPermanent(err) {
+			t.Fatalf("publish #%d while blocked: got %v, want a transient error", i, err)
+		}
+		var ra *outbox.RetryAfterError
+		if errors.As(err, &ra) {
+			if ra.After < time.Second || !strings.Contains(err.Error(), "low on memory") {
+				t.Errorf("got %v (retry after %s), want the cause and at least 1s", err, ra.After)
+			}
+			if len(log.Lines(t, blockedMsg)) != 1 {
+				t.Errorf("the probe logged %q %d times, want once", blockedMsg, len(log.Lines(t, blockedMsg)))
+			}
+			return
+		}
+	}
+	t.Fatal("no RetryAfterError while the broker blocks the connection")
+}
+
+// boundedPublish publishes e without a deadline of its own and fails the
+// test if the sink's publish_timeout does not end the call.
+func boundedPublish(t *testing.T, s *Sink, e outbox.Event, publishTimeout time.Duration) error {
+	t.Helper()
+	done := make(chan error, 1)
+	go func() { done <- s.Publish(context.Background(), e) }()
+	select {
+	case err := <-done:
+		return err
+	case <-time.After(publishTimeout + 10*time.Second): // generous: the machine may be busy
+		t.Fatalf("Publish still running %s after publish_timeout=%s", 10*time.Second, publishTimeout)
+		return nil
+	}
+}
+
+// startRelay connects s and runs a relay on it until the test ends.
+func startRelay(t *testing.T, pool *pgxpool.Pool, s *Sink, cfg outbox.Config, log *slog.Logger) {
+	t.Helper()
+	r, err := outbox.NewRelay(pool, s, cfg, "blocked", log, prometheus.NewRegistry())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Connect(t.Context()); err != nil {
+		t.Fatal(err)
+	}
+	if err := r.Start(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		if err := r.Shutdown(ctx); err != nil {
+			t.Errorf("shutdown: %v", err)
+		}
+		_ = s.Close(ctx)
+	})
+}
+
+// insertEvents appends events spread over aggregates, in order.
+func insertEvents(t *testing.T, pool *pgxpool.Pool, events, aggregates int) {
+	t.Helper()
+	if _, err := pool.Exec(t.Context(), `
+INSERT INTO outbox_event (aggregate_type, aggregate_id, event_type, payload)
+SELECT 'Order', 'agg-' || (g % $2), 'order.updated', jsonb_build_object('n', g)
+FROM generate_series(1, $1) g ORDER BY g`, events, aggregates); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func countStatus(t *testing.T, pool *pgxpool.Pool, status string) int {
+	t.Helper()
+	var n int
+	if err := pool.QueryRow(t.Context(), `SELECT count(*) FROM outbox_event WHERE status = $1`, status).Scan(&n); err != nil {
+		t.Fatal(err)
+	}
+	return n
+}
+
+// storedRow is what the delivery check needs of an outbox row.
+type storedRow struct {
+	seq       int64
+	aggregate string
+	attempts  int
+}
+
+func storedRows(t *testing.T, pool *pgxpool.Pool) map[string]storedRow {
+	t.Helper()
+	rows, err := pool.Query(t.Context(), `SELECT event_id::text, id, aggregate_id, attempts FROM outbox_event`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer rows.Close()
+	out := map[string]storedRow{}
+	for rows.Next() {
+		var id string
+		var r storedRow
+		if err := rows.Scan(&id, &r.seq, &r.aggregate, &r.attempts); err != nil {
+			t.Fatal(err)
+		}
+		out[id] = r
+	}
+	if err := rows.Err(); err != nil {
+		t.Fatal(err)
+	}
+	return out
+}
+
+// checkDeliveries: every event on the queue, first deliveries in
+// per-aggregate order, and no event held more often than it was attempted.
+func checkDeliveries(t *testing.T, msgs []sinktest.Message, want map[string]storedRow) {
+	t.Helper()
+	held := map[string]int{}
+	last := map[string]int64{}
+	for _, m := range msgs {
+		r, ok := want[m.ID]
+		if !ok {
+			t.Errorf("message id %q is no event_id of this test", m.ID)
+			continue
+		}
+		if held[m.ID]++; held[m.ID] > 1 {
+			continue // a redelivery: order is judged on first deliveries
+		}
+		if r.seq <= last[r.aggregate] {
+			t.Errorf("aggregate %s: first delivery of seq %d after seq %d", r.aggregate, r.seq, last[r.aggregate])
+		}
+		last[r.aggregate] = r.seq
+	}
+	again := 0
+	for id, r := range want {
+		switch {
+		case held[id] == 0:
+			t.Errorf("event %s is missing on the queue", id)
+		case held[id] > r.attempts:
+			t.Errorf("event %s is held %d times after %d attempts", id, held[id], r.attempts)
+		case held[id] > 1:
+			again++
+		}
+	}
+	t.Logf("%d messages for %d events; %d events held twice or more (a publish that timed out in the alarm and was delivered once it cleared)",
+		len(msgs), len(want), again)
+}
