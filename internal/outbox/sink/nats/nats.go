@@ -6,14 +6,18 @@ package nats
 
 import (
 	"context"
+	"crypto/tls"
 	"errors"
 	"fmt"
 	"log/slog"
+	"net"
+	"os"
 	"strings"
 	"time"
 
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
+	"github.com/nats-io/nkeys"
 
 	"worker/internal/outbox"
 	"worker/internal/outbox/sink"
@@ -141,7 +145,7 @@ func (s *Sink) connectOnce(ctx context.Context, opts []nats.Option) error {
 	}
 	conn, err := nats.Connect(s.cfg.URL, append(opts, nats.Timeout(dial))...)
 	if err != nil {
-		if errors.Is(err, nats.ErrAuthorization) || strings.Contains(strings.ToLower(err.Error()), "authorization") {
+		if refused(err) {
 			return fmt.Errorf("%w: nats %s: %w", sink.ErrRefused, s.shownURL, err)
 		}
 		return err
@@ -181,6 +185,9 @@ func (s *Sink) options() ([]nats.Option, error) {
 	case c.Token != "":
 		opts = append(opts, nats.Token(c.Token))
 	case c.CredsFile != "":
+		if err := checkCreds(c.CredsFile); err != nil {
+			return nil, fmt.Errorf("outbox.nats.creds_file=%q: %w", c.CredsFile, err)
+		}
 		opts = append(opts, nats.UserCredentials(c.CredsFile))
 	case c.NKeySeedFile != "":
 		o, err := nats.NkeyOptionFromSeed(c.NKeySeedFile)
@@ -190,6 +197,12 @@ func (s *Sink) options() ([]nats.Option, error) {
 		}
 		opts = append(opts, o)
 	}
+	// Loaded once here so that an unusable file stops the start instead of
+	// passing for an unreachable server; the client loads the files again
+	// at every connect.
+	if _, err := sink.TLSConfig("outbox.nats", c.TLSCAFile, c.TLSCertFile, c.TLSKeyFile); err != nil {
+		return nil, err
+	}
 	if c.TLSCAFile != "" {
 		opts = append(opts, nats.RootCAs(c.TLSCAFile))
 	}
@@ -197,6 +210,44 @@ func (s *Sink) options() ([]nats.Option, error) {
 		opts = append(opts, nats.ClientCert(c.TLSCertFile, c.TLSKeyFile))
 	}
 	return opts, nil
+}
+
+// checkCreds reads the creds file once, so that a missing file or one
+// without a user seed stops the start instead of passing for an
+// unreachable server; the client reads it again at every connect. The
+// errors name the problem, never the contents.
+func checkCreds(path string) error {
+	raw, err := os.ReadFile(path)
+	if err != nil {
+		return err
+	}
+	defer clear(raw)
+	kp, err := nkeys.ParseDecoratedUserNKey(raw)
+	if err != nil {
+		return err
+	}
+	kp.Wipe()
+	return nil
+}
+
+// refused reports whether a failed connect is the server refusing the
+// credentials, or a TLS handshake that one side rejects: no retry changes
+// either.
+func refused(err error) bool {
+	var untrusted *tls.CertificateVerificationError
+	var op *net.OpError
+	switch {
+	case errors.Is(err, nats.ErrAuthorization): // the server's -ERR matches it by text
+		return true
+	case errors.As(err, &untrusted): // the server's certificate: another CA, expired, another host
+		return true
+	case errors.As(err, &op) && op.Op == "remote error": // a TLS alert: the server rejected ours
+		return true
+	}
+	// Under TLS 1.3 the server checks the client certificate after the
+	// client's side of the handshake is done, and may close the connection
+	// before its alert is read; nats.go words that case so.
+	return errors.Is(err, nats.ErrTLS) && strings.Contains(err.Error(), "closed by remote after TLS handshake")
 }
 
 // checkStream finds (or creates) the stream and warns when its duplicate
