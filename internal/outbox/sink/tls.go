@@ -3,7 +3,9 @@ package sink
 import (
 	"crypto/tls"
 	"crypto/x509"
+	"errors"
 	"fmt"
+	"net"
 	"os"
 )
 
@@ -30,4 +32,23 @@ func TLSConfig(prefix, caFile, certFile, keyFile string) (*tls.Config, error) {
 		c.Certificates = []tls.Certificate{cert}
 	}
 	return c, nil
+}
+
+// TLSVerdict tells a failed connect that TLS settled, and retrying cannot
+// change, from one to retry. A broker certificate that does not verify
+// (another CA, expired, another host) is ErrSetup naming the CA setting of
+// section; a TLS alert from the broker means it rejected our client
+// certificate (or its absence): ErrRefused. Any other error gives nil.
+func TLSVerdict(section string, err error) error {
+	var untrusted *tls.CertificateVerificationError
+	var op *net.OpError
+	switch {
+	case errors.As(err, &untrusted):
+		return fmt.Errorf("%w: %w; %s.tls_ca_file must hold the CA that signed the broker's certificate, for the host in the URL",
+			ErrSetup, err, section)
+	case errors.As(err, &op) && op.Op == "remote error": // crypto/tls's wording for an alert received
+		return fmt.Errorf("%w: the broker ended the TLS handshake (%s.tls_cert_file: a client certificate it does not accept, or none): %w",
+			ErrRefused, section, err)
+	}
+	return nil
 }

@@ -128,10 +128,14 @@ func (s *Sink) Connect(ctx context.Context) error {
 	var last error
 	for {
 		err := client.Ping(ctx)
+		verdict := sink.TLSVerdict("outbox.kafka", err)
 		switch {
 		case err == nil:
 			s.client = client
 			return nil
+		case verdict != nil:
+			client.Close()
+			return fmt.Errorf("kafka %s: %w", s.cfg.Brokers, verdict)
 		case errors.Is(err, kerr.SaslAuthenticationFailed), errors.Is(err, kerr.ClusterAuthorizationFailed):
 			client.Close()
 			return fmt.Errorf("%w: kafka %s: %w", sink.ErrRefused, s.cfg.Brokers, err)

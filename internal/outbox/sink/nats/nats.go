@@ -6,11 +6,9 @@ package nats
 
 import (
 	"context"
-	"crypto/tls"
 	"errors"
 	"fmt"
 	"log/slog"
-	"net"
 	"os"
 	"strings"
 	"time"
@@ -145,6 +143,9 @@ func (s *Sink) connectOnce(ctx context.Context, opts []nats.Option) error {
 	}
 	conn, err := nats.Connect(s.cfg.URL, append(opts, nats.Timeout(dial))...)
 	if err != nil {
+		if verdict := sink.TLSVerdict("outbox.nats", err); verdict != nil {
+			return fmt.Errorf("nats %s: %w", s.shownURL, verdict)
+		}
 		if refused(err) {
 			return fmt.Errorf("%w: nats %s: %w", sink.ErrRefused, s.shownURL, err)
 		}
@@ -234,20 +235,11 @@ func checkCreds(path string) error {
 // credentials, or a TLS handshake that one side rejects: no retry changes
 // either.
 func refused(err error) bool {
-	var untrusted *tls.CertificateVerificationError
-	var op *net.OpError
-	switch {
-	case errors.Is(err, nats.ErrAuthorization): // the server's -ERR matches it by text
-		return true
-	case errors.As(err, &untrusted): // the server's certificate: another CA, expired, another host
-		return true
-	case errors.As(err, &op) && op.Op == "remote error": // a TLS alert: the server rejected ours
-		return true
-	}
 	// Under TLS 1.3 the server checks the client certificate after the
 	// client's side of the handshake is done, and may close the connection
 	// before its alert is read; nats.go words that case so.
-	return errors.Is(err, nats.ErrTLS) && strings.Contains(err.Error(), "closed by remote after TLS handshake")
+	return errors.Is(err, nats.ErrAuthorization) || // the server's -ERR matches it by text
+		errors.Is(err, nats.ErrTLS) && strings.Contains(err.Error(), "closed by remote after TLS handshake")
 }
 
 // checkStream finds (or creates) the stream and warns when its duplicate

@@ -7,7 +7,6 @@ package rabbitmq
 
 import (
 	"context"
-	"crypto/tls"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -165,11 +164,8 @@ func (s *Sink) channel(ctx context.Context) (*amqp.Channel, error) {
 		if errors.As(err, &ae) && (ae.Code == amqp.AccessRefused || ae.Code == amqp.NotAllowed) {
 			return nil, fmt.Errorf("%w: rabbitmq %s: %s", sink.ErrRefused, s.shownURL, ae.Reason)
 		}
-		// Retrying will not make the broker's certificate trusted.
-		var cv *tls.CertificateVerificationError
-		if errors.As(err, &cv) {
-			return nil, fmt.Errorf("%w: rabbitmq %s: %v; outbox.rabbitmq.tls_ca_file must hold the CA that signed the broker's certificate, for the host in outbox.rabbitmq.url",
-				sink.ErrSetup, s.shownURL, err)
+		if verdict := sink.TLSVerdict("outbox.rabbitmq", err); verdict != nil {
+			return nil, fmt.Errorf("rabbitmq %s: %w", s.shownURL, verdict)
 		}
 		return nil, fmt.Errorf("rabbitmq %s: %w", s.shownURL, err)
 	}
