@@ -356,7 +356,7 @@ func tlsServer(t *testing.T) secured {
 			// Retrying cannot make the server's certificate trusted.
 			{"a server certificate not signed by tls_ca_file", "outbox.nats.tls_ca_file", untrusted},
 		},
-		reader:   []nats.Option{nats.RootCAs(ca.file)},
+		reader: []nats.Option{nats.RootCAs(ca.file)},
 	}
 }
 
