@@ -175,11 +175,11 @@ func (c outboxEmitCmd) Run(e *cmdEnv) error {
 		{"--aggregate-type", c.AggregateType}, {"--aggregate-id", c.AggregateID}, {"--event-type", c.EventType},
 	} {
 		if strings.TrimSpace(f.v) == "" {
-			return &usageError{msg: f.flag + " is empty; give a value"}
+			return &exitError{code: ExitUsage, msg: f.flag + " is empty; give a value"}
 		}
 	}
 	if !json.Valid([]byte(c.Payload)) {
-		return &usageError{msg: "--payload is not valid JSON"}
+		return &exitError{code: ExitUsage, msg: "--payload is not valid JSON"}
 	}
 	return withPool(e, func(ctx context.Context, pool *pgxpool.Pool, _ *slog.Logger) error {
 		id, err := outbox.Emit(ctx, pool, outbox.NewEvent{AggregateType: c.AggregateType, AggregateID: c.AggregateID,
@@ -190,9 +190,9 @@ func (c outboxEmitCmd) Run(e *cmdEnv) error {
 		var pgErr *pgconn.PgError
 		switch {
 		case errors.As(err, &ruleErr):
-			return &usageError{msg: fmt.Sprintf("the event breaks a rule of outbox_event (%s): %s", ruleErr.Constraint, ruleErr.Problem)}
+			return &exitError{code: ExitUsage, msg: fmt.Sprintf("the event breaks a rule of outbox_event (%s): %s", ruleErr.Constraint, ruleErr.Problem)}
 		case errors.As(err, &pgErr) && strings.HasPrefix(pgErr.Code, "23"):
-			return &usageError{msg: fmt.Sprintf("the event breaks a rule of outbox_event (%s): %s", pgErr.ConstraintName, pgErr.Message)}
+			return &exitError{code: ExitUsage, msg: fmt.Sprintf("the event breaks a rule of outbox_event (%s): %s", pgErr.ConstraintName, pgErr.Message)}
 		}
 		if err != nil {
 			return err
@@ -220,7 +220,7 @@ type outboxDeadListCmd struct {
 
 func (c outboxDeadListCmd) Run(e *cmdEnv) error {
 	if c.Limit < 1 {
-		return &usageError{msg: fmt.Sprintf("--limit %d: want at least 1", c.Limit)}
+		return &exitError{code: ExitUsage, msg: fmt.Sprintf("--limit %d: want at least 1", c.Limit)}
 	}
 	return withPool(e, func(ctx context.Context, pool *pgxpool.Pool, _ *slog.Logger) error {
 		list, total, err := outbox.ListDead(ctx, pool, c.Limit)
@@ -240,11 +240,11 @@ type deadSelection struct {
 
 func (d deadSelection) validate() error {
 	if (d.EventID == "") == !d.All {
-		return &usageError{msg: "give exactly one of <event_id> or --all"}
+		return &exitError{code: ExitUsage, msg: "give exactly one of <event_id> or --all"}
 	}
 	if d.EventID != "" {
 		if _, err := uuid.Parse(d.EventID); err != nil {
-			return &usageError{msg: fmt.Sprintf("%q is not an event_id (uuid)", d.EventID)}
+			return &exitError{code: ExitUsage, msg: fmt.Sprintf("%q is not an event_id (uuid)", d.EventID)}
 		}
 	}
 	return nil
@@ -263,9 +263,9 @@ func deadAction(e *cmdEnv, sel deadSelection, verb string,
 		var rule *outbox.RuleError
 		switch {
 		case errors.Is(err, outbox.ErrNotDead):
-			return &NotFoundError{Err: err, Msg: fmt.Sprintf("no DEAD event with event_id %s; `worker outbox dead list` shows them", sel.EventID)}
+			return &exitError{code: ExitNoInput, err: err, msg: fmt.Sprintf("no DEAD event with event_id %s; `worker outbox dead list` shows them", sel.EventID)}
 		case errors.As(err, &rule):
-			return &DataError{Err: err, Msg: fmt.Sprintf("event %s breaks a producer rule (%s: %s) and cannot be requeued; `worker outbox dead purge %s` deletes it",
+			return &exitError{code: ExitDataErr, err: err, msg: fmt.Sprintf("event %s breaks a producer rule (%s: %s) and cannot be requeued; `worker outbox dead purge %s` deletes it",
 				sel.EventID, rule.Constraint, rule.Problem, sel.EventID)}
 		case errors.As(err, &left):
 			// The others were requeued: say so, and what is left.

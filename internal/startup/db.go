@@ -82,7 +82,7 @@ func waitForDB(ctx context.Context, pool *pgxpool.Pool, cfg *Config, log *slog.L
 		remaining := time.Until(deadline)
 		if remaining <= 0 {
 			elapsed := time.Since(start).Round(100 * time.Millisecond)
-			return &UnavailableError{Err: err, Msg: fmt.Sprintf("database %s unreachable after %s (APP_DATABASE_CONNECT_TIMEOUT=%s): %s",
+			return &exitError{code: ExitUnavailable, err: err, msg: fmt.Sprintf("database %s unreachable after %s (APP_DATABASE_CONNECT_TIMEOUT=%s): %s",
 				obs.MaskDSN(cfg.Database.URL), elapsed, budget, obs.MaskDSN(err.Error()))}
 		}
 		log.Warn("database not reachable yet, retrying", "error", err, "elapsed_ms", time.Since(start).Milliseconds())
@@ -108,10 +108,10 @@ func permanentDBError(err error, url string) error {
 	shown := obs.MaskDSN(url)
 	switch {
 	case strings.HasPrefix(pgErr.Code, "28"):
-		return &AuthError{Err: err, Msg: fmt.Sprintf("database %s: authentication failed for user %q (APP_DATABASE_URL): %s (SQLSTATE %s)",
+		return &exitError{code: ExitNoPerm, err: err, msg: fmt.Sprintf("database %s: authentication failed for user %q (APP_DATABASE_URL): %s (SQLSTATE %s)",
 			shown, userOf(url), obs.MaskDSN(pgErr.Message), pgErr.Code)}
 	case pgErr.Code == "3D000":
-		return &NotFoundError{Err: err, Msg: fmt.Sprintf("database %s (APP_DATABASE_URL): %s; create it or fix the URL",
+		return &exitError{code: ExitNoInput, err: err, msg: fmt.Sprintf("database %s (APP_DATABASE_URL): %s; create it or fix the URL",
 			shown, obs.MaskDSN(pgErr.Message))}
 	}
 	return nil

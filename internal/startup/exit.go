@@ -27,14 +27,9 @@ const (
 // ExitCode maps an error from a command to the process exit code.
 func ExitCode(err error) int {
 	var (
+		xe *exitError
 		ce *ConfigError
 		se *SafetyError
-		ae *AuthError
-		ne *NotFoundError
-		de *DataError
-		oe *OSError
-		ue *UnavailableError
-		us *usageError
 		uh *unhealthyError
 	)
 	switch {
@@ -48,27 +43,18 @@ func ExitCode(err error) int {
 		return ExitConfig
 	case errors.As(err, &se):
 		return ExitUnsafe
-	case errors.As(err, &ae):
-		return ExitNoPerm
-	case errors.As(err, &ne):
-		return ExitNoInput
-	case errors.As(err, &de):
-		return ExitDataErr
-	case errors.As(err, &oe):
-		return ExitOSError
-	case errors.As(err, &ue):
-		return ExitUnavailable
-	case errors.As(err, &us):
-		return ExitUsage
+	case errors.As(err, &xe):
+		return xe.code
 	case obs.CodeOf(err) == obs.CodeJobExecutorRejected:
 		return ExitTempFail
 	}
 	return ExitInternal
 }
 
-// The error types below each pick one exit code. Msg says what is wrong in
-// the operator's terms (the key, variable or item); Err keeps the cause for
-// errors.Is and errors.As.
+// ConfigError and SafetyError say which part of the setup is wrong in
+// their message's first words; exitError covers the other codes. Msg says
+// what is wrong in the operator's terms (the key, variable or item); Err
+// keeps the cause for errors.Is and errors.As.
 
 // ConfigError is invalid configuration: exit 78.
 type ConfigError struct {
@@ -95,59 +81,18 @@ type SafetyError struct {
 func (e *SafetyError) Error() string { return "unsafe multi-instance setup: " + e.Msg }
 func (e *SafetyError) Unwrap() error { return e.Err }
 
-// AuthError is a dependency refusing our credentials: exit 77, at once,
-// because retrying cannot help.
-type AuthError struct {
-	Msg string
-	Err error
-}
-
-func (e *AuthError) Error() string { return e.Msg }
-func (e *AuthError) Unwrap() error { return e.Err }
-
-// NotFoundError is a named item that does not exist: exit 66.
-type NotFoundError struct {
-	Msg string
-	Err error
-}
-
-func (e *NotFoundError) Error() string { return e.Msg }
-func (e *NotFoundError) Unwrap() error { return e.Err }
-
-// DataError is an operation that the named item's own data forbids, such
-// as requeuing an event that breaks a producer rule: exit 65.
-type DataError struct {
-	Msg string
-	Err error
-}
-
-func (e *DataError) Error() string { return e.Msg }
-func (e *DataError) Unwrap() error { return e.Err }
-
-// OSError is a resource the system refused, such as a port already in use:
-// exit 71.
-type OSError struct {
-	Msg string
-	Err error
-}
-
-func (e *OSError) Error() string { return e.Msg }
-func (e *OSError) Unwrap() error { return e.Err }
-
-// UnavailableError is a dependency that stayed unreachable: exit 69.
-type UnavailableError struct {
-	Msg string
-	Err error
-}
-
-func (e *UnavailableError) Error() string { return e.Msg }
-func (e *UnavailableError) Unwrap() error { return e.Err }
-
 // errInterrupted is an operator command stopped by SIGINT or SIGTERM before
 // it finished: exit 1.
 var errInterrupted = errors.New("interrupted by a signal before the command finished")
 
-// usageError is a bad command line or argument: exit 64.
-type usageError struct{ msg string }
+// exitError picks the exit code of the sysexits cases that need no more
+// than a message: 64, 65, 66, 69, 71 and 77. msg says what is wrong in the
+// operator's terms; err keeps the cause for errors.Is and errors.As.
+type exitError struct {
+	code int
+	msg  string
+	err  error
+}
 
-func (e *usageError) Error() string { return e.msg }
+func (e *exitError) Error() string { return e.msg }
+func (e *exitError) Unwrap() error { return e.err }

@@ -75,7 +75,7 @@ func (runCmd) Run(e *cmdEnv) error {
 	srv := newOpsServer(cfg.HTTP.Addr, reg, ready, uiHandler)
 	ln, err := listen(srv)
 	if err != nil {
-		return &OSError{Err: err, Msg: fmt.Sprintf("ops HTTP server on %s (APP_HTTP_ADDR): %v", cfg.HTTP.Addr, err)}
+		return &exitError{code: ExitOSError, err: err, msg: fmt.Sprintf("ops HTTP server on %s (APP_HTTP_ADDR): %v", cfg.HTTP.Addr, err)}
 	}
 	// After the checks that fail at once, which log their one fatal line
 	// alone.
@@ -252,7 +252,7 @@ func withPool(e *cmdEnv, f func(ctx context.Context, pool *pgxpool.Pool, log *sl
 	}
 	var pgErr *pgconn.PgError
 	if errors.As(err, &pgErr) && pgErr.Code == "42P01" { // undefined_table
-		return &NotFoundError{Err: err, Msg: fmt.Sprintf("database %s has no worker tables (%s); run `worker migrate` or check APP_DATABASE_URL",
+		return &exitError{code: ExitNoInput, err: err, msg: fmt.Sprintf("database %s has no worker tables (%s); run `worker migrate` or check APP_DATABASE_URL",
 			obs.MaskDSN(cfg.Database.URL), pgErr.Message)}
 	}
 	return err

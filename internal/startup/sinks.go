@@ -186,11 +186,11 @@ func connectBroker(ctx context.Context, s brokerSink, key string, timeout time.D
 func brokerError(err error, timeoutKey string, timeout time.Duration) error {
 	switch {
 	case errors.Is(err, sink.ErrRefused):
-		return &AuthError{Msg: err.Error(), Err: err}
+		return &exitError{code: ExitNoPerm, msg: err.Error(), err: err}
 	case errors.Is(err, sink.ErrSetup):
 		return &ConfigError{Msg: err.Error(), Err: err}
 	default:
-		return &UnavailableError{Msg: fmt.Sprintf("%v (waited %s=%s, %s)", err, timeoutKey, timeout, setting{Key: timeoutKey}.Env()), Err: err}
+		return &exitError{code: ExitUnavailable, msg: fmt.Sprintf("%v (waited %s=%s, %s)", err, timeoutKey, timeout, setting{Key: timeoutKey}.Env()), err: err}
 	}
 }
 

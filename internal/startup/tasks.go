@@ -118,7 +118,7 @@ func withTasksAdmin(e *cmdEnv, f func(ctx context.Context, a *tasks.Admin, pool 
 		}
 		err = f(ctx, a, pool)
 		if errors.Is(err, tasks.ErrNotFound) {
-			return &NotFoundError{Msg: err.Error(), Err: err}
+			return &exitError{code: ExitNoInput, msg: err.Error(), err: err}
 		}
 		return err
 	})
@@ -133,7 +133,7 @@ type tasksEnqueueCmd struct {
 func (c tasksEnqueueCmd) Run(e *cmdEnv) error {
 	var obj map[string]any
 	if err := json.Unmarshal([]byte(c.Args), &obj); err != nil {
-		return &usageError{msg: "--args is not a JSON object: " + err.Error()}
+		return &exitError{code: ExitUsage, msg: "--args is not a JSON object: " + err.Error()}
 	}
 	return withTasksAdmin(e, func(ctx context.Context, a *tasks.Admin, pool *pgxpool.Pool) error {
 		var id int64
@@ -168,7 +168,7 @@ func (c tasksListCmd) Run(e *cmdEnv) error {
 	}
 	if c.State != "" {
 		if err := tasks.CheckState(c.State); err != nil {
-			return &usageError{msg: "--state: " + err.Error()}
+			return &exitError{code: ExitUsage, msg: "--state: " + err.Error()}
 		}
 	}
 	return listTasks(e, tasks.Filter{State: c.State, Kind: c.Kind, Limit: c.Limit}, c.json())
@@ -190,7 +190,7 @@ func (c tasksDeadListCmd) Run(e *cmdEnv) error {
 // than listing one task as if that were all.
 func checkLimit(limit int) error {
 	if limit < 1 {
-		return &usageError{msg: fmt.Sprintf("--limit %d: want at least 1", limit)}
+		return &exitError{code: ExitUsage, msg: fmt.Sprintf("--limit %d: want at least 1", limit)}
 	}
 	return nil
 }
@@ -213,7 +213,7 @@ type tasksRetryCmd struct {
 
 func (c tasksRetryCmd) Run(e *cmdEnv) error {
 	if (c.ID == 0) == !c.AllDead {
-		return &usageError{msg: "give exactly one of <id> or --all-dead"}
+		return &exitError{code: ExitUsage, msg: "give exactly one of <id> or --all-dead"}
 	}
 	return withTasksAdmin(e, func(ctx context.Context, a *tasks.Admin, _ *pgxpool.Pool) error {
 		if c.AllDead {
