@@ -6,6 +6,9 @@ import (
 	"math/rand/v2"
 	"sync"
 	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 )
 
 // A batch waits at most detach_after for its publishes. Whatever is still
@@ -103,7 +106,7 @@ func (r *Relay) work(ctx context.Context, b *batch, skew time.Duration) {
 			o := r.outcome(*ev, err, skew)
 			<-r.slots
 			if b.end(run, o) {
-				r.complete(b, *ev, o)
+				r.complete(b, ev, o)
 				return
 			}
 		}
@@ -227,13 +230,15 @@ func (r *Relay) outcome(ev claimedRow, err error, skew time.Duration) eventOutco
 // complete records the outcome of a detached publish once its batch has
 // committed the event as IN_FLIGHT: a compare-and-set on the event's id,
 // status, owner token and attempt, so an outcome whose claim expired (and
-// which another relay may have taken over) changes nothing.
-func (r *Relay) complete(b *batch, ev claimedRow, o eventOutcome) {
+// which another relay may have taken over), or whose event a hard stop
+// handed back meanwhile, changes nothing.
+func (r *Relay) complete(b *batch, ev *claimedRow, o eventOutcome) {
 	defer r.m.claimed.Dec()
 	<-b.out.settled
 	if !b.out.committed {
 		return // the batch rolled back: the event was never marked, it will be published again
 	}
+	defer r.untrackDetached(ev)
 	ctx, cancel := context.WithTimeout(context.Background(), finishTimeout)
 	defer cancel()
 	attempts := ev.Attempts + 1 // the IN_FLIGHT write counted this attempt
@@ -249,7 +254,7 @@ func (r *Relay) complete(b *batch, ev claimedRow, o eventOutcome) {
 		sql, args = completeHandBackSQL, []any{ev.Seq, b.token, attempts}
 	default:
 		sql, args = completePublishedSQL, []any{ev.Seq, b.token, attempts, r.instanceID}
-		out.published, out.at = []*claimedRow{&ev}, []time.Time{o.at}
+		out.published, out.at = []*claimedRow{ev}, []time.Time{o.at}
 	}
 	tag, err := r.pool.Exec(ctx, sql, args...)
 	switch {
@@ -257,9 +262,56 @@ func (r *Relay) complete(b *batch, ev claimedRow, o eventOutcome) {
 		r.log.Warn("outbox outcome of a detached publish not recorded; the event is published again after its visibility timeout",
 			"event_id", ev.EventID, "error", err)
 	case tag.RowsAffected() == 0:
-		r.log.Warn("outbox claim of a detached publish expired before its outcome; the event may be published again",
+		r.log.Warn("outbox claim of a detached publish expired or was handed back before its outcome; the event may be published again",
 			"event_id", ev.EventID)
 	default:
 		r.record(&out)
+	}
+}
+
+// trackDetached notes the events a committed batch left IN_FLIGHT, until
+// their publishes record their outcomes.
+func (r *Relay) trackDetached(out *outcomes) {
+	r.detachedMu.Lock()
+	defer r.detachedMu.Unlock()
+	for _, ev := range out.detached {
+		r.detached[ev] = out.token
+	}
+}
+
+func (r *Relay) untrackDetached(ev *claimedRow) {
+	r.detachedMu.Lock()
+	defer r.detachedMu.Unlock()
+	delete(r.detached, ev)
+}
+
+// handBackDetached hands back, after a hard stop, the events whose detached
+// publishes have not returned: PENDING, the attempt returned, as a
+// cancelled publish would record it, and by the same compare-and-set, so
+// if the publish records its own outcome first, or last, the other write
+// changes nothing.
+func (r *Relay) handBackDetached() {
+	r.detachedMu.Lock()
+	outstanding := r.detached
+	r.detached = map[*claimedRow]string{}
+	r.detachedMu.Unlock()
+	if len(outstanding) == 0 {
+		return
+	}
+	b := &pgx.Batch{}
+	for ev, token := range outstanding {
+		b.Queue(completeHandBackSQL, ev.Seq, token, ev.Attempts+1).Exec(func(tag pgconn.CommandTag) error {
+			if tag.RowsAffected() > 0 {
+				r.log.Warn("outbox detached publish still outstanding at stop; its event is handed back and will be published again",
+					"event_id", ev.EventID, "aggregate_type", ev.AggregateType, "aggregate_id", ev.AggregateID)
+			}
+			return nil
+		})
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), finishTimeout)
+	defer cancel()
+	if err := r.pool.SendBatch(ctx, b).Close(); err != nil {
+		r.log.Warn("outbox events of outstanding detached publishes not handed back; they are published again after their visibility timeout",
+			"events", len(outstanding), "error", err)
 	}
 }

@@ -26,6 +26,12 @@ const NotifyChannel = "outbox_event"
 // hard stop, because it is what hands unpublished claims back.
 const finishTimeout = 5 * time.Second
 
+// cancelGrace is how long a detached publish may take to return once a hard
+// stop cancelled it. A sink that honours its context returns at once and
+// the publish records its own outcome; after that its event is handed back
+// without it.
+const cancelGrace = 500 * time.Millisecond
+
 // Relay publishes outbox events to a sink. It runs cfg.Relays loops; each
 // loop claims a batch by locking rows in a transaction, publishes it
 // (different aggregates at once, each aggregate in order), records every
@@ -55,6 +61,10 @@ type Relay struct {
 	loops        sync.WaitGroup
 	publishers   sync.WaitGroup // publish workers, detached ones included
 	background   sync.WaitGroup
+	stopped      chan struct{} // closed once the relay stopped and owes the database nothing
+
+	detachedMu sync.Mutex
+	detached   map[*claimedRow]string // committed IN_FLIGHT, outcome not recorded yet: event → owner token
 }
 
 // NewRelay builds a relay; Start runs it. reg receives the outbox metrics
@@ -84,6 +94,8 @@ func NewRelay(pool *pgxpool.Pool, sink Sink, cfg Config, instanceID string, log 
 		lockSQL:    lockSQL(cfg.BlockOnDead),
 		wake:       make([]chan struct{}, cfg.Relays),
 		slots:      make(chan struct{}, cfg.MaxInFlight),
+		stopped:    make(chan struct{}),
+		detached:   map[*claimedRow]string{},
 	}
 	for i := range r.wake {
 		r.wake[i] = make(chan struct{}, 1)
@@ -93,8 +105,8 @@ func NewRelay(pool *pgxpool.Pool, sink Sink, cfg Config, instanceID string, log 
 
 // Start runs the relay loops, the LISTEN connection and the metrics
 // refresher, and returns. Cancelling ctx is a hard stop: publishes in
-// progress are cancelled and their events handed back. Use Shutdown for a
-// graceful stop.
+// progress are cancelled and their events handed back, detached ones
+// included (see windDown). Use Shutdown for a graceful stop.
 func (r *Relay) Start(ctx context.Context) error {
 	r.mu.Lock()
 	defer r.mu.Unlock()
@@ -108,17 +120,19 @@ func (r *Relay) Start(ctx context.Context) error {
 		r.loops.Add(1)
 		go r.loop(i)
 	}
-	r.background.Add(2)
+	r.background.Add(3)
 	go r.listen()
 	go r.refreshMetrics()
+	go r.windDown()
 	r.log.Info("outbox relay started", "relays", r.cfg.Relays, "batch_size", r.cfg.BatchSize, "block_on_dead", r.cfg.BlockOnDead)
 	return nil
 }
 
-// Shutdown stops claiming, lets the publish in progress in each loop finish
-// while ctx allows, hands every claimed but unpublished event back (as
-// PENDING, no attempt used) and waits for the relay to stop. It returns
-// ctx.Err() if publishes had to be cancelled.
+// Shutdown stops claiming, lets the publishes in progress finish while ctx
+// allows, detached ones included, hands every claimed but unpublished
+// event back (as PENDING, no attempt used) and waits for the relay to stop.
+// If ctx ends first, it is a hard stop (see windDown), and Shutdown
+// returns ctx.Err() once that has handed everything back.
 func (r *Relay) Shutdown(ctx context.Context) error {
 	r.mu.Lock()
 	started := r.started
@@ -127,24 +141,48 @@ func (r *Relay) Shutdown(ctx context.Context) error {
 		return nil
 	}
 	r.stopClaiming()
-	defer r.hardCancel()
-	done := make(chan struct{})
-	go func() {
-		r.loops.Wait()
-		r.publishers.Wait() // detached publishes record their outcomes
-		close(done)
-	}()
 	var err error
 	select {
-	case <-done:
+	case <-r.stopped:
 	case <-ctx.Done():
 		err = ctx.Err()
-		r.hardCancel()
-		<-done // bounded: the hand-back write has its own timeout
 	}
-	r.background.Wait()
+	r.hardCancel()      // a hard stop, unless the relay stopped already
+	r.background.Wait() // windDown included
 	r.log.Info("outbox relay stopped", "graceful", err == nil)
 	return err
+}
+
+// windDown closes r.stopped once the loops have committed their last
+// batches and every detached publish has recorded its outcome. After a
+// hard stop it waits for that at most cancelGrace, plus the loops' last
+// batches (cut at detach_after, written within finishTimeout); detached
+// publishes still outstanding then, whose sink ignores the cancellation,
+// have their events handed back, so they are published again at once,
+// not after in_flight_timeout.
+func (r *Relay) windDown() {
+	defer r.background.Done()
+	defer close(r.stopped)
+	idle := make(chan struct{})
+	go func() {
+		r.loops.Wait()
+		r.publishers.Wait() // every worker started by a loop, detached ones included
+		close(idle)
+	}()
+	select {
+	case <-idle:
+		return
+	case <-r.hardCtx.Done():
+	}
+	grace := time.NewTimer(cancelGrace)
+	defer grace.Stop()
+	select {
+	case <-idle:
+		return
+	case <-grace.C:
+	}
+	r.loops.Wait() // every detached publish is now known
+	r.handBackDetached()
 }
 
 // loop claims and publishes batches until claiming stops. While there is
@@ -538,6 +576,9 @@ func (r *Relay) finished(conn *pgx.Conn, out *outcomes, err error) {
 	// Detached events stay claimed until their own outcome is written.
 	r.m.claimed.Sub(float64(out.claimed - len(out.detached)))
 	out.committed = err == nil
+	if out.committed {
+		r.trackDetached(out)
+	}
 	close(out.settled)
 	if err != nil {
 		rollback(conn)
