@@ -230,8 +230,11 @@ func TestRelayMetrics(t *testing.T) {
 	})
 	exec(t, db.Pool, `INSERT INTO outbox_event (aggregate_type, aggregate_id, event_type, payload, occurred_at)
 		VALUES ('order', 'slow', 'slow', '{}', now() - interval '1 hour')`)
+	// The hanging publish is detached after detach_after, which writes the
+	// event IN_FLIGHT until it ends: a steady state the refresh must show.
 	testkit.Eventually(t, 10*time.Second, "the gauges refreshed", func() bool {
-		return testutil.ToFloat64(r.m.pending.WithLabelValues(StatusPending)) == 1 &&
+		return testutil.ToFloat64(r.m.pending.WithLabelValues(StatusInFlight)) == 1 &&
+			testutil.ToFloat64(r.m.pending.WithLabelValues(StatusPending)) == 0 &&
 			testutil.ToFloat64(r.m.lag.WithLabelValues("slow")) >= 3600
 	})
 	if n := testutil.CollectAndCount(reg, "outbox_publish_latency_seconds"); n != 1 {
