@@ -30,7 +30,7 @@ require (
 	github.com/riverqueue/river/rivertype v0.51.2
 	github.com/twmb/franz-go v1.22.3
 	github.com/twmb/franz-go/pkg/kadm v1.20.0
-	github.com/twmb/franz-go/pkg/kfake v0.0.0-20260918054303-01f206a7e32c // kfake has no tagged release: a pseudo-version pin, used by the kafka sink tests only
+	github.com/twmb/franz-go/pkg/kfake v0.0.0-20260918054303-01f206a7e32c // kfake has no tagged release: a pseudo-version pin, used by the kafka sink tests and the relay benchmark only
 	github.com/twmb/franz-go/pkg/kmsg v1.15.1
 	go.yaml.in/yaml/v3 v3.0.6
 	k8s.io/api v0.37.1

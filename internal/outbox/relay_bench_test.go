@@ -2,6 +2,7 @@ package outbox
 
 import (
 	"bytes"
+	"cmp"
 	"context"
 	"flag"
 	"fmt"
@@ -26,8 +27,10 @@ import (
 //	go test -run '^$' -bench RelayHungWebhook ./internal/outbox
 //
 // Flags after the package: -rounds N (default 3), -phases a,b (a subset
-// of the scale phases), -latency-rate and -latency-for. Benchmarks are
-// not tests: nothing fails on a figure.
+// of the scale phases), -latency-rate and -latency-for. The broker phases
+// need RabbitMQ (WORKER_TEST_RABBITMQ_URL, by default the local one with
+// guest/guest); NATS and Kafka run in the benchmark process. Benchmarks
+// are not tests: nothing fails on a figure.
 
 var (
 	benchPhases  = flag.String("phases", "", "relay scale benchmark: comma-separated phase keys (default: all but the extra wh0r4 and wh20r4)")
@@ -36,10 +39,12 @@ var (
 )
 
 const (
-	benchBacklog    = 200_000 // the drain backlog: events over benchAggregates
-	benchAggregates = 1_000
-	slowBacklog     = 2_000 // the slow-webhook backlog: events over slowAggregates
-	slowAggregates  = 200
+	benchBacklog     = 200_000 // the drain backlog: events over benchAggregates
+	benchAggregates  = 1_000
+	slowBacklog      = 2_000 // the slow-webhook backlog: events over slowAggregates
+	slowAggregates   = 200
+	brokerBacklog    = 100_000 // the broker comparison's backlog: events over brokerAggregates
+	brokerAggregates = 1_000
 )
 
 // scalePhase is one configuration of the worker binary draining a backlog.
@@ -49,10 +54,18 @@ type scalePhase struct {
 	procs   int      // worker processes
 	env     []string // each process's APP_OUTBOX_* settings
 	webhook bool     // webhook sink to a local receiver instead of the log sink to /dev/null
+	broker  string   // a broker sink (SinkNATS, ...) to a broker of the phase's own
 	delay   time.Duration
-	slow    bool // the 2,000-event backlog instead of the 200,000-event one
-	extra   bool // run only when -phases names it
+	backlog string // the saved backlog it drains: benchTable (default), slowTable or brokerTable
+	extra   bool   // run only when -phases names it
 }
+
+// The saved backlogs.
+const (
+	benchTable  = "bench_backlog"
+	slowTable   = "bench_slow"
+	brokerTable = "bench_broker"
+)
 
 var batch500 = []string{"APP_OUTBOX_BATCH_SIZE=500"}
 
@@ -67,31 +80,40 @@ var scalePhases = []scalePhase{
 	{key: "p2r2", name: "2 processes x 2 relays, batch 500", procs: 2, env: relays(2, batch500...)},
 	{key: "default", name: "default configuration", procs: 1},
 	{key: "wh0", name: "webhook 0 ms, 1 relay, batch 500", procs: 1, env: relays(1, batch500...), webhook: true},
-	{key: "wh20", name: "webhook 20 ms, default configuration, 2,000 events / 200 aggregates", procs: 1, webhook: true, delay: 20 * time.Millisecond, slow: true},
+	{key: "wh20", name: "webhook 20 ms, default configuration, 2,000 events / 200 aggregates", procs: 1, webhook: true, delay: 20 * time.Millisecond, backlog: slowTable},
+	{key: "log100k", name: "log sink, 1 relay, batch 500, 100,000 events", procs: 1, env: relays(1, batch500...), backlog: brokerTable},
+	{key: "nats", name: "NATS, 1 relay, batch 500, 100,000 events", procs: 1, env: relays(1, batch500...), broker: SinkNATS, backlog: brokerTable},
+	{key: "rabbitmq", name: "RabbitMQ, 1 relay, batch 500, 100,000 events", procs: 1, env: relays(1, batch500...), broker: SinkRabbitMQ, backlog: brokerTable},
+	{key: "kafka", name: "Kafka (kfake), 1 relay, batch 500, 100,000 events", procs: 1, env: relays(1, batch500...), broker: SinkKafka, backlog: brokerTable},
 	{key: "wh0r4", name: "webhook 0 ms, 4 relays, batch 500", procs: 1, env: relays(4, batch500...), webhook: true, extra: true},
-	{key: "wh20r4", name: "webhook 20 ms, 4 relays, 2,000 events / 200 aggregates", procs: 1, env: relays(4), webhook: true, delay: 20 * time.Millisecond, slow: true, extra: true},
+	{key: "wh20r4", name: "webhook 20 ms, 4 relays, 2,000 events / 200 aggregates", procs: 1, env: relays(4), webhook: true, delay: 20 * time.Millisecond, backlog: slowTable, extra: true},
 }
 
 // phaseRun is one phase in one round, with the ceiling run next to it.
 type phaseRun struct {
 	phase, ceiling drainResult
-	disorder       int // events the receiver saw out of their aggregate's order
+	disorder       int           // events the receiver saw out of their aggregate's order
+	brokerCPU      time.Duration // an in-process broker's CPU during the phase
 }
 
 // BenchmarkRelayScale drains the same 200,000-event backlog (1,000
 // aggregates) with the worker binary in each configuration of
 // scalePhases, and right before each phase the plain-SQL ceiling on the
-// same rows, for -rounds rounds with the phase order rotated. It prints
+// same rows, for -rounds rounds with the phase order rotated. The broker
+// sinks drain a 100,000-event backlog (1,000 aggregates), as does a log
+// sink phase to compare them with in the same round. It prints
 // min / median / max events/s, the median ratio to the ceiling of the same
 // round, and CPU per event (database server processes plus the worker
-// process, or this process for the ceiling).
+// process, or this process for the ceiling; and an in-process broker's).
 func BenchmarkRelayScale(b *testing.B) {
 	phases := selectedPhases(b)
 	db := pgtest.New(b)
 	loadBacklog(b, db.Pool, slowBacklog, slowAggregates)
-	saveBacklog(b, db.Pool, "bench_slow")
+	saveBacklog(b, db.Pool, slowTable)
+	loadBacklog(b, db.Pool, brokerBacklog, brokerAggregates)
+	saveBacklog(b, db.Pool, brokerTable)
 	loadBacklog(b, db.Pool, benchBacklog, benchAggregates)
-	saveBacklog(b, db.Pool, "bench_backlog")
+	saveBacklog(b, db.Pool, benchTable)
 	idle := idleWorkerCPU(b, db)
 	before := machineConditions(b, db.Pool)
 	for range b.N {
@@ -99,7 +121,7 @@ func BenchmarkRelayScale(b *testing.B) {
 		for round := range *benchRounds {
 			for k := range phases {
 				i := (k + round) % len(phases) // rotate the order between rounds
-				restoreBacklog(b, db.Pool, "bench_backlog")
+				restoreBacklog(b, db.Pool, benchTable)
 				ceiling := drainCeiling(b, db)
 				run := runScalePhase(b, db, phases[i], idle)
 				run.ceiling = ceiling
@@ -135,11 +157,7 @@ func selectedPhases(tb testing.TB) []scalePhase {
 // and measures the drain.
 func runScalePhase(tb testing.TB, db *pgtest.DB, ph scalePhase, idle time.Duration) phaseRun {
 	tb.Helper()
-	backlog := "bench_backlog"
-	if ph.slow {
-		backlog = "bench_slow"
-	}
-	restoreBacklog(tb, db.Pool, backlog)
+	restoreBacklog(tb, db.Pool, cmp.Or(ph.backlog, benchTable))
 	env := ph.env
 	var rcv *receiver
 	if ph.webhook {
@@ -147,13 +165,21 @@ func runScalePhase(tb testing.TB, db *pgtest.DB, ph scalePhase, idle time.Durati
 		defer rcv.close()
 		env = append(slices.Clone(env), "APP_OUTBOX_SINK=webhook", "APP_OUTBOX_WEBHOOK_URL="+rcv.srv.URL)
 	}
+	var broker *benchBroker
+	if ph.broker != "" {
+		broker = startBroker(tb, ph.broker)
+		defer broker.close()
+		env = append(slices.Clone(env), broker.env...)
+	}
 	instance := "bench-" + ph.key + "-"
+	cpu0 := selfCPU(tb)
 	var procs []*workerProc
 	for i := range ph.procs {
 		procs = append(procs, startWorkerProc(tb, db, fmt.Sprintf("%s%d", instance, i), nil, env...))
 	}
 	waitDrained(tb, db.Pool, 10*time.Minute)
 	var run phaseRun
+	run.brokerCPU = brokerCPU(tb, broker, cpu0)
 	run.phase.dbCPU = serverCPU(tb, db, "worker "+instance)
 	for _, p := range procs {
 		run.phase.clientCPU += max(p.stop(tb)-idle, 0)
@@ -185,26 +211,34 @@ func ratios(runs []phaseRun) []float64 {
 func printScale(w io.Writer, phases []scalePhase, runs [][]phaseRun, idle time.Duration, before, after string) {
 	fmt.Fprintf(w, "\nrelay scale: %d rounds; machine before: %s; after: %s; idle worker start+stop CPU %s (subtracted)\n",
 		len(runs[0]), before, after, idle.Round(time.Millisecond))
+	if slices.ContainsFunc(phases, func(p scalePhase) bool { return p.broker != "" }) {
+		fmt.Fprintf(w, "brokers: %s\n", brokerSetup())
+	}
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight|tabwriter.Debug)
-	fmt.Fprintln(tw, "phase\tevents/s min / median / max\tceiling events/s, median\tratio median (min-max)\tCPU µs/event db+worker\tceiling CPU µs/event db+client\torder violations\t")
+	fmt.Fprintln(tw, "phase\tevents/s min / median / max\tceiling events/s, median\tratio median (min-max)\tCPU µs/event db+worker\tbroker CPU µs/event\tceiling CPU µs/event db+client\torder violations\t")
 	for i, ph := range phases {
 		r := spreadOf(rates(runs[i]))
 		q := spreadOf(ratios(runs[i]))
-		var ceil, db, client, cdb, cclient []float64
+		var ceil, db, client, broker, cdb, cclient []float64
 		violations := 0
 		for _, run := range runs[i] {
 			ceil = append(ceil, run.ceiling.rate)
 			n := float64(max(run.phase.events, 1))
 			db = append(db, float64(run.phase.dbCPU.Microseconds())/n)
 			client = append(client, float64(run.phase.clientCPU.Microseconds())/n)
+			broker = append(broker, float64(run.brokerCPU.Microseconds())/n)
 			cn := float64(max(run.ceiling.events, 1))
 			cdb = append(cdb, float64(run.ceiling.dbCPU.Microseconds())/cn)
 			cclient = append(cclient, float64(run.ceiling.clientCPU.Microseconds())/cn)
 			violations += run.disorder
 		}
-		fmt.Fprintf(tw, "%s\t%.0f / %.0f / %.0f\t%.0f\t%.2f (%.2f-%.2f)\t%.1f+%.1f\t%.1f+%.1f\t%d\t\n",
+		brokerCol := "" // only an in-process broker's CPU is known
+		if ph.broker != "" && spreadOf(broker).med > 0 {
+			brokerCol = fmt.Sprintf("%.1f", spreadOf(broker).med)
+		}
+		fmt.Fprintf(tw, "%s\t%.0f / %.0f / %.0f\t%.0f\t%.2f (%.2f-%.2f)\t%.1f+%.1f\t%s\t%.1f+%.1f\t%d\t\n",
 			ph.name, r.min, r.med, r.max, spreadOf(ceil).med, q.med, q.min, q.max,
-			spreadOf(db).med, spreadOf(client).med, spreadOf(cdb).med, spreadOf(cclient).med, violations)
+			spreadOf(db).med, spreadOf(client).med, brokerCol, spreadOf(cdb).med, spreadOf(cclient).med, violations)
 	}
 	tw.Flush()
 	// The goals compare phases within a round.
@@ -217,6 +251,9 @@ func printScale(w io.Writer, phases []scalePhase, runs [][]phaseRun, idle time.D
 		{"4 relays ÷ 2 relays", "r4", "r2", rate},
 		{"2 processes x 2 relays ÷ 2 relays", "p2r2", "r2", rate},
 		{"webhook 0 ms ÷ log sink (1 relay, batch 500)", "wh0", "r1", rate},
+		{"NATS ÷ log sink (100,000 events)", "nats", "log100k", rate},
+		{"RabbitMQ ÷ log sink (100,000 events)", "rabbitmq", "log100k", rate},
+		{"Kafka (kfake) ÷ log sink (100,000 events)", "kafka", "log100k", rate},
 		{"database CPU per event, 4 relays ÷ 1 relay", "r4", "r1", dbPerEvent},
 	} {
 		i := slices.IndexFunc(phases, func(p scalePhase) bool { return p.key == c.num })

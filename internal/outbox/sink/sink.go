@@ -38,6 +38,20 @@ func CloudEvent(e outbox.Event) []Attribute {
 	return attrs
 }
 
+// attributeNames are the names of every attribute CloudEvent returns.
+var attributeNames = []string{"specversion", "id", "source", "type", "subject", "time"}
+
+// AttributeKeys maps each attribute name CloudEvent returns to prefix +
+// name, the binding's header or property name, so that a sink builds those
+// names once instead of for every event.
+func AttributeKeys(prefix string) map[string]string {
+	keys := make(map[string]string, len(attributeNames))
+	for _, n := range attributeNames {
+		keys[n] = prefix + n
+	}
+	return keys
+}
+
 // Template names a subject, routing key or topic after an event. It is
 // text with placeholders: {aggregate_type}, {aggregate_id}, {event_type},
 // and the fixed values the sink passes (such as {prefix}). Event values go

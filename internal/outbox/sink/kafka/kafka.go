@@ -69,6 +69,12 @@ func New(cfg outbox.KafkaConfig, opts Options) (*Sink, error) {
 		kgo.RequiredAcks(kgo.AllISRAcks()),
 		kgo.RecordDeliveryTimeout(cfg.PublishTimeout),
 		kgo.ProduceRequestTimeout(cfg.PublishTimeout),
+		// No lingering (franz-go's default is 10ms): the relay waits for
+		// each record's ack before it hands over the aggregate's next one,
+		// so no more records come while a partition lingers, and every
+		// publish would wait out the linger. Records still batch while a
+		// produce request is on the wire.
+		kgo.ProducerLinger(0),
 	}
 	if m := mechanism(cfg); m != nil {
 		s.opts = append(s.opts, kgo.SASL(m))
@@ -109,7 +115,12 @@ func TopicPart(v string) string {
 
 // Key is the record key of e: its aggregate, so all of an aggregate's
 // events land on one partition, in order.
-func Key(e outbox.Event) []byte { return []byte(e.AggregateType + ":" + e.AggregateID) }
+func Key(e outbox.Event) []byte {
+	k := make([]byte, 0, len(e.AggregateType)+1+len(e.AggregateID))
+	k = append(k, e.AggregateType...)
+	k = append(k, ':')
+	return append(k, e.AggregateID...)
+}
 
 // Name implements outbox.Sink.
 func (s *Sink) Name() string { return outbox.SinkKafka }
@@ -201,18 +212,35 @@ func (s *Sink) Publish(ctx context.Context, e outbox.Event) error {
 	return err
 }
 
+// ceHeaders are the ce_ header names of the CloudEvents attributes.
+var ceHeaders = sink.AttributeKeys("ce_")
+
 // headers are the CloudEvents attributes in the Kafka binding's binary
 // mode (ce_ headers, content-type) after the stored headers.
 func headers(e outbox.Event) []kgo.RecordHeader {
-	h := make([]kgo.RecordHeader, 0, len(e.Headers)+7)
+	attrs := sink.CloudEvent(e)
+	size := len(sink.ContentType)
+	for _, v := range e.Headers {
+		size += len(v)
+	}
+	for _, a := range attrs {
+		size += len(a.Value)
+	}
+	// The values share one buffer instead of one allocation each.
+	buf := make([]byte, 0, size)
+	value := func(v string) []byte {
+		buf = append(buf, v...)
+		return buf[len(buf)-len(v) : len(buf) : len(buf)]
+	}
+	h := make([]kgo.RecordHeader, 0, len(e.Headers)+1+len(attrs))
 	for k, v := range e.Headers {
 		if n := strings.ToLower(k); !strings.HasPrefix(n, "ce_") && n != "content-type" {
-			h = append(h, kgo.RecordHeader{Key: k, Value: []byte(v)})
+			h = append(h, kgo.RecordHeader{Key: k, Value: value(v)})
 		}
 	}
-	h = append(h, kgo.RecordHeader{Key: "content-type", Value: []byte(sink.ContentType)})
-	for _, a := range sink.CloudEvent(e) {
-		h = append(h, kgo.RecordHeader{Key: "ce_" + a.Name, Value: []byte(a.Value)})
+	h = append(h, kgo.RecordHeader{Key: "content-type", Value: value(sink.ContentType)})
+	for _, a := range attrs {
+		h = append(h, kgo.RecordHeader{Key: ceHeaders[a.Name], Value: value(a.Value)})
 	}
 	return h
 }

@@ -35,6 +35,7 @@ type Sink struct {
 	name     string
 	shownURL string // cfg.URL without credentials, for errors and logs
 	minDedup time.Duration
+	pubOpts  []jetstream.PublishOpt // the same for every message, built once
 
 	conn *nats.Conn
 	js   jetstream.JetStream
@@ -78,6 +79,7 @@ func New(cfg outbox.NATSConfig, opts Options) (*Sink, error) {
 		name:     opts.Name,
 		shownURL: sink.RedactURLs(cfg.URL),
 		minDedup: opts.RedeliveryGap,
+		pubOpts:  []jetstream.PublishOpt{jetstream.WithExpectStream(cfg.Stream), jetstream.WithStallWait(cfg.PublishTimeout)},
 	}, nil
 }
 
@@ -292,10 +294,7 @@ func (s *Sink) Publish(ctx context.Context, e outbox.Event) error {
 		return errors.New("nats: publish before Connect")
 	}
 	msg := &nats.Msg{Subject: s.subject.Render(e), Data: e.Payload, Header: headers(e)}
-	ack, err := s.js.PublishMsgAsync(msg,
-		jetstream.WithMsgID(e.EventID),
-		jetstream.WithExpectStream(s.cfg.Stream),
-		jetstream.WithStallWait(s.cfg.PublishTimeout))
+	ack, err := s.js.PublishMsgAsync(msg, s.pubOpts...)
 	if err != nil {
 		return s.failure(e, err)
 	}
@@ -330,19 +329,33 @@ var permanentCodes = map[jetstream.ErrorCode]bool{
 	10060: true, // expected stream does not match: the subject belongs to another stream
 }
 
-// headers carries the CloudEvents attributes (binary mode, ce- headers,
+// ceHeaders are the ce- header names of the CloudEvents attributes.
+var ceHeaders = sink.AttributeKeys("ce-")
+
+// headers carries the message id (Nats-Msg-Id = event_id, which the stream
+// deduplicates on), the CloudEvents attributes (binary mode, ce- headers,
 // values percent-encoded as in the HTTP binding) and the stored headers.
 // Stored headers go first, so the ones the protocol owns win.
 func headers(e outbox.Event) nats.Header {
-	h := make(nats.Header, len(e.Headers)+8)
+	attrs := sink.CloudEvent(e)
+	n := len(e.Headers) + len(attrs) + 2
+	h := make(nats.Header, n)
+	// Every header has one value: they share one backing array instead of
+	// one allocation each.
+	values := make([]string, 0, n)
+	set := func(k, v string) {
+		values = append(values, v)
+		h[k] = values[len(values)-1 : len(values) : len(values)]
+	}
 	for k, v := range e.Headers {
 		if passThrough(k, v) {
-			h[k] = []string{v}
+			set(k, v)
 		}
 	}
-	h["content-type"] = []string{sink.ContentType}
-	for _, a := range sink.CloudEvent(e) {
-		h["ce-"+a.Name] = []string{outbox.PercentEncode(a.Value, outbox.HeaderSafe)}
+	set(jetstream.MsgIDHeader, e.EventID)
+	set("content-type", sink.ContentType)
+	for _, a := range attrs {
+		set(ceHeaders[a.Name], outbox.PercentEncode(a.Value, outbox.HeaderSafe))
 	}
 	return h
 }

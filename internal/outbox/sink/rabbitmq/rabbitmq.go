@@ -315,18 +315,23 @@ func (l *link) blockedNow() (string, bool) {
 	return l.blockCause, l.isBlocked
 }
 
+// ceProperties are the application property names of the CloudEvents
+// attributes.
+var ceProperties = sink.AttributeKeys("cloudEvents:")
+
 // message is the AMQP message of e: CloudEvents attributes as
 // "cloudEvents:" headers (the AMQP binding's application properties),
 // datacontenttype as content_type, stored headers passed through.
 func (s *Sink) message(e outbox.Event) amqp.Publishing {
-	h := make(amqp.Table, len(e.Headers)+7)
+	attrs := sink.CloudEvent(e)
+	h := make(amqp.Table, len(e.Headers)+len(attrs))
 	for k, v := range e.Headers {
 		if !strings.HasPrefix(strings.ToLower(k), "cloudevents") {
 			h[k] = v
 		}
 	}
-	for _, a := range sink.CloudEvent(e) {
-		h["cloudEvents:"+a.Name] = a.Value
+	for _, a := range attrs {
+		h[ceProperties[a.Name]] = a.Value
 	}
 	return amqp.Publishing{
 		Headers:      h,

@@ -1,0 +1,156 @@
+package outbox
+
+import (
+	"os"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/google/uuid"
+	"github.com/nats-io/nats-server/v2/server"
+	amqp "github.com/rabbitmq/amqp091-go"
+	"github.com/twmb/franz-go/pkg/kfake"
+)
+
+// The brokers of BenchmarkRelayScale's broker phases. Each phase gets a
+// broker of its own: NATS and Kafka run in the benchmark process (so the
+// benchmark process's CPU during the phase is the broker's), RabbitMQ is
+// the real local broker with a queue of its own.
+
+// rabbitURLEnv names the RabbitMQ of the benchmark, as for the rabbitmq
+// sink's tests; by default the local one with guest/guest.
+const rabbitURLEnv = "WORKER_TEST_RABBITMQ_URL"
+
+// benchBroker is a broker one phase publishes to.
+type benchBroker struct {
+	env   []string // APP_OUTBOX_* settings that point the worker at it
+	local bool     // runs in this process: its CPU is this process's
+	close func()
+}
+
+// startBroker starts (or prepares) the broker of the named sink.
+func startBroker(tb testing.TB, sink string) *benchBroker {
+	tb.Helper()
+	switch sink {
+	case SinkNATS:
+		return startNATS(tb)
+	case SinkRabbitMQ:
+		return prepareRabbitMQ(tb)
+	case SinkKafka:
+		return startKafka(tb)
+	}
+	tb.Fatalf("no benchmark broker for sink %q", sink)
+	return nil
+}
+
+// startNATS runs a nats-server with JetStream on file storage; the worker
+// creates its stream.
+func startNATS(tb testing.TB) *benchBroker {
+	dir, err := os.MkdirTemp("", "bench-nats-")
+	if err != nil {
+		tb.Fatal(err)
+	}
+	srv, err := server.NewServer(&server.Options{Host: "127.0.0.1", Port: server.RANDOM_PORT, JetStream: true, StoreDir: dir, NoSigs: true, NoLog: true})
+	if err != nil {
+		tb.Fatal(err)
+	}
+	srv.Start()
+	if !srv.ReadyForConnections(10 * time.Second) {
+		tb.Fatal("nats-server did not start")
+	}
+	return &benchBroker{
+		env:   []string{"APP_OUTBOX_SINK=nats", "APP_OUTBOX_NATS_URL=" + srv.ClientURL(), "APP_OUTBOX_NATS_CREATE_STREAM=true"},
+		local: true,
+		close: func() {
+			srv.Shutdown()
+			srv.WaitForShutdown()
+			_ = os.RemoveAll(dir)
+		},
+	}
+}
+
+// startKafka runs a kfake cluster of three brokers that keeps its data in
+// files, with the topic the worker's default template names for the
+// backlog ("order") in 8 partitions.
+func startKafka(tb testing.TB) *benchBroker {
+	dir, err := os.MkdirTemp("", "bench-kafka-")
+	if err != nil {
+		tb.Fatal(err)
+	}
+	c, err := kfake.NewCluster(kfake.NumBrokers(3), kfake.DataDir(dir), kfake.SeedTopics(8, "order"))
+	if err != nil {
+		tb.Fatal(err)
+	}
+	return &benchBroker{
+		env:   []string{"APP_OUTBOX_SINK=kafka", "APP_OUTBOX_KAFKA_BROKERS=" + strings.Join(c.ListenAddrs(), ",")},
+		local: true,
+		close: func() {
+			c.Close()
+			_ = os.RemoveAll(dir)
+		},
+	}
+}
+
+// prepareRabbitMQ declares a durable topic exchange and a durable queue
+// bound to it with "#" on the local RabbitMQ, so that every persistent
+// message is routed and stored; both are deleted afterwards.
+func prepareRabbitMQ(tb testing.TB) *benchBroker {
+	url := os.Getenv(rabbitURLEnv)
+	if url == "" {
+		url = "amqp://guest:guest@127.0.0.1:5672/"
+	}
+	name := "bench-" + uuid.NewString()[:8]
+	admin := func(f func(*amqp.Channel) error) {
+		conn, err := amqp.Dial(url)
+		if err != nil {
+			tb.Fatalf("RabbitMQ is not reachable (%s names another): %v", rabbitURLEnv, err)
+		}
+		defer conn.Close()
+		ch, err := conn.Channel()
+		if err == nil {
+			err = f(ch)
+		}
+		if err != nil {
+			tb.Fatalf("rabbitmq: %v", err)
+		}
+	}
+	admin(func(ch *amqp.Channel) error {
+		if err := ch.ExchangeDeclare(name, "topic", true, false, false, false, nil); err != nil {
+			return err
+		}
+		if _, err := ch.QueueDeclare(name, true, false, false, false, nil); err != nil {
+			return err
+		}
+		return ch.QueueBind(name, "#", name, false, nil)
+	})
+	return &benchBroker{
+		env: []string{"APP_OUTBOX_SINK=rabbitmq", "APP_OUTBOX_RABBITMQ_URL=" + url, "APP_OUTBOX_RABBITMQ_EXCHANGE=" + name},
+		close: func() {
+			admin(func(ch *amqp.Channel) error {
+				if _, err := ch.QueueDelete(name, false, false, false); err != nil {
+					return err
+				}
+				return ch.ExchangeDelete(name, false, false)
+			})
+		},
+	}
+}
+
+// brokerCPU is the CPU the phase's broker used while the worker ran, when
+// it runs in this process; 0 otherwise.
+func brokerCPU(tb testing.TB, b *benchBroker, since time.Duration) time.Duration {
+	if b == nil || !b.local {
+		return 0
+	}
+	return selfCPU(tb) - since
+}
+
+// brokerSetup describes the brokers for the printed table.
+func brokerSetup() string {
+	rabbit := "the local broker"
+	if os.Getenv(rabbitURLEnv) != "" {
+		rabbit = "the broker " + rabbitURLEnv + " names"
+	}
+	return "NATS: nats-server in this process (file storage); RabbitMQ: " + rabbit +
+		" (durable queue, persistent messages); Kafka: kfake in this process (3 brokers, 8 partitions, data in files)"
+}
