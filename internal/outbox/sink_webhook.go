@@ -36,20 +36,23 @@ const (
 // WebhookSink POSTs each event to one URL as a CloudEvent in HTTP binary
 // mode, signed per Standard Webhooks when a secret is configured.
 type WebhookSink struct {
-	url     string
-	shown   string // url without password or query, for error messages
-	key     []byte // HMAC key; nil means unsigned
-	secrets []string
-	timeout time.Duration
-	client  *http.Client
-	now     func() time.Time // replaced in tests to pin webhook-timestamp and Retry-After dates
+	template  *http.Request // POST to the URL, parsed once; each request is a copy
+	auth      []string      // Authorization value from the URL's user info; nil if none
+	shown     string        // url without password or query, for error messages
+	key       []byte        // HMAC key; nil means unsigned
+	secrets   []string
+	timeout   time.Duration
+	transport http.RoundTripper
+	now       func() time.Time // replaced in tests to pin webhook-timestamp and Retry-After dates
 }
 
-// NewWebhookSink validates cfg and returns the sink. client may be nil; the
-// sink never follows redirects, whatever client it is given, because a
-// redirected POST either loses its body or is sent somewhere nobody
-// configured.
-func NewWebhookSink(cfg WebhookConfig, client *http.Client) (*WebhookSink, error) {
+// NewWebhookSink validates cfg and returns the sink; a nil transport means
+// newWebhookTransport. The sink hands each request to the transport
+// directly, not through an http.Client: a transport never follows
+// redirects (a redirected POST either loses its body or is sent somewhere
+// nobody configured), and the client's per-request work (copying the
+// headers for a redirect) would be wasted.
+func NewWebhookSink(cfg WebhookConfig, transport http.RoundTripper) (*WebhookSink, error) {
 	u, err := parseWebhookURL(cfg.URL)
 	if err != nil {
 		return nil, err
@@ -61,20 +64,26 @@ func NewWebhookSink(cfg WebhookConfig, client *http.Client) (*WebhookSink, error
 	if err != nil {
 		return nil, err
 	}
-	c := &http.Client{Transport: newWebhookTransport()}
-	if client != nil {
-		cp := *client // a shallow copy shares the transport but leaves the caller's redirect policy alone
-		c = &cp
+	template, err := http.NewRequest(http.MethodPost, u.String(), nil)
+	if err != nil {
+		// Not wrapped: the cause quotes the URL with its credentials.
+		return nil, fmt.Errorf("outbox.webhook.url (APP_OUTBOX_WEBHOOK_URL) %q: not usable for a request", shownURL(u))
 	}
-	c.CheckRedirect = func(*http.Request, []*http.Request) error { return http.ErrUseLastResponse }
-
+	if transport == nil {
+		transport = newWebhookTransport()
+	}
 	s := &WebhookSink{
-		url:     u.String(),
-		shown:   shownURL(u),
-		key:     key,
-		timeout: cfg.Timeout,
-		client:  c,
-		now:     time.Now,
+		template:  template,
+		shown:     shownURL(u),
+		key:       key,
+		timeout:   cfg.Timeout,
+		transport: transport,
+		now:       time.Now,
+	}
+	if u.User != nil {
+		// What http.Client would add for user info in the URL.
+		pass, _ := u.User.Password()
+		s.auth = []string{"Basic " + base64.StdEncoding.EncodeToString([]byte(u.User.Username()+":"+pass))}
 	}
 	if key != nil {
 		// Every form a receiver could echo back: as configured, its base64
@@ -94,11 +103,14 @@ func NewWebhookSink(cfg WebhookConfig, client *http.Client) (*WebhookSink, error
 const webhookIdleConns = 1024
 
 // newWebhookTransport is http.DefaultTransport's configuration (proxy from
-// the environment, dial and TLS timeouts) with enough idle connections.
+// the environment, dial and TLS timeouts, HTTP/2 over TLS) with enough idle
+// connections. Compression is off: answers are not read beyond an error
+// snippet, so asking for gzip would only add a header to every request.
 func newWebhookTransport() *http.Transport {
 	t := http.DefaultTransport.(*http.Transport).Clone()
 	t.MaxIdleConns = webhookIdleConns
 	t.MaxIdleConnsPerHost = webhookIdleConns
+	t.DisableCompression = true
 	return t
 }
 
@@ -174,24 +186,17 @@ func (s *WebhookSink) Publish(ctx context.Context, e Event) error {
 
 	ctx, cancel := context.WithTimeout(ctx, s.timeout)
 	defer cancel()
-	req, err := http.NewRequestWithContext(ctx, http.MethodPost, s.url, bytes.NewReader(body))
-	if err != nil {
-		return Permanent(fmt.Errorf("webhook: build request: %w", err))
-	}
-	req.Header = s.headers(e, ceTime, body)
-
-	resp, err := s.client.Do(req)
+	resp, err := s.transport.RoundTrip(s.request(ctx, s.headers(e, ceTime, body), body))
 	if err != nil {
 		// Refused, reset, DNS, TLS, timeout: the receiver may be back later.
-		var ue *url.Error
-		if errors.As(err, &ue) {
-			ue.URL = s.shown
-		}
-		return fmt.Errorf("webhook: event %s: %w", e.EventID, err)
+		return fmt.Errorf("webhook: event %s: %w", e.EventID, &url.Error{Op: "Post", URL: s.shown, Err: err})
 	}
 	defer func() {
-		// Drain a little so the keep-alive connection can be reused.
-		_, _ = io.Copy(io.Discard, io.LimitReader(resp.Body, maxDrain))
+		// Drain a little so the keep-alive connection can be reused. An
+		// answer without a body (204, Content-Length: 0) is http.NoBody.
+		if resp.Body != http.NoBody {
+			_, _ = io.CopyN(io.Discard, resp.Body, maxDrain)
+		}
 		resp.Body.Close()
 	}()
 
@@ -214,26 +219,53 @@ func (s *WebhookSink) Publish(ctx context.Context, e Event) error {
 	}
 }
 
+// request is the POST of body with headers h, bounded by ctx: a copy of
+// the template, so the URL is not parsed again. The body is an
+// io.NopCloser over a bytes.Reader, which net/http recognises as in
+// memory and writes with the headers in one system call.
+func (s *WebhookSink) request(ctx context.Context, h http.Header, body []byte) *http.Request {
+	req := s.template.WithContext(ctx)
+	req.Header = h
+	req.Body = io.NopCloser(bytes.NewReader(body))
+	req.GetBody = func() (io.ReadCloser, error) { return io.NopCloser(bytes.NewReader(body)), nil }
+	req.ContentLength = int64(len(body))
+	return req
+}
+
+// Header values that are the same on every request, shared read-only by
+// all of them.
+var (
+	jsonContentType = []string{"application/json"}
+	webhookAgent    = []string{"worker-outbox"}
+	ceSpecVersion   = []string{"1.0"}
+)
+
 // headers builds the request headers for e; ceTime is its occurred_at in
 // RFC 3339, or empty to leave ce-time out. Stored event headers go
 // first, so the ones the protocol owns (ce-*, webhook-*, Content-Type)
-// always overwrite them. Keys are written in canonical form directly, and
-// all single values share one backing array: this runs once per event.
+// always overwrite them. Keys are written in canonical form directly, the
+// constant values are shared and the others share one backing array: this
+// runs once per event.
 func (s *WebhookSink) headers(e Event, ceTime string, body []byte) http.Header {
-	h := make(http.Header, len(e.Headers)+11)
-	vals := make([]string, 0, 11)
+	// At most: the stored headers, Authorization, 3 constant, 5 ce-* and 3
+	// webhook-* headers.
+	h := make(http.Header, len(e.Headers)+12)
+	vals := make([]string, 0, len(e.Headers)+8)
 	set := func(k, v string) {
 		vals = append(vals, v)
 		h[k] = vals[len(vals)-1 : len(vals) : len(vals)]
 	}
 	for k, v := range e.Headers {
 		if passThrough(k, v) {
-			h.Set(k, v)
+			set(http.CanonicalHeaderKey(k), v)
 		}
 	}
-	set("Content-Type", "application/json")
-	set("User-Agent", "worker-outbox")
-	set("Ce-Specversion", "1.0")
+	if s.auth != nil && h["Authorization"] == nil {
+		h["Authorization"] = s.auth // as http.Client does: a stored Authorization header wins
+	}
+	h["Content-Type"] = jsonContentType
+	h["User-Agent"] = webhookAgent
+	h["Ce-Specversion"] = ceSpecVersion
 	set("Ce-Id", ceEncode(e.EventID))
 	set("Ce-Type", ceEncode(e.EventType))
 	set("Ce-Source", ceEncode(e.AggregateType))

@@ -9,6 +9,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"log"
 	"net"
 	"net/http"
 	"net/http/httptest"
@@ -114,6 +115,7 @@ func TestWebhookSinkCloudEventsBinaryMode(t *testing.T) {
 	}
 	want := map[string]string{
 		"Content-Type":   "application/json",
+		"User-Agent":     "worker-outbox",
 		"Ce-Specversion": "1.0",
 		"Ce-Id":          "0b6a3c5e-2f4d-4e61-9d9a-7c1c2f0e8b11",
 		"Ce-Type":        "order.shipped",
@@ -535,21 +537,69 @@ func TestNewWebhookSinkValidatesConfig(t *testing.T) {
 	}
 
 	for _, u := range []string{"http://127.0.0.1:8080/hook", "https://hooks.example.com/a/b?tenant=7"} {
-		if _, err := NewWebhookSink(WebhookConfig{URL: u, Timeout: time.Second}, http.DefaultClient); err != nil {
+		if _, err := NewWebhookSink(WebhookConfig{URL: u, Timeout: time.Second}, nil); err != nil {
 			t.Errorf("URL %q rejected: %v", u, err)
 		}
 	}
 }
 
-func TestNewWebhookSinkLeavesCallerClientAlone(t *testing.T) {
-	var followed bool
-	c := &http.Client{CheckRedirect: func(*http.Request, []*http.Request) error { followed = true; return nil }}
-	if _, err := NewWebhookSink(WebhookConfig{URL: "https://hooks.example.com", Timeout: time.Second}, c); err != nil {
+// User info in the URL is sent as Basic auth, as http.Client would send
+// it; an Authorization header stored with the event takes its place.
+func TestWebhookSinkSendsURLUserInfoAsBasicAuth(t *testing.T) {
+	rcv := newWHReceiver(t, nil)
+	u := strings.Replace(rcv.URL, "http://", "http://hookuser:pw%40in-url@", 1)
+	s := newTestWebhookSink(t, u, "")
+	if err := s.Publish(context.Background(), whEvent()); err != nil {
 		t.Fatal(err)
 	}
-	_ = c.CheckRedirect(nil, nil)
-	if !followed {
-		t.Error("NewWebhookSink changed the caller's client")
+	e := whEvent()
+	e.Headers = map[string]string{"authorization": "Bearer from-the-event"}
+	if err := s.Publish(context.Background(), e); err != nil {
+		t.Fatal(err)
+	}
+	reqs := rcv.requests()
+	if len(reqs) != 2 {
+		t.Fatalf("receiver got %d requests, want 2", len(reqs))
+	}
+	r := http.Request{Header: reqs[0].Header}
+	if user, pass, ok := r.BasicAuth(); !ok || user != "hookuser" || pass != "pw@in-url" {
+		t.Errorf("Basic auth = %q, %q, %v; want hookuser, pw@in-url", user, pass, ok)
+	}
+	if got := reqs[1].Header.Values("Authorization"); len(got) != 1 || got[0] != "Bearer from-the-event" {
+		t.Errorf("Authorization = %q, want only the event's", got)
+	}
+}
+
+// An https URL is verified against the trusted roots: a receiver whose
+// certificate does not verify gets nothing, and the failure is transient.
+func TestWebhookSinkHTTPS(t *testing.T) {
+	var got atomic.Pointer[http.Request]
+	srv := httptest.NewUnstartedServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		got.Store(r)
+		w.WriteHeader(http.StatusNoContent)
+	}))
+	srv.Config.ErrorLog = log.New(io.Discard, "", 0) // the refused handshake below is expected
+	srv.StartTLS()
+	t.Cleanup(srv.Close)
+
+	err := newTestWebhookSink(t, srv.URL, "").Publish(context.Background(), whEvent())
+	if err == nil || IsPermanent(err) || !strings.Contains(err.Error(), "certificate") {
+		t.Fatalf("err = %v, want a transient certificate error", err)
+	}
+	if got.Load() != nil {
+		t.Fatal("the receiver got a request over an unverified connection")
+	}
+
+	s, err := NewWebhookSink(WebhookConfig{URL: srv.URL, Timeout: 5 * time.Second}, srv.Client().Transport) // trusts the test certificate
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Publish(context.Background(), whEvent()); err != nil {
+		t.Fatal(err)
+	}
+	r := got.Load()
+	if r == nil || r.TLS == nil || r.Header.Get("Ce-Id") != whEvent().EventID {
+		t.Fatalf("request = %+v, want the event over TLS", r)
 	}
 }
 
@@ -650,6 +700,32 @@ func BenchmarkWebhook(b *testing.B) {
 			post(b, h)
 		}
 	})
+}
+
+// An answer with a body is read to its end (up to maxDrain), so the
+// connection goes back to the pool instead of being closed.
+func TestWebhookSinkDrainsAnswersToReuseTheConnection(t *testing.T) {
+	t.Parallel()
+	var dialed atomic.Int32
+	srv := httptest.NewUnstartedServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		_, _ = io.WriteString(w, strings.Repeat("accepted ", 500)) // 200 with a body the sink does not need
+	}))
+	srv.Config.ConnState = func(_ net.Conn, s http.ConnState) {
+		if s == http.StateNew {
+			dialed.Add(1)
+		}
+	}
+	srv.Start()
+	t.Cleanup(srv.Close)
+	s := newTestWebhookSink(t, srv.URL, "")
+	for range 5 {
+		if err := s.Publish(context.Background(), whEvent()); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if n := dialed.Load(); n != 1 {
+		t.Errorf("5 publishes one after another opened %d connections, want 1", n)
+	}
 }
 
 // Publishes in flight at once each hold a connection, and the sink keeps
