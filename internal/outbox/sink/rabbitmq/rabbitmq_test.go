@@ -1,9 +1,11 @@
 package rabbitmq
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
+	neturl "net/url"
 	"os"
 	"os/exec"
 	"strings"
@@ -199,20 +201,50 @@ func TestRelayProcess(t *testing.T) {
 // aggregates; the child is SIGKILLed mid-batch and the broker closes every
 // connection mid-run (rabbitmqctl close_all_connections). Every event is in
 // the queue, first deliveries in per-aggregate order.
+//
+// The test has a virtual host of its own, so that closing its connections
+// leaves alone those of the tests running beside it on the same broker.
 func TestRelays(t *testing.T) {
 	t.Parallel()
-	tg := newTarget(t, "#")
+	requireBroker(t)
+	vhost, url := privateVHost(t)
+	conn, err := amqp.Dial(url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = conn.Close() })
+	tg := declareTarget(t, conn, url, "#")
 	sinktest.RelayRun(t, sinktest.Relays{
 		Broker:     sinktest.Broker{New: func(t *testing.T) outbox.Sink { return connect(t, tg.config()) }, Read: tg.read},
 		HelperTest: "TestRelayProcess",
 		ChildEnv:   []string{childURLEnv + "=" + tg.url, childExchangeEnv + "=" + tg.exchange},
 		Disrupt: func(t *testing.T) {
-			out, err := exec.Command("rabbitmqctl", "close_all_connections", "closed by the sink test").CombinedOutput()
-			if err != nil {
-				t.Fatalf("rabbitmqctl close_all_connections: %v\n%s", err, out)
-			}
+			rabbitmqctl(t, "close_all_connections", "--vhost", vhost, "closed by the sink test")
 		},
 	})
+}
+
+// privateVHost adds a virtual host that the test broker's user may use,
+// deleted when t ends, and returns it with the broker URL that names it.
+func privateVHost(t *testing.T) (vhost, url string) {
+	t.Helper()
+	u, err := neturl.Parse(brokerURL())
+	if err != nil {
+		t.Fatal(err)
+	}
+	vhost = "sinktest-" + uuid.NewString()[:8]
+	rabbitmqctl(t, "add_vhost", vhost)
+	t.Cleanup(func() { _ = exec.Command("rabbitmqctl", "delete_vhost", vhost).Run() })
+	rabbitmqctl(t, "set_permissions", "--vhost", vhost, cmp.Or(u.User.Username(), "guest"), ".*", ".*", ".*")
+	u.Path = "/" + vhost
+	return vhost, u.String()
+}
+
+func rabbitmqctl(t *testing.T, args ...string) {
+	t.Helper()
+	if out, err := exec.Command("rabbitmqctl", args...).CombinedOutput(); err != nil {
+		t.Fatalf("rabbitmqctl %s: %v\n%s", strings.Join(args, " "), err, out)
+	}
 }
 
 func TestRoutingWord(t *testing.T) {
