@@ -3,19 +3,10 @@ package kafka
 import (
 	"bytes"
 	"context"
-	"crypto/ecdsa"
-	"crypto/elliptic"
-	"crypto/rand"
 	"crypto/tls"
 	"crypto/x509"
-	"crypto/x509/pkix"
-	"encoding/pem"
 	"errors"
 	"log/slog"
-	"math/big"
-	"net"
-	"os"
-	"path/filepath"
 	"strings"
 	"testing"
 	"time"
@@ -28,6 +19,7 @@ import (
 	"worker/internal/outbox"
 	"worker/internal/outbox/sink"
 	"worker/internal/outbox/sinktest"
+	"worker/internal/testkit"
 )
 
 const (
@@ -231,93 +223,19 @@ func TestSASLMechanismNotEnabled(t *testing.T) {
 	}
 }
 
-// authority is a certificate with its key: a CA, or a leaf it signed.
-type authority struct {
-	cert *x509.Certificate
-	key  *ecdsa.PrivateKey
-}
-
-func newCA(t *testing.T, name string) authority {
-	return issue(t, &x509.Certificate{
-		Subject: pkix.Name{CommonName: name}, IsCA: true, BasicConstraintsValid: true,
-		KeyUsage: x509.KeyUsageCertSign,
-	}, nil)
-}
-
-// issue signs tmpl, valid for an hour, with ca's key (its own when ca is
-// nil).
-func issue(t *testing.T, tmpl *x509.Certificate, ca *authority) authority {
-	t.Helper()
-	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
-	if err != nil {
-		t.Fatal(err)
-	}
-	serial, err := rand.Int(rand.Reader, big.NewInt(1<<62))
-	if err != nil {
-		t.Fatal(err)
-	}
-	tmpl.SerialNumber = serial
-	tmpl.NotBefore, tmpl.NotAfter = time.Now().Add(-time.Minute), time.Now().Add(time.Hour)
-	parent, signer := tmpl, key
-	if ca != nil {
-		parent, signer = ca.cert, ca.key
-	}
-	der, err := x509.CreateCertificate(rand.Reader, tmpl, parent, &key.PublicKey, signer)
-	if err != nil {
-		t.Fatal(err)
-	}
-	cert, err := x509.ParseCertificate(der)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return authority{cert: cert, key: key}
-}
-
-func (a authority) keyPair() tls.Certificate {
-	return tls.Certificate{Certificate: [][]byte{a.cert.Raw}, PrivateKey: a.key, Leaf: a.cert}
-}
-
-func (a authority) pool() *x509.CertPool {
-	p := x509.NewCertPool()
-	p.AddCert(a.cert)
-	return p
-}
-
-func writePEM(t *testing.T, path, typ string, der []byte) string {
-	t.Helper()
-	if err := os.WriteFile(path, pem.EncodeToMemory(&pem.Block{Type: typ, Bytes: der}), 0o600); err != nil {
-		t.Fatal(err)
-	}
-	return path
-}
-
 // TLS against brokers listening with a certificate from a throwaway CA:
 // tls_ca_file trusts it, another CA or the system's do not, and a broker
 // that requires client certificates takes tls_cert_file/tls_key_file.
 func TestTLS(t *testing.T) {
 	t.Parallel()
 	dir := t.TempDir()
-	ca, otherCA := newCA(t, "test CA"), newCA(t, "other CA")
-	broker := issue(t, &x509.Certificate{
-		Subject: pkix.Name{CommonName: "kfake"}, IPAddresses: []net.IP{net.IPv4(127, 0, 0, 1)},
-		KeyUsage: x509.KeyUsageDigitalSignature, ExtKeyUsage: []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth},
-	}, &ca)
-	client := issue(t, &x509.Certificate{
-		Subject:  pkix.Name{CommonName: "worker"},
-		KeyUsage: x509.KeyUsageDigitalSignature, ExtKeyUsage: []x509.ExtKeyUsage{x509.ExtKeyUsageClientAuth},
-	}, &ca)
-	clientKey, err := x509.MarshalPKCS8PrivateKey(client.key)
-	if err != nil {
-		t.Fatal(err)
-	}
-	caFile := writePEM(t, filepath.Join(dir, "ca.pem"), "CERTIFICATE", ca.cert.Raw)
-	otherCAFile := writePEM(t, filepath.Join(dir, "other-ca.pem"), "CERTIFICATE", otherCA.cert.Raw)
-	certFile := writePEM(t, filepath.Join(dir, "client.pem"), "CERTIFICATE", client.cert.Raw)
-	keyFile := writePEM(t, filepath.Join(dir, "client-key.pem"), "PRIVATE KEY", clientKey)
-	consumerTLS := kgo.DialTLSConfig(&tls.Config{RootCAs: ca.pool(), Certificates: []tls.Certificate{client.keyPair()}})
+	ca, otherCA := testkit.NewCA(t, dir, "ca"), testkit.NewCA(t, dir, "other-ca")
+	broker := ca.Issue(t, "broker", x509.ExtKeyUsageServerAuth)
+	client := ca.Issue(t, "client", x509.ExtKeyUsageClientAuth)
+	consumerTLS := kgo.DialTLSConfig(&tls.Config{RootCAs: ca.Pool(), Certificates: []tls.Certificate{client.TLS}})
 	listen := func(clientAuth tls.ClientAuthType) kfake.Opt {
 		return kfake.TLS(&tls.Config{
-			Certificates: []tls.Certificate{broker.keyPair()}, ClientAuth: clientAuth, ClientCAs: ca.pool(),
+			Certificates: []tls.Certificate{broker.TLS}, ClientAuth: clientAuth, ClientCAs: ca.Pool(),
 			MinVersion: tls.VersionTLS12,
 		})
 	}
@@ -326,7 +244,7 @@ func TestTLS(t *testing.T) {
 		t.Parallel()
 		_, brokers := secureCluster(t, listen(tls.NoClientCert))
 		cfg := config(brokers, "{aggregate_type}")
-		cfg.TLSCAFile = caFile // turns TLS on by itself
+		cfg.TLSCAFile = ca.File // turns TLS on by itself
 		publishAndRead(t, connect(t, cfg), brokers, consumerTLS)
 	})
 
@@ -336,7 +254,7 @@ func TestTLS(t *testing.T) {
 		t.Parallel()
 		_, brokers := secureCluster(t, listen(tls.NoClientCert))
 		for name, trust := range map[string]func(*outbox.KafkaConfig){
-			"tls_ca_file of another CA": func(c *outbox.KafkaConfig) { c.TLSCAFile = otherCAFile },
+			"tls_ca_file of another CA": func(c *outbox.KafkaConfig) { c.TLSCAFile = otherCA.File },
 			"tls with the system's CAs": func(c *outbox.KafkaConfig) { c.TLS = true },
 		} {
 			cfg := config(brokers, "{aggregate_type}")
@@ -357,12 +275,12 @@ func TestTLS(t *testing.T) {
 		t.Parallel()
 		_, brokers := secureCluster(t, listen(tls.RequireAndVerifyClientCert))
 		cfg := config(brokers, "{aggregate_type}")
-		cfg.TLSCAFile = caFile
+		cfg.TLSCAFile = ca.File
 		s, logs := loggedSink(t, cfg)
 		if err := connectUntilRetry(t, s, logs); !errors.Is(err, sink.ErrRefused) || !strings.Contains(err.Error(), "certificate required") {
 			t.Errorf("without a client certificate: got %v, want %v naming the missing certificate", err, sink.ErrRefused)
 		}
-		cfg.TLSCertFile, cfg.TLSKeyFile = certFile, keyFile
+		cfg.TLSCertFile, cfg.TLSKeyFile = client.CertFile, client.KeyFile
 		publishAndRead(t, connect(t, cfg), brokers, consumerTLS)
 	})
 }

@@ -2,16 +2,9 @@ package nats
 
 import (
 	"context"
-	"crypto/ecdsa"
-	"crypto/elliptic"
-	"crypto/rand"
 	"crypto/tls"
 	"crypto/x509"
-	"crypto/x509/pkix"
-	"encoding/pem"
 	"errors"
-	"math/big"
-	"net"
 	"os"
 	"path/filepath"
 	"strings"
@@ -339,15 +332,16 @@ func newKey(t *testing.T, create func() (nkeys.KeyPair, error)) (nkeys.KeyPair, 
 // tlsServer requires TLS with a certificate from a throwaway CA. The sink
 // trusts that CA through tls_ca_file; a CA that did not sign it is refused.
 func tlsServer(t *testing.T) secured {
-	ca, other := newCA(t, "outbox test CA"), newCA(t, "other CA")
-	certFile, keyFile := ca.issue(t, "server", x509.ExtKeyUsageServerAuth)
+	dir := t.TempDir()
+	ca, other := testkit.NewCA(t, dir, "ca"), testkit.NewCA(t, dir, "other-ca")
+	srv := ca.Issue(t, "server", x509.ExtKeyUsageServerAuth)
 	c := startSecured(t, func(o *server.Options) {
-		o.TLSConfig = tlsConfig(t, &server.TLSConfigOpts{CertFile: certFile, KeyFile: keyFile})
+		o.TLSConfig = tlsConfig(t, &server.TLSConfigOpts{CertFile: srv.CertFile, KeyFile: srv.KeyFile})
 	})
 	c.URL = strings.Replace(c.URL, "nats://", "tls://", 1)
 	right, untrusted, missing := c, c, c
-	right.TLSCAFile = ca.file
-	untrusted.TLSCAFile = other.file
+	right.TLSCAFile = ca.File
+	untrusted.TLSCAFile = other.File
 	missing.TLSCAFile = filepath.Join(t.TempDir(), "missing.pem")
 	return secured{
 		right: right,
@@ -356,7 +350,7 @@ func tlsServer(t *testing.T) secured {
 			// Retrying cannot make the server's certificate trusted.
 			{"a server certificate not signed by tls_ca_file", "outbox.nats.tls_ca_file", untrusted},
 		},
-		reader: []nats.Option{nats.RootCAs(ca.file)},
+		reader: []nats.Option{nats.RootCAs(ca.File)},
 	}
 }
 
@@ -364,17 +358,19 @@ func tlsServer(t *testing.T) secured {
 // tls_cert_file/tls_key_file pass, no client certificate or one from
 // another CA does not.
 func mutualTLSServer(t *testing.T) secured {
-	ca, other := newCA(t, "outbox test CA"), newCA(t, "other CA")
-	certFile, keyFile := ca.issue(t, "server", x509.ExtKeyUsageServerAuth)
+	dir := t.TempDir()
+	ca, other := testkit.NewCA(t, dir, "ca"), testkit.NewCA(t, dir, "other-ca")
+	srv := ca.Issue(t, "server", x509.ExtKeyUsageServerAuth)
 	c := startSecured(t, func(o *server.Options) {
-		o.TLSConfig = tlsConfig(t, &server.TLSConfigOpts{CertFile: certFile, KeyFile: keyFile, CaFile: ca.file, Verify: true})
+		o.TLSConfig = tlsConfig(t, &server.TLSConfigOpts{CertFile: srv.CertFile, KeyFile: srv.KeyFile, CaFile: ca.File, Verify: true})
 		o.TLSVerify = true
 	})
 	c.URL = strings.Replace(c.URL, "nats://", "tls://", 1)
-	c.TLSCAFile = ca.file
+	c.TLSCAFile = ca.File
+	relay, outsider := ca.Issue(t, "relay", x509.ExtKeyUsageClientAuth), other.Issue(t, "outsider", x509.ExtKeyUsageClientAuth)
 	right, none, stranger, mismatched := c, c, c, c
-	right.TLSCertFile, right.TLSKeyFile = ca.issue(t, "relay", x509.ExtKeyUsageClientAuth)
-	stranger.TLSCertFile, stranger.TLSKeyFile = other.issue(t, "relay", x509.ExtKeyUsageClientAuth)
+	right.TLSCertFile, right.TLSKeyFile = relay.CertFile, relay.KeyFile
+	stranger.TLSCertFile, stranger.TLSKeyFile = outsider.CertFile, outsider.KeyFile
 	mismatched.TLSCertFile, mismatched.TLSKeyFile = right.TLSCertFile, stranger.TLSKeyFile
 	return secured{
 		right: right,
@@ -383,7 +379,7 @@ func mutualTLSServer(t *testing.T) secured {
 			"a client certificate from another CA": stranger,
 		},
 		badFiles: []badFile{{"a key that does not match the certificate", "outbox.nats.tls_cert_file", mismatched}},
-		reader:   []nats.Option{nats.RootCAs(ca.file), nats.ClientCert(right.TLSCertFile, right.TLSKeyFile)},
+		reader:   []nats.Option{nats.RootCAs(ca.File), nats.ClientCert(right.TLSCertFile, right.TLSKeyFile)},
 		secrets:  []string{keyText(t, right.TLSKeyFile), keyText(t, stranger.TLSKeyFile)},
 	}
 }
@@ -395,72 +391,6 @@ func tlsConfig(t *testing.T, o *server.TLSConfigOpts) *tls.Config {
 		t.Fatal(err)
 	}
 	return c
-}
-
-// testCA is a throwaway certificate authority; file is its certificate.
-type testCA struct {
-	cert *x509.Certificate
-	key  *ecdsa.PrivateKey
-	file string
-}
-
-func newCA(t *testing.T, name string) testCA {
-	t.Helper()
-	tmpl := &x509.Certificate{
-		Subject:               pkix.Name{CommonName: name},
-		IsCA:                  true,
-		BasicConstraintsValid: true,
-		KeyUsage:              x509.KeyUsageCertSign,
-	}
-	cert, key, file := makeCert(t, name, tmpl, nil, nil)
-	return testCA{cert: cert, key: key, file: file}
-}
-
-// issue signs a certificate for 127.0.0.1 and localhost and returns its
-// certificate and key files.
-func (ca testCA) issue(t *testing.T, name string, usage x509.ExtKeyUsage) (certFile, keyFile string) {
-	t.Helper()
-	tmpl := &x509.Certificate{
-		Subject:     pkix.Name{CommonName: name},
-		KeyUsage:    x509.KeyUsageDigitalSignature,
-		ExtKeyUsage: []x509.ExtKeyUsage{usage},
-		IPAddresses: []net.IP{net.IPv4(127, 0, 0, 1)},
-		DNSNames:    []string{"localhost"},
-	}
-	_, key, certFile := makeCert(t, name, tmpl, ca.cert, ca.key)
-	der, err := x509.MarshalECPrivateKey(key)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return certFile, writeFile(t, name+"-key.pem", string(pem.EncodeToMemory(&pem.Block{Type: "EC PRIVATE KEY", Bytes: der})))
-}
-
-// makeCert creates a key and a certificate from tmpl, signed by parent
-// (self-signed when parent is nil), and writes the certificate to a file.
-func makeCert(t *testing.T, name string, tmpl, parent *x509.Certificate, parentKey *ecdsa.PrivateKey) (*x509.Certificate, *ecdsa.PrivateKey, string) {
-	t.Helper()
-	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
-	if err != nil {
-		t.Fatal(err)
-	}
-	serial, err := rand.Int(rand.Reader, big.NewInt(1<<62))
-	if err != nil {
-		t.Fatal(err)
-	}
-	tmpl.SerialNumber = serial
-	tmpl.NotBefore, tmpl.NotAfter = time.Now().Add(-time.Hour), time.Now().Add(time.Hour)
-	if parent == nil {
-		parent, parentKey = tmpl, key
-	}
-	der, err := x509.CreateCertificate(rand.Reader, tmpl, parent, &key.PublicKey, parentKey)
-	if err != nil {
-		t.Fatal(err)
-	}
-	cert, err := x509.ParseCertificate(der)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return cert, key, writeFile(t, name+"-cert.pem", string(pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: der})))
 }
 
 // writeFile writes contents to a new file in a temporary directory of its

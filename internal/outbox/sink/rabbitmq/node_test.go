@@ -2,15 +2,9 @@ package rabbitmq
 
 import (
 	"context"
-	"crypto/ecdsa"
-	"crypto/elliptic"
-	"crypto/rand"
 	"crypto/x509"
-	"crypto/x509/pkix"
-	"encoding/pem"
 	"errors"
 	"fmt"
-	"math/big"
 	"net"
 	"os"
 	"os/exec"
@@ -22,6 +16,8 @@ import (
 	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
+
+	"worker/internal/testkit"
 )
 
 // The TLS and connection.blocked tests need a broker of their own: a TLS
@@ -257,86 +253,24 @@ func freePorts(count int) ([]int, error) {
 	return ports, nil
 }
 
-// writeTestCerts writes a CA, the node's certificate (for 127.0.0.1 and
-// localhost) and a client certificate signed by it, and a second CA, into
-// dir.
+// writeTestCerts writes a CA, the node's certificate (server.pem and
+// server.key, for 127.0.0.1 and localhost) and a client certificate signed
+// by it, and a second CA, into dir.
 func writeTestCerts(dir string) (testCerts, error) {
-	c := testCerts{
-		ca:         filepath.Join(dir, "ca.pem"),
-		clientCert: filepath.Join(dir, "client.pem"),
-		clientKey:  filepath.Join(dir, "client.key"),
-		otherCA:    filepath.Join(dir, "other-ca.pem"),
-	}
-	ca, caKey, err := issue(dir, "ca", &x509.Certificate{
-		Subject:               pkix.Name{CommonName: "worker test CA"},
-		IsCA:                  true,
-		BasicConstraintsValid: true,
-		KeyUsage:              x509.KeyUsageCertSign,
-	}, nil, nil)
+	ca, err := testkit.CreateCA(dir, "ca")
 	if err != nil {
-		return c, err
+		return testCerts{}, err
 	}
-	if _, _, err := issue(dir, "server", &x509.Certificate{
-		Subject:     pkix.Name{CommonName: "localhost"},
-		DNSNames:    []string{"localhost"},
-		IPAddresses: []net.IP{net.IPv4(127, 0, 0, 1)},
-		KeyUsage:    x509.KeyUsageDigitalSignature,
-		ExtKeyUsage: []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth},
-	}, ca, caKey); err != nil {
-		return c, err
+	if _, err := ca.Create("server", x509.ExtKeyUsageServerAuth); err != nil {
+		return testCerts{}, err
 	}
-	if _, _, err := issue(dir, "client", &x509.Certificate{
-		Subject:     pkix.Name{CommonName: "worker"},
-		KeyUsage:    x509.KeyUsageDigitalSignature,
-		ExtKeyUsage: []x509.ExtKeyUsage{x509.ExtKeyUsageClientAuth},
-	}, ca, caKey); err != nil {
-		return c, err
-	}
-	_, _, err = issue(dir, "other-ca", &x509.Certificate{
-		Subject:               pkix.Name{CommonName: "another CA"},
-		IsCA:                  true,
-		BasicConstraintsValid: true,
-		KeyUsage:              x509.KeyUsageCertSign,
-	}, nil, nil)
-	return c, err
-}
-
-// issue creates a key and a certificate from tmpl, signed by parent (self
-// signed when parent is nil), and writes them to dir as name.pem and
-// name.key.
-func issue(dir, name string, tmpl, parent *x509.Certificate, parentKey *ecdsa.PrivateKey) (*x509.Certificate, *ecdsa.PrivateKey, error) {
-	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	client, err := ca.Create("client", x509.ExtKeyUsageClientAuth)
 	if err != nil {
-		return nil, nil, err
+		return testCerts{}, err
 	}
-	serial, err := rand.Int(rand.Reader, big.NewInt(1<<62))
+	other, err := testkit.CreateCA(dir, "other-ca")
 	if err != nil {
-		return nil, nil, err
+		return testCerts{}, err
 	}
-	tmpl.SerialNumber = serial
-	tmpl.NotBefore = time.Now().Add(-time.Hour)
-	tmpl.NotAfter = time.Now().Add(24 * time.Hour)
-	if parent == nil {
-		parent, parentKey = tmpl, key
-	}
-	der, err := x509.CreateCertificate(rand.Reader, tmpl, parent, &key.PublicKey, parentKey)
-	if err != nil {
-		return nil, nil, err
-	}
-	cert, err := x509.ParseCertificate(der)
-	if err != nil {
-		return nil, nil, err
-	}
-	keyDER, err := x509.MarshalECPrivateKey(key)
-	if err != nil {
-		return nil, nil, err
-	}
-	if err := os.WriteFile(filepath.Join(dir, name+".pem"), pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: der}), 0o644); err != nil {
-		return nil, nil, err
-	}
-	// Readable by the node's user: a throwaway key.
-	if err := os.WriteFile(filepath.Join(dir, name+".key"), pem.EncodeToMemory(&pem.Block{Type: "EC PRIVATE KEY", Bytes: keyDER}), 0o644); err != nil {
-		return nil, nil, err
-	}
-	return cert, key, nil
+	return testCerts{ca: ca.File, clientCert: client.CertFile, clientKey: client.KeyFile, otherCA: other.File}, nil
 }

@@ -105,12 +105,8 @@ func connectErr(t *testing.T, cfg outbox.RabbitMQConfig, budget time.Duration) e
 // would leave the connection in plain text.
 func TestTLSFilesNeedAMQPS(t *testing.T) {
 	t.Parallel()
-	certs, err := writeTestCerts(t.TempDir())
-	if err != nil {
-		t.Fatal(err)
-	}
 	cfg := outbox.DefaultRabbitMQConfig()
-	cfg.URL, cfg.TLSCAFile = "amqp://guest:guest@127.0.0.1:5672/", certs.ca
+	cfg.URL, cfg.TLSCAFile = "amqp://guest:guest@127.0.0.1:5672/", testkit.NewCA(t, t.TempDir(), "ca").File
 	if _, err := New(cfg, Options{}); err == nil || !strings.Contains(err.Error(), "amqps://") || strings.Contains(err.Error(), "guest:guest") {
 		t.Errorf("got %v, want an error asking for amqps://", err)
 	}
