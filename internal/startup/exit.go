@@ -51,10 +51,11 @@ func ExitCode(err error) int {
 	return ExitInternal
 }
 
-// ConfigError and SafetyError say which part of the setup is wrong in
-// their message's first words; exitError covers the other codes. Msg says
-// what is wrong in the operator's terms (the key, variable or item); Err
-// keeps the cause for errors.Is and errors.As.
+// The error types below pick the exit code. Msg says what is wrong in the
+// operator's terms (the key, variable or item); Err keeps the cause for
+// errors.Is and errors.As. ConfigError and SafetyError also name the kind
+// of mistake in their message; exitError covers the codes that need no
+// more than the message.
 
 // ConfigError is invalid configuration: exit 78.
 type ConfigError struct {
