@@ -8,7 +8,6 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgconn"
 )
 
 // A batch waits at most detach_after for its publishes. Whatever is still
@@ -228,10 +227,12 @@ func (r *Relay) outcome(ev claimedRow, err error, skew time.Duration) eventOutco
 }
 
 // complete records the outcome of a detached publish once its batch has
-// committed the event as IN_FLIGHT: a compare-and-set on the event's id,
-// status, owner token and attempt, so an outcome whose claim expired (and
-// which another relay may have taken over), or whose event a hard stop
-// handed back meanwhile, changes nothing.
+// committed the event as IN_FLIGHT, by compare-and-set (completeSQL). The
+// outcomes of detached publishes that finish together are written in one
+// statement: each waits while an earlier group is written, and the writer
+// then takes everything that queued up meanwhile. A broker whose confirms
+// take longer than detach_after detaches many publishes at once, and one
+// transaction each would cost the database more than the publishes.
 func (r *Relay) complete(b *batch, ev *claimedRow, o eventOutcome) {
 	defer r.m.claimed.Dec()
 	<-b.out.settled
@@ -239,34 +240,105 @@ func (r *Relay) complete(b *batch, ev *claimedRow, o eventOutcome) {
 		return // the batch rolled back: the event was never marked, it will be published again
 	}
 	defer r.untrackDetached(ev)
+	c := &completion{ev: ev, token: b.token, o: o, done: make(chan struct{})}
+	r.completing.Lock()
+	r.completions = append(r.completions, c)
+	if r.writingCompletions {
+		r.completing.Unlock()
+		<-c.done
+		return
+	}
+	r.writingCompletions = true
+	for len(r.completions) > 0 {
+		group := r.completions
+		r.completions = nil
+		r.completing.Unlock()
+		r.writeCompletions(group)
+		r.completing.Lock()
+	}
+	r.writingCompletions = false
+	r.completing.Unlock()
+}
+
+// completion is the outcome of one detached publish, waiting to be written.
+type completion struct {
+	ev    *claimedRow
+	token string
+	o     eventOutcome
+	done  chan struct{} // closed once written or given up
+}
+
+// status is the event's state the completion writes.
+func (c *completion) status() string {
+	switch {
+	case c.o.failed != nil:
+		return c.o.failed.status
+	case c.o.handBack:
+		return StatusPending
+	default:
+		return StatusPublished
+	}
+}
+
+// writeCompletions writes a group of completions in one statement and
+// accounts for those it changed. Losing the commit in a server crash only
+// leaves the events IN_FLIGHT until their visibility deadline, then they
+// are published again (at least once), so it does not wait for the WAL
+// flush.
+func (r *Relay) writeCompletions(group []*completion) {
+	defer func() {
+		for _, c := range group {
+			close(c.done)
+		}
+	}()
+	n := len(group)
+	ids, tokens, statuses, errs := make([]int64, n), make([]string, n), make([]string, n), make([]*string, n)
+	attempts, delays := make([]int32, n), make([]int64, n)
+	for i, c := range group {
+		ids[i], tokens[i], statuses[i] = c.ev.Seq, c.token, c.status()
+		attempts[i] = int32(c.ev.Attempts + 1) // the IN_FLIGHT write counted this attempt
+		if f := c.o.failed; f != nil {
+			delays[i] = f.delay.Milliseconds()
+			e := errorText(f.err)
+			errs[i] = &e
+		}
+	}
+	changed := map[int64]bool{}
+	b := &pgx.Batch{}
+	b.Queue("BEGIN")
+	b.Queue("SET LOCAL synchronous_commit = off")
+	b.Queue(completeSQL, ids, tokens, attempts, statuses, delays, errs, r.instanceID).Query(func(rows pgx.Rows) error {
+		var id int64
+		_, err := pgx.ForEachRow(rows, []any{&id}, func() error {
+			changed[id] = true
+			return nil
+		})
+		return err
+	})
+	b.Queue("COMMIT")
 	ctx, cancel := context.WithTimeout(context.Background(), finishTimeout)
 	defer cancel()
-	attempts := ev.Attempts + 1 // the IN_FLIGHT write counted this attempt
+	if err := r.pool.SendBatch(ctx, b).Close(); err != nil {
+		for _, c := range group {
+			r.log.Warn("outbox outcome of a detached publish not recorded; the event is published again after its visibility timeout",
+				"event_id", c.ev.EventID, "error", err)
+		}
+		return
+	}
 	var out outcomes
-	var sql string
-	var args []any
-	switch {
-	case o.failed != nil:
-		f := o.failed
-		sql, args = completeFailedSQL, []any{ev.Seq, b.token, attempts, f.status, f.delay.Milliseconds(), errorText(f.err), r.instanceID}
-		out.failed = []failure{*f}
-	case o.handBack:
-		sql, args = completeHandBackSQL, []any{ev.Seq, b.token, attempts}
-	default:
-		sql, args = completePublishedSQL, []any{ev.Seq, b.token, attempts, r.instanceID}
-		out.published, out.at = []*claimedRow{ev}, []time.Time{o.at}
+	for _, c := range group {
+		switch {
+		case !changed[c.ev.Seq]:
+			r.log.Warn("outbox claim of a detached publish expired or was handed back before its outcome; the event may be published again",
+				"event_id", c.ev.EventID)
+		case c.o.failed != nil:
+			out.failed = append(out.failed, *c.o.failed)
+		case !c.o.handBack:
+			out.published = append(out.published, c.ev)
+			out.at = append(out.at, c.o.at)
+		}
 	}
-	tag, err := r.pool.Exec(ctx, sql, args...)
-	switch {
-	case err != nil:
-		r.log.Warn("outbox outcome of a detached publish not recorded; the event is published again after its visibility timeout",
-			"event_id", ev.EventID, "error", err)
-	case tag.RowsAffected() == 0:
-		r.log.Warn("outbox claim of a detached publish expired or was handed back before its outcome; the event may be published again",
-			"event_id", ev.EventID)
-	default:
-		r.record(&out)
-	}
+	r.record(&out)
 }
 
 // trackDetached notes the events a committed batch left IN_FLIGHT, until
@@ -298,19 +370,26 @@ func (r *Relay) handBackDetached() {
 	if len(outstanding) == 0 {
 		return
 	}
-	b := &pgx.Batch{}
+	var ids []int64
+	var tokens, statuses []string
+	var attempts []int32
+	byID := map[int64]*claimedRow{}
 	for ev, token := range outstanding {
-		b.Queue(completeHandBackSQL, ev.Seq, token, ev.Attempts+1).Exec(func(tag pgconn.CommandTag) error {
-			if tag.RowsAffected() > 0 {
-				r.log.Warn("outbox detached publish still outstanding at stop; its event is handed back and will be published again",
-					"event_id", ev.EventID, "aggregate_type", ev.AggregateType, "aggregate_id", ev.AggregateID)
-			}
-			return nil
-		})
+		ids, tokens, statuses = append(ids, ev.Seq), append(tokens, token), append(statuses, StatusPending)
+		attempts = append(attempts, int32(ev.Attempts+1))
+		byID[ev.Seq] = ev
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), finishTimeout)
 	defer cancel()
-	if err := r.pool.SendBatch(ctx, b).Close(); err != nil {
+	rows, _ := r.pool.Query(ctx, completeSQL, ids, tokens, attempts, statuses, make([]int64, len(ids)), make([]*string, len(ids)), r.instanceID)
+	var id int64
+	_, err := pgx.ForEachRow(rows, []any{&id}, func() error {
+		ev := byID[id]
+		r.log.Warn("outbox detached publish still outstanding at stop; its event is handed back and will be published again",
+			"event_id", ev.EventID, "aggregate_type", ev.AggregateType, "aggregate_id", ev.AggregateID)
+		return nil
+	})
+	if err != nil {
 		r.log.Warn("outbox events of outstanding detached publishes not handed back; they are published again after their visibility timeout",
 			"events", len(outstanding), "error", err)
 	}

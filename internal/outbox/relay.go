@@ -65,6 +65,10 @@ type Relay struct {
 
 	detachedMu sync.Mutex
 	detached   map[*claimedRow]string // committed IN_FLIGHT, outcome not recorded yet: event → owner token
+
+	completing         sync.Mutex
+	completions        []*completion // outcomes of detached publishes waiting to be written
+	writingCompletions bool          // a publisher is writing completions; the others wait for it
 }
 
 // NewRelay builds a relay; Start runs it. reg receives the outbox metrics

@@ -5,9 +5,12 @@ import (
 	"errors"
 	"fmt"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/prometheus/client_golang/prometheus"
 
 	"worker/internal/pgtest"
@@ -249,3 +252,135 @@ func TestRelayDetachedOutcomeNeedsItsClaim(t *testing.T) {
 			status, claimedBy, attempts)
 	}
 }
+
+// TestRelayDetachedOutcomesWrittenTogether: detached publishes that return
+// together have their outcomes written in a few statements, not one each,
+// and each outcome is still its own compare-and-set: published, failed
+// (retry scheduled), dead, and one whose claim was taken over meanwhile,
+// which stays as the new owner left it.
+func TestRelayDetachedOutcomesWrittenTogether(t *testing.T) {
+	t.Parallel()
+	db := pgtest.New(t)
+	const n = 40
+	ids := make([]string, n)
+	for i := range ids {
+		ids[i] = appendEvent(t, db.Pool, fmt.Sprintf("agg-%d", i), "e")
+	}
+	outcome := func(e Event) error {
+		switch e.EventID {
+		case ids[0]:
+			return Permanent(errors.New("refused for good"))
+		case ids[1], ids[2], ids[3]:
+			return &RetryAfterError{Err: errors.New("broker busy"), After: time.Hour}
+		}
+		return nil
+	}
+	release := make(chan struct{})
+	sink := &recorder{fail: func(ctx context.Context, e Event) error {
+		select {
+		case <-release:
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+		return outcome(e)
+	}}
+	var completes atomic.Int32
+	pcfg, err := pgxpool.ParseConfig(db.URL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	pcfg.ConnConfig.Tracer = queryCounter{sql: completeSQL, n: &completes}
+	pool, err := pgxpool.NewWithConfig(context.Background(), pcfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(pool.Close)
+	startRelay(t, pool, sink, testConfig(), nil)
+
+	inFlight := func() (n int) {
+		if err := db.Pool.QueryRow(context.Background(),
+			`SELECT count(*) FROM outbox_event WHERE status = 'IN_FLIGHT'`).Scan(&n); err != nil {
+			t.Fatal(err)
+		}
+		return n
+	}
+	testkit.Eventually(t, 10*time.Second, "every publish detached", func() bool { return inFlight() == n })
+	const takenOver = "another-relay/1"
+	exec(t, db.Pool, `UPDATE outbox_event SET claimed_by = $2 WHERE event_id = $1`, ids[n-1], takenOver)
+	close(release)
+	testkit.Eventually(t, 10*time.Second, "every outcome written", func() bool {
+		return inFlight() == 1
+	})
+
+	rows, err := db.Pool.Query(context.Background(),
+		`SELECT event_id::text, status, attempts, claimed_by, coalesce(last_error, ''), published_at IS NOT NULL, next_attempt_at > now() + interval '1 minute'
+		 FROM outbox_event`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	type state struct {
+		status, claimedBy, lastError string
+		attempts                     int
+		published, retryLater        bool
+	}
+	got := map[string]state{}
+	for rows.Next() {
+		var id string
+		var s state
+		if err := rows.Scan(&id, &s.status, &s.attempts, &s.claimedBy, &s.lastError, &s.published, &s.retryLater); err != nil {
+			t.Fatal(err)
+		}
+		got[id] = s
+	}
+	if err := rows.Err(); err != nil {
+		t.Fatal(err)
+	}
+	for i, id := range ids {
+		s := got[id]
+		var want state
+		switch i {
+		case 0:
+			want = state{status: StatusDead, claimedBy: "test-relay", lastError: "permanent: refused for good", attempts: 1}
+		case 1, 2, 3:
+			want = state{status: StatusFailed, claimedBy: "test-relay", lastError: "broker busy", attempts: 1, retryLater: true}
+		case n - 1:
+			want = state{status: StatusInFlight, claimedBy: takenOver, attempts: 1}
+		default:
+			want = state{status: StatusPublished, claimedBy: "test-relay", attempts: 1, published: true}
+		}
+		if s != want {
+			t.Errorf("event %d: %+v, want %+v", i, s, want)
+		}
+	}
+	if c := completes.Load(); c == 0 || c > n/4 {
+		t.Errorf("%d outcomes written in %d statements, want at most %d", n, c, n/4)
+	}
+}
+
+// queryCounter counts the executions of one statement on a pool, alone or
+// in a batch.
+type queryCounter struct {
+	sql string
+	n   *atomic.Int32
+}
+
+func (q queryCounter) TraceQueryStart(ctx context.Context, _ *pgx.Conn, data pgx.TraceQueryStartData) context.Context {
+	if data.SQL == q.sql {
+		q.n.Add(1)
+	}
+	return ctx
+}
+
+func (queryCounter) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}
+
+func (q queryCounter) TraceBatchStart(ctx context.Context, _ *pgx.Conn, _ pgx.TraceBatchStartData) context.Context {
+	return ctx
+}
+
+func (q queryCounter) TraceBatchQuery(_ context.Context, _ *pgx.Conn, data pgx.TraceBatchQueryData) {
+	if data.SQL == q.sql {
+		q.n.Add(1)
+	}
+}
+
+func (queryCounter) TraceBatchEnd(context.Context, *pgx.Conn, pgx.TraceBatchEndData) {}

@@ -195,24 +195,28 @@ SET status = 'IN_FLIGHT', attempts = attempts + 1,
     next_attempt_at = clock_timestamp() + $2 * interval '1 millisecond', claimed_by = $3
 WHERE ctid = ANY($1::tid[])`
 
-	// The outcome of a detached publish, written outside any batch with a
-	// compare-and-set on id, status, owner token ($2) and attempt ($3): if
-	// the claim expired and another relay took the event over, nothing
-	// changes. The attempt was already counted when the event was marked.
-	completePublishedSQL = `
-UPDATE outbox_event SET status = 'PUBLISHED', published_at = clock_timestamp(), claimed_by = $4
-WHERE id = $1 AND status = 'IN_FLIGHT' AND claimed_by = $2 AND attempts = $3`
-
-	completeFailedSQL = `
-UPDATE outbox_event
-SET status = $4, next_attempt_at = clock_timestamp() + $5 * interval '1 millisecond',
-    last_error = $6, claimed_by = $7
-WHERE id = $1 AND status = 'IN_FLIGHT' AND claimed_by = $2 AND attempts = $3`
-
-	// Cancelled by a hard stop: back to PENDING, the attempt not used.
-	completeHandBackSQL = `
-UPDATE outbox_event SET status = 'PENDING', attempts = attempts - 1, next_attempt_at = clock_timestamp(), claimed_by = NULL
-WHERE id = $1 AND status = 'IN_FLIGHT' AND claimed_by = $2 AND attempts = $3`
+	// The outcomes of detached publishes, written outside any batch, many
+	// at once: one row per event with its owner token, the attempt the
+	// IN_FLIGHT write counted, the new status (PUBLISHED, FAILED, DEAD, or
+	// PENDING for a publish a hard stop cancelled, which gives the attempt
+	// back), the retry delay and the error. Each row is a compare-and-set
+	// on id, status, owner token and attempt: if the claim expired and
+	// another relay took the event over, or a hard stop handed it back,
+	// that row changes nothing. It returns the ids it changed. $7 is
+	// claimed_by for the rows that stay claimed by this instance.
+	completeSQL = `
+UPDATE outbox_event e
+SET status = c.status,
+    attempts = CASE WHEN c.status = 'PENDING' THEN e.attempts - 1 ELSE e.attempts END,
+    published_at = CASE WHEN c.status = 'PUBLISHED' THEN clock_timestamp() END,
+    next_attempt_at = CASE WHEN c.status = 'PUBLISHED' THEN e.next_attempt_at
+                           ELSE clock_timestamp() + c.delay_ms * interval '1 millisecond' END,
+    last_error = coalesce(c.err, e.last_error),
+    claimed_by = CASE WHEN c.status = 'PENDING' THEN NULL ELSE $7 END
+FROM unnest($1::bigint[], $2::text[], $3::integer[], $4::text[], $5::bigint[], $6::text[])
+     AS c(id, token, attempts, status, delay_ms, err)
+WHERE e.id = c.id AND e.status = 'IN_FLIGHT' AND e.claimed_by = c.token AND e.attempts = c.attempts
+RETURNING e.id`
 
 	// Sets up the claim transaction and reads the database clock, which
 	// latency is measured on. The idle timeout is the server side of the
