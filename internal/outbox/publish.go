@@ -147,6 +147,7 @@ func (b *batch) begin(run *runState, stop bool) *claimedRow {
 		return nil
 	}
 	run.busy = true
+	b.out.started++
 	return &run.events[run.pos]
 }
 
@@ -195,6 +196,7 @@ func (b *batch) cutOff() *outcomes {
 		if run.over {
 			continue
 		}
+		b.out.cutShort = true
 		if run.busy {
 			run.detached = true
 			b.out.detached = append(b.out.detached, &run.events[run.pos])

@@ -236,6 +236,7 @@ func (r *Relay) wakeAll() {
 
 // loopState is what a relay loop carries from one batch to the next.
 type loopState struct {
+	size         int           // events the next claim takes: batch_size, or fewer for a slow sink (nextSize)
 	window       int           // rows the next window claim reads
 	widened      bool          // the last claim widened the window: claim again at once
 	conn         *pgxpool.Conn // held while batches follow each other
@@ -280,6 +281,8 @@ type outcomes struct {
 	handBack  []*claimedRow
 	detached  []*claimedRow // still being published: written IN_FLIGHT under token
 	token     string
+	started   int           // events whose publish started
+	cutShort  bool          // detach_after ended the batch before all its events were published
 	settled   chan struct{} // closed once the outcomes are committed or rolled back
 	committed bool          // read after settled is closed
 }
@@ -319,6 +322,7 @@ func (r *Relay) runBatch(ctx context.Context, st *loopState) (int, error) {
 		out = r.publishTx(ts, st.conn.Conn(), runs, skew)
 	} else {
 		out = r.publish(runs, claimedAt, skew)
+		st.size = r.nextSize(st.size, out)
 	}
 	out.claimed = n
 	st.pending = out
@@ -333,9 +337,12 @@ func (r *Relay) runBatch(ctx context.Context, st *loopState) (int, error) {
 // heads from behind the window when it is blocked. It returns the runs to
 // publish, oldest head first, and the database clock minus ours.
 func (r *Relay) claim(ctx context.Context, st *loopState) ([][]claimedRow, time.Duration, error) {
-	n := r.cfg.BatchSize
-	if st.window < n {
-		st.window = n
+	if st.size == 0 {
+		st.size = r.cfg.BatchSize
+	}
+	n := st.size
+	if st.window < r.cfg.BatchSize {
+		st.window = r.cfg.BatchSize
 	}
 	conn := st.conn.Conn()
 	b := &pgx.Batch{}
@@ -394,7 +401,7 @@ func (r *Relay) claim(ctx context.Context, st *loopState) ([][]claimedRow, time.
 	}
 
 	cands := candidates(win)
-	runs, err := r.lockWindow(ctx, conn, cands, n)
+	runs, err := r.lockWindow(ctx, conn, cands, n, r.depth(n))
 	if err != nil {
 		return nil, 0, err
 	}
@@ -416,7 +423,7 @@ func (r *Relay) claim(ctx context.Context, st *loopState) ([][]claimedRow, time.
 	blocked := len(cands) < (n+1)/2
 	st.widened = false
 	switch {
-	case congested && st.window < maxWindowFactor*n:
+	case congested && st.window < maxWindowFactor*r.cfg.BatchSize:
 		st.window *= 2
 		st.widened = true // look again at once
 	case congested && blocked && time.Since(st.lookedBehind) >= r.cfg.PollInterval:
@@ -426,7 +433,7 @@ func (r *Relay) claim(ctx context.Context, st *loopState) ([][]claimedRow, time.
 			return nil, 0, err
 		}
 		runs = append(runs, more...)
-	case got >= n && st.window > n:
+	case got >= n && st.window > r.cfg.BatchSize:
 		st.window /= 2
 	}
 	return runs, skew, nil
@@ -452,18 +459,49 @@ func (r *Relay) lockBehind(ctx context.Context, conn *pgx.Conn, st *loopState, r
 		held[aggregateKey{run[0].AggregateType, run[0].AggregateID}] = true
 	}
 	heads = slices.DeleteFunc(heads, func(h windowRow) bool { return held[h.key] })
-	return r.lockWindow(ctx, conn, candidates(heads), n)
+	return r.lockWindow(ctx, conn, candidates(heads), n, r.depth(n))
 }
 
 // maxWindowFactor bounds the window at this many batches.
 const maxWindowFactor = 8
 
+// nextSize is how many events the loop claims after a batch that claimed
+// size. A batch that detach_after cut short claimed more than the sink took
+// in that time: the events it never started were read and locked for
+// nothing, and handed back. So the next claim takes as many as this one
+// started, at least one; a batch that finished doubles it again, up to
+// batch_size. Only a sink slower than batch_size events per detach_after
+// (or a hung call) makes batches smaller.
+func (r *Relay) nextSize(size int, out *outcomes) int {
+	if out.cutShort {
+		return max(1, min(size, out.started))
+	}
+	return min(r.cfg.BatchSize, 2*size)
+}
+
+// depth is the longest run of one aggregate a claim of n events takes: n
+// spread over max_in_flight aggregates once n is below batch_size. An
+// aggregate's events are published one after another, so a slow sink gets
+// through a batch faster as many short runs than as a few long ones.
+// Zero: no bound.
+func (r *Relay) depth(n int) int {
+	if n >= r.cfg.BatchSize {
+		return 0
+	}
+	return (n + r.cfg.MaxInFlight - 1) / r.cfg.MaxInFlight
+}
+
 // lockWindow locks heads and their runs, up to n events, in one statement.
-// It returns one run per locked head: the head, then as much of its run as
-// came back locked, in order.
-func (r *Relay) lockWindow(ctx context.Context, conn *pgx.Conn, cands []*candidate, n int) ([][]claimedRow, error) {
+// Runs are cut to depth events (0: no bound). It returns one run per locked
+// head: the head, then as much of its run as came back locked, in order.
+func (r *Relay) lockWindow(ctx context.Context, conn *pgx.Conn, cands []*candidate, n, depth int) ([][]claimedRow, error) {
 	if len(cands) == 0 {
 		return nil, nil
+	}
+	if depth > 0 {
+		for _, c := range cands {
+			c.run = c.run[:min(len(c.run), depth-1)] // a prefix: the rest waits, in order
+		}
 	}
 	// As many heads as a batch needs at the window's mean run length.
 	events := 0

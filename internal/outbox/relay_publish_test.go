@@ -23,6 +23,7 @@ import (
 // so publishes that can overlap do.
 type concurrencySink struct {
 	gather int
+	delay  time.Duration      // each call takes this long
 	hang   func(e Event) bool // events whose call blocks until ctx ends or release closes
 	// release, when closed, ends the hung calls with a transient error.
 	release chan struct{}
@@ -82,6 +83,7 @@ func (s *concurrencySink) Publish(ctx context.Context, e Event) error {
 			break
 		}
 	}
+	time.Sleep(s.delay) // the sink's answer time under test
 	s.mu.Lock()
 	s.arrived[e.AggregateID] = append(s.arrived[e.AggregateID], e.Seq)
 	s.mu.Unlock()
@@ -384,3 +386,73 @@ func (q queryCounter) TraceBatchQuery(_ context.Context, _ *pgx.Conn, data pgx.T
 }
 
 func (queryCounter) TraceBatchEnd(context.Context, *pgx.Conn, pgx.TraceBatchEndData) {}
+
+// TestRelayClaimsWhatASlowSinkTakes: with a sink that takes longer per
+// batch than detach_after allows, the loop claims about as many events as
+// it gets to publish in that time, spread over many aggregates, instead of
+// claiming batch_size events and handing most of them back unstarted each
+// time. Every event still arrives, in per-aggregate order.
+func TestRelayClaimsWhatASlowSinkTakes(t *testing.T) {
+	t.Parallel()
+	const aggregates, perAggregate = 200, 10
+	db := pgtest.New(t)
+	appendMany(t, db, aggregates, perAggregate, "agg-")
+	sink := newConcurrencySink(1)
+	sink.delay = 10 * time.Millisecond
+	cfg := testConfig()
+	cfg.MaxInFlight = 16
+	cfg.DetachAfter = 50 * time.Millisecond // ~80 publishes of 10 ms per batch
+	reg := prometheus.NewRegistry()
+	startRelay(t, db.Pool, sink, cfg, reg)
+
+	total := aggregates * perAggregate
+	testkit.Eventually(t, 60*time.Second, "every event delivered", func() bool { return sink.delivered() == total })
+	sink.checkOrder(t)
+	// Claiming batch_size (500) every time would claim each event ~6 times
+	// over; what the first batch hands back is the only waste expected.
+	if claimed := histogramSum(t, reg, "outbox_batch_size"); claimed > 1.5*float64(total) {
+		t.Errorf("claimed %.0f events to publish %d: batches do not follow what the sink takes", claimed, total)
+	}
+}
+
+// histogramSum reads the sum of the histogram name from g.
+func histogramSum(t *testing.T, g prometheus.Gatherer, name string) float64 {
+	t.Helper()
+	mfs, err := g.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, mf := range mfs {
+		if mf.GetName() == name && len(mf.GetMetric()) == 1 {
+			return mf.GetMetric()[0].GetHistogram().GetSampleSum()
+		}
+	}
+	t.Fatalf("no histogram %s", name)
+	return 0
+}
+
+func TestNextSize(t *testing.T) {
+	r := &Relay{cfg: testConfig()} // batch_size 500
+	for _, c := range []struct {
+		size int
+		out  outcomes
+		want int
+		why  string
+	}{
+		{500, outcomes{started: 500}, 500, "a batch that finished keeps batch_size"},
+		{500, outcomes{started: 120, cutShort: true}, 120, "cut short: claim what was started"},
+		{120, outcomes{started: 120}, 240, "finished: double"},
+		{400, outcomes{started: 400}, 500, "double, up to batch_size"},
+		{100, outcomes{started: 300, cutShort: true}, 100, "never more than was claimed"},
+		{10, outcomes{started: 0, cutShort: true}, 1, "at least one"},
+	} {
+		if got := r.nextSize(c.size, &c.out); got != c.want {
+			t.Errorf("%s: nextSize(%d, started %d) = %d, want %d", c.why, c.size, c.out.started, got, c.want)
+		}
+	}
+	for _, c := range []struct{ n, want int }{{500, 0}, {499, 8}, {64, 1}, {65, 2}, {1, 1}} {
+		if got := r.depth(c.n); got != c.want {
+			t.Errorf("depth(%d) with max_in_flight 64 = %d, want %d", c.n, got, c.want)
+		}
+	}
+}
