@@ -8,7 +8,6 @@ import (
 	"io"
 	"net"
 	"net/http"
-	"net/http/httptest"
 	"os"
 	osexec "os/exec"
 	"path/filepath"
@@ -332,12 +331,19 @@ func idleWorkerCPU(tb testing.TB, db *pgtest.DB) time.Duration {
 // that arrive out of their aggregate's order (by the payload's seq, which
 // follows insertion order). Requests for the aggregate hang (if not
 // empty) get no answer until the sender gives up or unhang is closed.
+//
+// It shares the cores with the worker and the database, so it is kept
+// cheap: a plain net/http server (httptest's connection tracking takes a
+// lock and two map writes per request), and each body read into a
+// reused buffer.
 type receiver struct {
-	srv     *httptest.Server
+	url     string
+	srv     *http.Server
 	delay   time.Duration
 	hang    string
 	unhang  chan struct{}
 	arrived func(eventID string, at time.Time)
+	bodies  sync.Pool // *bytes.Buffer
 
 	mu       sync.Mutex
 	lastSeq  map[string]int64 // by ce-subject
@@ -346,20 +352,34 @@ type receiver struct {
 }
 
 func newReceiver(delay time.Duration, hang string, arrived func(string, time.Time)) *receiver {
-	r := &receiver{delay: delay, hang: hang, unhang: make(chan struct{}), arrived: arrived, lastSeq: map[string]int64{}}
-	r.srv = httptest.NewServer(http.HandlerFunc(r.serve))
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		panic(fmt.Sprintf("receiver: %v", err))
+	}
+	r := &receiver{url: "http://" + l.Addr().String(), delay: delay, hang: hang, unhang: make(chan struct{}), arrived: arrived, lastSeq: map[string]int64{}}
+	r.bodies.New = func() any { return new(bytes.Buffer) }
+	r.srv = &http.Server{Handler: http.HandlerFunc(r.serve)}
+	go func() { _ = r.srv.Serve(l) }()
 	return r
 }
 
 // close answers the hung requests and stops the server.
 func (r *receiver) close() {
 	close(r.unhang)
-	r.srv.Close()
+	_ = r.srv.Close()
 }
 
 func (r *receiver) serve(w http.ResponseWriter, req *http.Request) {
-	now := time.Now()
-	body, _ := io.ReadAll(req.Body)
+	var now time.Time
+	if r.arrived != nil {
+		now = time.Now()
+	}
+	// Read to the end first: only then does net/http watch the connection
+	// and end a hung request's context when the sender gives up.
+	body := r.bodies.Get().(*bytes.Buffer)
+	defer r.bodies.Put(body)
+	body.Reset()
+	_, _ = body.ReadFrom(req.Body)
 	agg := req.Header.Get("Ce-Subject")
 	if r.hang != "" && agg == r.hang {
 		r.mu.Lock()
@@ -371,7 +391,7 @@ func (r *receiver) serve(w http.ResponseWriter, req *http.Request) {
 		}
 		return
 	}
-	seq, hasSeq := payloadSeq(body)
+	seq, hasSeq := payloadSeq(body.Bytes())
 	if r.arrived != nil {
 		r.arrived(req.Header.Get("Ce-Id"), now)
 	}

@@ -163,7 +163,7 @@ func runScalePhase(tb testing.TB, db *pgtest.DB, ph scalePhase, idle time.Durati
 	if ph.webhook {
 		rcv = newReceiver(ph.delay, "", nil)
 		defer rcv.close()
-		env = append(slices.Clone(env), "APP_OUTBOX_SINK=webhook", "APP_OUTBOX_WEBHOOK_URL="+rcv.srv.URL)
+		env = append(slices.Clone(env), "APP_OUTBOX_SINK=webhook", "APP_OUTBOX_WEBHOOK_URL="+rcv.url)
 	}
 	var broker *benchBroker
 	if ph.broker != "" {
@@ -320,7 +320,7 @@ func latencyRun(tb testing.TB, db *pgtest.DB, sink string) (p50, p99, worst time
 		rcv := newReceiver(0, "", arrivals.arrive)
 		defer rcv.close()
 		stdout = nil
-		env = []string{"APP_OUTBOX_SINK=webhook", "APP_OUTBOX_WEBHOOK_URL=" + rcv.srv.URL}
+		env = []string{"APP_OUTBOX_SINK=webhook", "APP_OUTBOX_WEBHOOK_URL=" + rcv.url}
 	}
 	w := startWorkerProc(tb, db, "bench-latency", stdout, env...)
 	w.waitReady(tb)
@@ -351,7 +351,7 @@ func BenchmarkRelayHungWebhook(b *testing.B) {
 			arrivals := newArrivals()
 			rcv := newReceiver(0, "hung", arrivals.arrive)
 			start := time.Now()
-			w := startWorkerProc(b, db, "bench-hung", nil, "APP_OUTBOX_SINK=webhook", "APP_OUTBOX_WEBHOOK_URL="+rcv.srv.URL)
+			w := startWorkerProc(b, db, "bench-hung", nil, "APP_OUTBOX_SINK=webhook", "APP_OUTBOX_WEBHOOK_URL="+rcv.url)
 			testkit.Eventually(b, 2*time.Minute, "the other aggregates' events to arrive", func() bool { return arrivals.count() >= 1000 })
 			took := arrivals.last().Sub(start)
 			_, hung := rcv.stats()
