@@ -98,13 +98,13 @@ func startKafka(tb testing.TB) *benchBroker {
 	}
 }
 
-// rabbitQueueArgs are the arguments of the benchmark's queue. Nothing
-// consumes it during a phase, so it grows to the whole backlog: a lazy
-// classic queue writes each message to disk at once instead of also
-// keeping it in the queue process's memory, which halved the broker's CPU
-// per persistent message on RabbitMQ 3.10 (~125 µs instead of ~250 at
-// 100,000 messages deep). From 3.12 on, classic queues work this way
-// anyway and ignore the argument.
+// rabbitQueueArgs are the arguments of the benchmark's queue, as
+// docs/sinks.md recommends for an outbox's queues: a lazy classic queue
+// writes each message to disk at once instead of also keeping it in the
+// queue process, which halved the broker's CPU per persistent message on
+// RabbitMQ 3.10 (~105 µs instead of ~215), and more so as a queue nobody
+// consumes grows to the whole backlog. From 3.12 on, classic queues work
+// this way anyway and ignore the argument.
 var rabbitQueueArgs = amqp.Table{"x-queue-mode": "lazy"}
 
 // prepareRabbitMQ declares a durable topic exchange and a durable queue
