@@ -1,10 +1,7 @@
 package outbox
 
 import (
-	"fmt"
 	"os"
-	"path/filepath"
-	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -13,6 +10,8 @@ import (
 	"github.com/nats-io/nats-server/v2/server"
 	amqp "github.com/rabbitmq/amqp091-go"
 	"github.com/twmb/franz-go/pkg/kfake"
+
+	"worker/internal/testkit"
 )
 
 // The brokers of BenchmarkRelayScale's broker phases. Each phase gets a
@@ -145,11 +144,11 @@ func prepareRabbitMQ(tb testing.TB) *benchBroker {
 		}
 		return ch.QueueBind(name, "#", name, false, nil)
 	})
-	pid := listenerPID(uri.Port)
+	pid := testkit.ListenerPID(uri.Port)
 	return &benchBroker{
 		env:    []string{"APP_OUTBOX_SINK=rabbitmq", "APP_OUTBOX_RABBITMQ_URL=" + url, "APP_OUTBOX_RABBITMQ_EXCHANGE=" + name},
 		pid:    pid,
-		pidCPU: processCPU(pid),
+		pidCPU: testkit.ProcessCPU(pid),
 		close: func() {
 			admin(func(ch *amqp.Channel) error {
 				if _, err := ch.QueueDelete(name, false, false, false); err != nil {
@@ -172,56 +171,9 @@ func brokerCPU(tb testing.TB, b *benchBroker, since time.Duration) time.Duration
 	case b.local:
 		return selfCPU(tb) - since
 	case b.pid != 0:
-		return processCPU(b.pid) - b.pidCPU
+		return testkit.ProcessCPU(b.pid) - b.pidCPU
 	}
 	return 0
-}
-
-// listenerPID returns the process on this machine that listens on the TCP
-// port, or 0 when none can be seen (another machine, or another user's
-// process without the right to read its descriptors).
-func listenerPID(port int) int {
-	want := fmt.Sprintf(":%04X", port)
-	inodes := map[string]bool{}
-	for _, table := range []string{"/proc/net/tcp", "/proc/net/tcp6"} {
-		b, err := os.ReadFile(table)
-		if err != nil {
-			continue
-		}
-		for _, line := range strings.Split(string(b), "\n")[1:] {
-			f := strings.Fields(line)
-			if len(f) > 9 && strings.HasSuffix(f[1], want) && f[3] == "0A" { // 0A: LISTEN
-				inodes["socket:["+f[9]+"]"] = true
-			}
-		}
-	}
-	if len(inodes) == 0 {
-		return 0
-	}
-	fds, _ := filepath.Glob("/proc/[0-9]*/fd/*")
-	for _, fd := range fds {
-		if link, err := os.Readlink(fd); err == nil && inodes[link] {
-			pid, _ := strconv.Atoi(strings.Split(fd, "/")[2])
-			return pid
-		}
-	}
-	return 0
-}
-
-// processCPU is the CPU time (user+system) of a process on this machine,
-// or 0 when it cannot be read.
-func processCPU(pid int) time.Duration {
-	if pid == 0 {
-		return 0
-	}
-	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
-	if err != nil {
-		return 0
-	}
-	f := strings.Fields(string(b)[strings.LastIndexByte(string(b), ')')+2:])
-	utime, _ := strconv.Atoi(f[11])
-	stime, _ := strconv.Atoi(f[12])
-	return time.Duration(utime+stime) * time.Second / 100 // USER_HZ
 }
 
 // brokerSetup describes the brokers for the printed table.
