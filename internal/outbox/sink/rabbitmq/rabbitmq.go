@@ -10,6 +10,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"net"
 	"strings"
 	"sync"
 	"time"
@@ -157,7 +158,14 @@ func (s *Sink) channel(ctx context.Context) (*amqp.Channel, error) {
 	if d, ok := ctx.Deadline(); ok {
 		dial = max(min(dial, time.Until(d)), 10*time.Millisecond)
 	}
-	cfg.Dial = amqp.DefaultDial(dial)
+	tcp := amqp.DefaultDial(dial)
+	cfg.Dial = func(network, addr string) (net.Conn, error) {
+		c, err := tcp(network, addr)
+		if err != nil {
+			return nil, err
+		}
+		return newCoalescingConn(c), nil
+	}
 	conn, err := amqp.DialConfig(s.cfg.URL, cfg)
 	if err != nil {
 		var ae *amqp.Error

@@ -1,0 +1,103 @@
+package rabbitmq
+
+import (
+	"context"
+	"fmt"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/google/uuid"
+	amqp "github.com/rabbitmq/amqp091-go"
+
+	"worker/internal/outbox"
+	"worker/internal/outbox/sinktest"
+	"worker/internal/testkit"
+)
+
+// BenchmarkPublish publishes b.N events through the sink from 64
+// goroutines at once (the relay's default max_in_flight), each waiting for
+// its confirm, into a durable queue that nothing consumes, once in the
+// default and once in the lazy queue mode (see docs/sinks.md, "Queues"). It
+// reports the client's CPU per message and, when the broker's process runs
+// on this machine, the broker's (whatever else uses the broker meanwhile
+// counts too: give it a node of its own with WORKER_TEST_RABBITMQ_URL).
+//
+//	go test -run '^$' -bench Publish -benchtime 30000x ./internal/outbox/sink/rabbitmq
+func BenchmarkPublish(b *testing.B) {
+	for _, mode := range []string{"default", "lazy"} {
+		b.Run(mode, func(b *testing.B) {
+			conn := requireBroker(b)
+			tg := declareQueue(b, conn, amqp.Table{"x-queue-mode": mode})
+			s := connect(b, tg.config())
+			uri, err := amqp.ParseURI(tg.url)
+			if err != nil {
+				b.Fatal(err)
+			}
+			broker := testkit.ListenerPID(uri.Port)
+			events := make([]outbox.Event, b.N)
+			for i := range events {
+				events[i] = sinktest.Event(fmt.Sprintf("order-%d", i%1000), i)
+			}
+			var next atomic.Int64
+			var wg sync.WaitGroup
+			brokerCPU, clientCPU := testkit.ProcessCPU(broker), selfCPU(b)
+			b.ResetTimer()
+			for range 64 {
+				wg.Go(func() {
+					for i := next.Add(1) - 1; i < int64(b.N); i = next.Add(1) - 1 {
+						if err := s.Publish(context.Background(), events[i]); err != nil {
+							b.Error(err)
+							return
+						}
+					}
+				})
+			}
+			wg.Wait()
+			b.StopTimer()
+			n := float64(b.N)
+			b.ReportMetric(n/b.Elapsed().Seconds(), "msgs/s")
+			b.ReportMetric(float64((selfCPU(b)-clientCPU).Microseconds())/n, "client-µs/msg")
+			if broker != 0 {
+				b.ReportMetric(float64((testkit.ProcessCPU(broker)-brokerCPU).Microseconds())/n, "broker-µs/msg")
+			}
+		})
+	}
+}
+
+// declareQueue declares a topic exchange and a durable queue with args,
+// bound with "#", both deleted when tb ends.
+func declareQueue(tb testing.TB, conn *amqp.Connection, args amqp.Table) target {
+	tb.Helper()
+	ch, err := conn.Channel()
+	if err != nil {
+		tb.Fatal(err)
+	}
+	name := "sinkbench-" + uuid.NewString()[:8]
+	tg := target{url: brokerURL(), exchange: name, queue: name}
+	if err := ch.ExchangeDeclare(name, "topic", true, false, false, false, nil); err != nil {
+		tb.Fatal(err)
+	}
+	if _, err := ch.QueueDeclare(name, true, false, false, false, args); err != nil {
+		tb.Fatal(err)
+	}
+	if err := ch.QueueBind(name, "#", name, false, nil); err != nil {
+		tb.Fatal(err)
+	}
+	tb.Cleanup(func() {
+		_, _ = ch.QueueDelete(name, false, false, false)
+		_ = ch.ExchangeDelete(name, false, false)
+	})
+	return tg
+}
+
+// selfCPU is this process's CPU time so far (user+system).
+func selfCPU(tb testing.TB) time.Duration {
+	var ru syscall.Rusage
+	if err := syscall.Getrusage(syscall.RUSAGE_SELF, &ru); err != nil {
+		tb.Fatal(err)
+	}
+	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
+}
