@@ -122,7 +122,7 @@ func drainCeiling(tb testing.TB, db *pgtest.DB) drainResult {
 	tb.Helper()
 	pool := benchPool(tb, db, "bench-ceiling", 1)
 	defer pool.Close()
-	cpu0 := selfCPU(tb)
+	cpu0 := testkit.SelfCPU(tb)
 	for {
 		rows, err := pool.Query(context.Background(), ceilingSQL)
 		if err != nil {
@@ -147,7 +147,7 @@ func drainCeiling(tb testing.TB, db *pgtest.DB) drainResult {
 			break
 		}
 	}
-	res := drainResult{clientCPU: selfCPU(tb) - cpu0, dbCPU: serverCPU(tb, db, "bench-ceiling")}
+	res := drainResult{clientCPU: testkit.SelfCPU(tb) - cpu0, dbCPU: serverCPU(tb, db, "bench-ceiling")}
 	res.events, res.rate = publishedSpan(tb, db.Pool)
 	return res
 }
@@ -185,25 +185,13 @@ func serverCPU(tb testing.TB, db *pgtest.DB, appName string) time.Duration {
 	}
 	var total time.Duration
 	for _, pid := range pids {
-		b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+		cpu, err := testkit.ProcessCPU(int(pid))
 		if err != nil {
 			tb.Fatalf("server CPU needs the database on this machine: %v", err)
 		}
-		f := strings.Fields(string(b)[strings.LastIndexByte(string(b), ')')+2:])
-		utime, _ := strconv.Atoi(f[11])
-		stime, _ := strconv.Atoi(f[12])
-		total += time.Duration(utime+stime) * time.Second / 100 // USER_HZ
+		total += cpu
 	}
 	return total
-}
-
-// selfCPU is this process's CPU time so far (user+system).
-func selfCPU(tb testing.TB) time.Duration {
-	var ru syscall.Rusage
-	if err := syscall.Getrusage(syscall.RUSAGE_SELF, &ru); err != nil {
-		tb.Fatal(err)
-	}
-	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
 }
 
 // workerBin is the worker binary built for the running benchmark.

@@ -265,24 +265,9 @@ func TestContractRelayDeadLettersUnreadableRows(t *testing.T) {
 	if n := metric("outbox_publish_latency_seconds", nil); n != 105 {
 		t.Errorf("%v latency observations, want 105", n)
 	}
-	if sum := histogramSum(t, reg, "outbox_publish_latency_seconds"); sum < 0 || sum > 105*60 {
+	if sum := testkit.HistogramSum(t, reg, "outbox_publish_latency_seconds"); sum < 0 || sum > 105*60 {
 		t.Errorf("latency sum %v s", sum)
 	}
-}
-
-func histogramSum(t *testing.T, g prometheus.Gatherer, name string) float64 {
-	t.Helper()
-	mfs, err := g.Gather()
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, mf := range mfs {
-		if mf.GetName() == name {
-			return mf.GetMetric()[0].GetHistogram().GetSampleSum()
-		}
-	}
-	t.Fatalf("no metric %s", name)
-	return 0
 }
 
 // TestContractRetryDeadLeavesRuleBreakersDead: requeuing resets attempts,

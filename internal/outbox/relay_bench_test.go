@@ -172,7 +172,7 @@ func runScalePhase(tb testing.TB, db *pgtest.DB, ph scalePhase, idle time.Durati
 		env = append(slices.Clone(env), broker.env...)
 	}
 	instance := "bench-" + ph.key + "-"
-	cpu0 := selfCPU(tb)
+	cpu0 := testkit.SelfCPU(tb)
 	var procs []*workerProc
 	for i := range ph.procs {
 		procs = append(procs, startWorkerProc(tb, db, fmt.Sprintf("%s%d", instance, i), nil, env...))

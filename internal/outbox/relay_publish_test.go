@@ -410,25 +410,9 @@ func TestRelayClaimsWhatASlowSinkTakes(t *testing.T) {
 	sink.checkOrder(t)
 	// Claiming batch_size (500) every time would claim each event ~6 times
 	// over; what the first batch hands back is the only waste expected.
-	if claimed := histogramSum(t, reg, "outbox_batch_size"); claimed > 1.5*float64(total) {
+	if claimed := testkit.HistogramSum(t, reg, "outbox_batch_size"); claimed > 1.5*float64(total) {
 		t.Errorf("claimed %.0f events to publish %d: batches do not follow what the sink takes", claimed, total)
 	}
-}
-
-// histogramSum reads the sum of the histogram name from g.
-func histogramSum(t *testing.T, g prometheus.Gatherer, name string) float64 {
-	t.Helper()
-	mfs, err := g.Gather()
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, mf := range mfs {
-		if mf.GetName() == name && len(mf.GetMetric()) == 1 {
-			return mf.GetMetric()[0].GetHistogram().GetSampleSum()
-		}
-	}
-	t.Fatalf("no histogram %s", name)
-	return 0
 }
 
 func TestNextSize(t *testing.T) {

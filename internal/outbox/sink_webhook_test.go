@@ -702,21 +702,27 @@ func BenchmarkWebhook(b *testing.B) {
 	})
 }
 
-// An answer with a body is read to its end (up to maxDrain), so the
-// connection goes back to the pool instead of being closed.
-func TestWebhookSinkDrainsAnswersToReuseTheConnection(t *testing.T) {
-	t.Parallel()
-	var dialed atomic.Int32
-	srv := httptest.NewUnstartedServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		_, _ = io.WriteString(w, strings.Repeat("accepted ", 500)) // 200 with a body the sink does not need
-	}))
+// startCountingConns starts srv and counts the connections it accepts.
+func startCountingConns(t *testing.T, srv *httptest.Server) *atomic.Int32 {
+	var accepted atomic.Int32
 	srv.Config.ConnState = func(_ net.Conn, s http.ConnState) {
 		if s == http.StateNew {
-			dialed.Add(1)
+			accepted.Add(1)
 		}
 	}
 	srv.Start()
 	t.Cleanup(srv.Close)
+	return &accepted
+}
+
+// An answer with a body is read to its end (up to maxDrain), so the
+// connection goes back to the pool instead of being closed.
+func TestWebhookSinkDrainsAnswersToReuseTheConnection(t *testing.T) {
+	t.Parallel()
+	srv := httptest.NewUnstartedServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		_, _ = io.WriteString(w, strings.Repeat("accepted ", 500)) // 200 with a body the sink does not need
+	}))
+	dialed := startCountingConns(t, srv)
 	s := newTestWebhookSink(t, srv.URL, "")
 	for range 5 {
 		if err := s.Publish(context.Background(), whEvent()); err != nil {
@@ -736,7 +742,6 @@ func TestWebhookSinkDrainsAnswersToReuseTheConnection(t *testing.T) {
 func TestWebhookSinkReusesConnectionsOfConcurrentPublishes(t *testing.T) {
 	t.Parallel()
 	const inFlight, bursts = 8, 3
-	var dialed atomic.Int32
 	arrived := make(chan struct{})
 	var release atomic.Pointer[chan struct{}]
 	srv := httptest.NewUnstartedServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
@@ -745,13 +750,7 @@ func TestWebhookSinkReusesConnectionsOfConcurrentPublishes(t *testing.T) {
 		<-gate
 		w.WriteHeader(http.StatusNoContent)
 	}))
-	srv.Config.ConnState = func(_ net.Conn, s http.ConnState) {
-		if s == http.StateNew {
-			dialed.Add(1)
-		}
-	}
-	srv.Start()
-	t.Cleanup(srv.Close)
+	dialed := startCountingConns(t, srv)
 	s := newTestWebhookSink(t, srv.URL, "")
 
 	for burst := range bursts {

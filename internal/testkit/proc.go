@@ -6,6 +6,8 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
+	"syscall"
+	"testing"
 	"time"
 )
 
@@ -41,18 +43,27 @@ func ListenerPID(port int) int {
 	return 0
 }
 
-// ProcessCPU is the CPU time (user+system) of a process on this machine,
-// or 0 when it cannot be read.
-func ProcessCPU(pid int) time.Duration {
+// ProcessCPU is the CPU time (user+system) of a process on this machine.
+// pid 0 (a process not seen, see ListenerPID) reads 0.
+func ProcessCPU(pid int) (time.Duration, error) {
 	if pid == 0 {
-		return 0
+		return 0, nil
 	}
 	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
 	if err != nil {
-		return 0
+		return 0, err
 	}
 	f := strings.Fields(string(b)[strings.LastIndexByte(string(b), ')')+2:])
 	utime, _ := strconv.Atoi(f[11])
 	stime, _ := strconv.Atoi(f[12])
-	return time.Duration(utime+stime) * time.Second / 100 // USER_HZ
+	return time.Duration(utime+stime) * time.Second / 100, nil // USER_HZ
+}
+
+// SelfCPU is this process's CPU time so far (user+system).
+func SelfCPU(tb testing.TB) time.Duration {
+	var ru syscall.Rusage
+	if err := syscall.Getrusage(syscall.RUSAGE_SELF, &ru); err != nil {
+		tb.Fatal(err)
+	}
+	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
 }

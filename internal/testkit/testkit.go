@@ -85,6 +85,22 @@ func Eventually(t testing.TB, within time.Duration, what string, cond func() boo
 	}
 }
 
+// HistogramSum reads the sum of the unlabelled histogram name from g.
+func HistogramSum(t testing.TB, g prometheus.Gatherer, name string) float64 {
+	t.Helper()
+	mfs, err := g.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, mf := range mfs {
+		if mf.GetName() == name && len(mf.GetMetric()) > 0 {
+			return mf.GetMetric()[0].GetHistogram().GetSampleSum()
+		}
+	}
+	t.Fatalf("no histogram %s", name)
+	return 0
+}
+
 // Metric reads the series name{labels} from g, labels being exactly the
 // series' labels: a counter's or gauge's value, or a histogram's sample
 // count. found is false when there is no such series.
