@@ -49,8 +49,9 @@ type Relay struct {
 	m          *metrics
 	lockSQL    string
 
-	wake  []chan struct{} // one per loop; a token means "look again"
-	slots chan struct{}   // one token per publish in progress: max_in_flight
+	wake   []chan struct{} // one per loop; a token means "look again"
+	shares *shares         // splits windows between the loops; nil with one loop
+	slots  chan struct{}   // one token per publish in progress: max_in_flight
 
 	mu           sync.Mutex
 	started      bool
@@ -103,6 +104,9 @@ func NewRelay(pool *pgxpool.Pool, sink Sink, cfg Config, instanceID string, log 
 	}
 	for i := range r.wake {
 		r.wake[i] = make(chan struct{}, 1)
+	}
+	if cfg.Relays > 1 {
+		r.shares = newShares(r.wake)
 	}
 	return r, nil
 }
@@ -198,7 +202,7 @@ func (r *Relay) loop(i int) {
 	poll := time.NewTimer(r.cfg.PollInterval)
 	defer poll.Stop()
 	failures := 0
-	var st loopState
+	st := loopState{loop: i}
 	defer r.settle(&st)
 	for r.claimCtx.Err() == nil {
 		n, err := r.runBatch(r.claimCtx, &st)
@@ -211,7 +215,7 @@ func (r *Relay) loop(i int) {
 			continue
 		}
 		failures = 0
-		if n > 0 || st.widened {
+		if n > 0 || st.again {
 			continue
 		}
 		r.settle(&st)
@@ -236,9 +240,10 @@ func (r *Relay) wakeAll() {
 
 // loopState is what a relay loop carries from one batch to the next.
 type loopState struct {
+	loop         int           // the loop's index, which is also its share of the windows
 	size         int           // events the next claim takes: batch_size, or fewer for a slow sink (nextSize)
 	window       int           // rows the next window claim reads
-	widened      bool          // the last claim widened the window: claim again at once
+	again        bool          // claim again at once: the window was widened, or a share was stale
 	conn         *pgxpool.Conn // held while batches follow each other
 	pending      *outcomes     // the last batch's outcomes, not yet committed
 	behind       aggregateKey  // where the next look behind the window starts
@@ -248,6 +253,9 @@ type loopState struct {
 // settle commits the pending outcomes, if any, and gives the connection
 // back to the pool.
 func (r *Relay) settle(st *loopState) {
+	if r.shares != nil {
+		r.shares.hold(st.loop, nil)
+	}
 	if st.conn == nil {
 		return
 	}
@@ -299,6 +307,9 @@ func (r *Relay) runBatch(ctx context.Context, st *loopState) (int, error) {
 		st.conn = conn
 	}
 	runs, skew, err := r.claim(ctx, st)
+	if r.shares != nil {
+		r.shares.hold(st.loop, runs)
+	}
 	if err != nil {
 		rollback(st.conn.Conn())
 		st.conn.Release()
@@ -341,8 +352,11 @@ func (r *Relay) claim(ctx context.Context, st *loopState) ([][]claimedRow, time.
 		st.size = r.cfg.BatchSize
 	}
 	n := st.size
-	if st.window < r.cfg.BatchSize {
-		st.window = r.cfg.BatchSize
+	st.window = max(st.window, r.minWindow())
+	// A share left from a sibling's window needs no window of its own.
+	var cands []*candidate
+	if r.shares != nil {
+		cands = r.shares.take(st.loop, n)
 	}
 	conn := st.conn.Conn()
 	b := &pgx.Batch{}
@@ -364,7 +378,10 @@ func (r *Relay) claim(ctx context.Context, st *loopState) ([][]claimedRow, time.
 	// claims, the server ends the session after the visibility timeout,
 	// which releases them.
 	b.Queue(beginClaimSQL, strconv.FormatInt(r.cfg.InFlightTimeout.Milliseconds(), 10))
-	b.Queue(windowSQL, st.window)
+	fromShare := len(cands) > 0
+	if !fromShare {
+		b.Queue(windowSQL, st.window)
+	}
 	res := conn.SendBatch(sendCtx, b)
 	defer res.Close()
 	var err error
@@ -389,9 +406,17 @@ func (r *Relay) claim(ctx context.Context, st *loopState) ([][]claimedRow, time.
 		return nil, 0, err
 	}
 	skew := time.Until(dbNow) // database clock minus ours
-	win, err := readWindow(res.Query())
-	if err != nil {
-		return nil, 0, err
+	var win []windowRow
+	var all []*candidate // the whole window's, for all loops
+	if !fromShare {
+		if win, err = readWindow(res.Query()); err != nil {
+			return nil, 0, err
+		}
+		all = candidates(win)
+		cands = all
+		if r.shares != nil {
+			cands = r.shares.split(all, st.loop, n)
+		}
 	}
 	if err := res.Close(); err != nil {
 		return nil, 0, err
@@ -400,7 +425,6 @@ func (r *Relay) claim(ctx context.Context, st *loopState) ([][]claimedRow, time.
 		return nil, 0, err // stopping: lock nothing only to hand it back
 	}
 
-	cands := candidates(win)
 	runs, err := r.lockWindow(ctx, conn, cands, n, r.depth(n))
 	if err != nil {
 		return nil, 0, err
@@ -419,13 +443,15 @@ func (r *Relay) claim(ctx context.Context, st *loopState) ([][]claimedRow, time.
 	// interval, so that the aggregates behind cannot starve. Many
 	// aggregates that other relays hold are no reason to look behind: those
 	// relays are working, and the window moves on as they finish.
-	congested := got < (n+1)/2 && len(win) >= st.window
-	blocked := len(cands) < (n+1)/2
-	st.widened = false
+	congested := !fromShare && got < (n+1)/2 && len(win) >= st.window
+	blocked := len(all) < (n+1)/2
+	// A share whose heads others took meanwhile says nothing about the
+	// backlog: read a window at once rather than sleep.
+	st.again = fromShare && got == 0
 	switch {
 	case congested && st.window < maxWindowFactor*r.cfg.BatchSize:
 		st.window *= 2
-		st.widened = true // look again at once
+		st.again = true
 	case congested && blocked && time.Since(st.lookedBehind) >= r.cfg.PollInterval:
 		st.lookedBehind = time.Now()
 		more, err := r.lockBehind(ctx, conn, st, runs, n-got)
@@ -433,10 +459,21 @@ func (r *Relay) claim(ctx context.Context, st *loopState) ([][]claimedRow, time.
 			return nil, 0, err
 		}
 		runs = append(runs, more...)
-	case got >= n && st.window > r.cfg.BatchSize:
+	case !fromShare && got >= n && st.window > r.minWindow():
 		st.window /= 2
 	}
 	return runs, skew, nil
+}
+
+// minWindow is the window a claim reads when nothing is congested. With
+// several loops, one window read serves them all (see shares), and its
+// oldest rows are mostly the siblings' batches being published, so it
+// holds two batches per loop.
+func (r *Relay) minWindow() int {
+	if r.cfg.Relays == 1 {
+		return r.cfg.BatchSize
+	}
+	return r.cfg.BatchSize * min(2*r.cfg.Relays, maxWindowFactor)
 }
 
 // lockBehind locks up to n heads of aggregates anywhere in the backlog,

@@ -17,18 +17,26 @@ import (
 
 // BenchmarkPublish publishes b.N events through the sink from 64
 // goroutines at once (the relay's default max_in_flight), each waiting for
-// its confirm, into a durable queue that nothing consumes, once in the
-// default and once in the lazy queue mode (see docs/sinks.md, "Queues"). It
+// its confirm, into a durable queue that nothing consumes: a classic queue
+// in its default and in the lazy mode, and a stream (see docs/sinks.md,
+// "Queues"). It
 // reports the client's CPU per message and, when the broker's process runs
 // on this machine, the broker's (whatever else uses the broker meanwhile
 // counts too: give it a node of its own with WORKER_TEST_RABBITMQ_URL).
 //
 //	go test -run '^$' -bench Publish -benchtime 30000x ./internal/outbox/sink/rabbitmq
 func BenchmarkPublish(b *testing.B) {
-	for _, mode := range []string{"default", "lazy"} {
-		b.Run(mode, func(b *testing.B) {
+	for _, q := range []struct {
+		name string
+		args amqp.Table
+	}{
+		{"default", amqp.Table{"x-queue-mode": "default"}},
+		{"lazy", amqp.Table{"x-queue-mode": "lazy"}},
+		{"stream", amqp.Table{"x-queue-type": "stream"}},
+	} {
+		b.Run(q.name, func(b *testing.B) {
 			conn := requireBroker(b)
-			tg := declareQueue(b, conn, amqp.Table{"x-queue-mode": mode})
+			tg := declareQueue(b, conn, q.args)
 			s := connect(b, tg.config())
 			uri, err := amqp.ParseURI(tg.url)
 			if err != nil {

@@ -1,0 +1,118 @@
+package outbox
+
+import (
+	"hash/maphash"
+	"sync"
+)
+
+// shares splits the windows that a relay's loops read between them, by a
+// hash of the aggregate: each loop locks only the heads of its own share.
+// Without it every loop of a process tried to lock the same oldest heads,
+// found most of them held by its siblings, widened its window and tried
+// again: draining 200,000 events with 4 loops, the relay read 6.3 window
+// rows and sent the lock statement 2.2 candidate heads per event, where one
+// loop reads 1 and sends 0.8, and the database spent the difference. Now a
+// window read serves the siblings too: the reader keeps its own share and
+// leaves the others theirs, and a sibling claims from its share without
+// reading a window of its own.
+//
+// A share can be a little older than the claim that uses it. That is as
+// safe as the window itself, which is read in a statement of its own: an
+// aggregate gains no earlier unfinished event later (new events get larger
+// ids), and the lock statement rechecks every row, so a head that was
+// published meanwhile is not taken again. Other processes are not
+// coordinated; SKIP LOCKED keeps them apart as before.
+type shares struct {
+	seed  maphash.Seed
+	wake  []chan struct{} // the loops' wake-up channels, by share
+	mu    sync.Mutex
+	queue [][]*candidate              // per loop: candidates not taken yet, oldest head first
+	held  []map[aggregateKey]struct{} // per loop: the aggregates its current batch holds
+}
+
+func newShares(wake []chan struct{}) *shares {
+	return &shares{
+		seed: maphash.MakeSeed(), wake: wake,
+		queue: make([][]*candidate, len(wake)), held: make([]map[aggregateKey]struct{}, len(wake)),
+	}
+}
+
+// hold records the aggregates of loop's current batch (none: it holds
+// nothing). A window read meanwhile still shows their events as unfinished,
+// but they are the loop's own batch, being published: handing them to it
+// as its next share would make it claim heads that are gone by then.
+func (s *shares) hold(loop int, runs [][]claimedRow) {
+	var held map[aggregateKey]struct{}
+	if len(runs) > 0 {
+		held = make(map[aggregateKey]struct{}, len(runs))
+		for _, run := range runs {
+			held[aggregateKey{run[0].AggregateType, run[0].AggregateID}] = struct{}{}
+		}
+	}
+	s.mu.Lock()
+	s.held[loop] = held
+	s.mu.Unlock()
+}
+
+// of is the loop whose share key is in.
+func (s *shares) of(key aggregateKey) int {
+	var h maphash.Hash
+	h.SetSeed(s.seed)
+	h.WriteString(key.typ)
+	h.WriteByte(0)
+	h.WriteString(key.id)
+	return int(h.Sum64() % uint64(len(s.wake)))
+}
+
+// split hands out the candidates of a window that loop read: each loop's
+// share replaces what it had left from an older window, without the
+// aggregates its current batch holds, and a loop whose share is not empty
+// is woken, so it does not sleep on work its sibling found. It returns
+// loop's own share, up to n events (see take); loop's own previous batch
+// is committed by the time its window is read, so nothing is left out of
+// that.
+func (s *shares) split(cands []*candidate, loop, n int) []*candidate {
+	queue := make([][]*candidate, len(s.wake))
+	s.mu.Lock()
+	for _, c := range cands {
+		k := s.of(c.head.key)
+		if _, held := s.held[k][c.head.key]; held && k != loop {
+			continue
+		}
+		queue[k] = append(queue[k], c)
+	}
+	var wake []int
+	for k, q := range queue {
+		if k != loop && len(q) > 0 {
+			wake = append(wake, k)
+		}
+	}
+	s.queue = queue
+	s.mu.Unlock()
+	for _, k := range wake {
+		select {
+		case s.wake[k] <- struct{}{}:
+		default: // a token is already waiting
+		}
+	}
+	return s.take(loop, n)
+}
+
+// take removes and returns candidates from loop's share, oldest head first,
+// as many as make up n events (each is its head and its run); the rest
+// stays for its next claim. Nil when the share is empty: read a window.
+func (s *shares) take(loop, n int) []*candidate {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	q := s.queue[loop]
+	i, events := 0, 0
+	for i < len(q) && events < n {
+		events += 1 + len(q[i].run)
+		i++
+	}
+	if i == 0 {
+		return nil
+	}
+	s.queue[loop] = q[i:]
+	return q[:i:i]
+}
