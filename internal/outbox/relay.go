@@ -231,10 +231,15 @@ func (r *Relay) loop(i int) {
 // wakeAll tells every loop to look for work.
 func (r *Relay) wakeAll() {
 	for _, w := range r.wake {
-		select {
-		case w <- struct{}{}:
-		default: // a token is already waiting
-		}
+		wake(w)
+	}
+}
+
+// wake leaves a loop the token that makes it look again.
+func wake(w chan struct{}) {
+	select {
+	case w <- struct{}{}:
+	default: // a token is already waiting
 	}
 }
 

@@ -81,19 +81,16 @@ func (s *shares) split(cands []*candidate, loop, n int) []*candidate {
 		}
 		queue[k] = append(queue[k], c)
 	}
-	var wake []int
+	var found []int
 	for k, q := range queue {
 		if k != loop && len(q) > 0 {
-			wake = append(wake, k)
+			found = append(found, k)
 		}
 	}
 	s.queue = queue
 	s.mu.Unlock()
-	for _, k := range wake {
-		select {
-		case s.wake[k] <- struct{}{}:
-		default: // a token is already waiting
-		}
+	for _, k := range found {
+		wake(s.wake[k])
 	}
 	return s.take(loop, n)
 }
