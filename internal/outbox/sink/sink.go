@@ -59,6 +59,7 @@ func AttributeKeys(prefix string) map[string]string {
 type Template struct {
 	parts  []templatePart
 	escape func(string) string
+	fixed  int // bytes of literal text, to size a rendered name at once
 }
 
 type templatePart struct {
@@ -100,6 +101,9 @@ func ParseTemplate(key, text string, fixed map[string]string, escape func(string
 		}
 		rest = rest[open+closing+1:]
 	}
+	for _, p := range t.parts {
+		t.fixed += len(p.text)
+	}
 	return t, nil
 }
 
@@ -111,9 +115,11 @@ func placeholders(fixed map[string]string) string {
 	return strings.Join(names, ", ")
 }
 
-// Render returns the name for e.
+// Render returns the name for e. It runs once per event, so the name is
+// built in one allocation unless escaping lengthens a value.
 func (t *Template) Render(e outbox.Event) string {
 	var b strings.Builder
+	b.Grow(t.fixed + len(e.AggregateType) + len(e.AggregateID) + len(e.EventType))
 	for _, p := range t.parts {
 		if p.field == nil {
 			b.WriteString(p.text)
