@@ -18,8 +18,8 @@ import (
 // BenchmarkPublish publishes b.N events through the sink from 64
 // goroutines at once (the relay's default max_in_flight), each waiting for
 // its confirm, into a durable queue that nothing consumes: a classic queue
-// in its default and in the lazy mode, and a stream (see docs/sinks.md,
-// "Queues"). It
+// in its default mode, lazy, and lazy of version 2, and a stream (see
+// docs/sinks.md, "Queues"). It
 // reports the client's CPU per message and, when the broker's process runs
 // on this machine, the broker's (whatever else uses the broker meanwhile
 // counts too: give it a node of its own with WORKER_TEST_RABBITMQ_URL).
@@ -32,6 +32,7 @@ func BenchmarkPublish(b *testing.B) {
 	}{
 		{"default", amqp.Table{"x-queue-mode": "default"}},
 		{"lazy", amqp.Table{"x-queue-mode": "lazy"}},
+		{"lazy-v2", amqp.Table{"x-queue-mode": "lazy", "x-queue-version": 2}},
 		{"stream", amqp.Table{"x-queue-type": "stream"}},
 	} {
 		b.Run(q.name, func(b *testing.B) {
