@@ -82,6 +82,9 @@ func NewRelay(pool *pgxpool.Pool, sink Sink, cfg Config, instanceID string, log 
 	if pool == nil || sink == nil {
 		return nil, errors.New("outbox: relay needs a pool and a sink")
 	}
+	if cfg.MaxInFlight == 0 {
+		cfg.MaxInFlight = DefaultMaxInFlight(sink.Name())
+	}
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}

@@ -416,7 +416,9 @@ func TestRelayClaimsWhatASlowSinkTakes(t *testing.T) {
 }
 
 func TestNextSize(t *testing.T) {
-	r := &Relay{cfg: testConfig()} // batch_size 500
+	cfg := testConfig()
+	cfg.MaxInFlight = 64
+	r := &Relay{cfg: cfg} // batch_size 500
 	for _, c := range []struct {
 		size int
 		out  outcomes

@@ -240,6 +240,9 @@ func LoadConfig(path string, environ []string) (*Config, error) {
 		cfg.Instance.ID = defaultInstanceID()
 		cfg.instanceIDDerived = true
 	}
+	if cfg.Outbox.MaxInFlight == 0 {
+		cfg.Outbox.MaxInFlight = outbox.DefaultMaxInFlight(cfg.Outbox.Sink)
+	}
 	if err := cfg.validate(source); err != nil {
 		return nil, nameEnvSources(err, fromEnv)
 	}

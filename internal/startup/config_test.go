@@ -422,3 +422,29 @@ jobs:
 		t.Errorf("jobs printed as\n%v\nwant\n%v", doc.Jobs, want)
 	}
 }
+
+// TestMaxInFlightFollowsTheSink: left unset, outbox.max_in_flight is the
+// sink's default (more for a broker than for a webhook receiver), and a
+// value that is set wins.
+func TestMaxInFlightFollowsTheSink(t *testing.T) {
+	t.Parallel()
+	for _, c := range []struct {
+		env  []string
+		want int
+	}{
+		{[]string{"APP_OUTBOX_SINK=log"}, 64},
+		{[]string{"APP_OUTBOX_SINK=webhook", "APP_OUTBOX_WEBHOOK_URL=http://127.0.0.1:1/hook"}, 64},
+		{[]string{"APP_OUTBOX_SINK=nats"}, 256},
+		{[]string{"APP_OUTBOX_SINK=rabbitmq"}, 256},
+		{[]string{"APP_OUTBOX_SINK=kafka"}, 256},
+		{[]string{"APP_OUTBOX_SINK=nats", "APP_OUTBOX_MAX_IN_FLIGHT=32"}, 32},
+	} {
+		cfg, err := LoadConfig(writeFile(t, "{}\n"), c.env)
+		if err != nil {
+			t.Fatalf("%v: %v", c.env, err)
+		}
+		if got := cfg.Outbox.MaxInFlight; got != c.want {
+			t.Errorf("%v: max_in_flight = %d, want %d", c.env, got, c.want)
+		}
+	}
+}
