@@ -1,0 +1,58 @@
+package nats
+
+import (
+	"context"
+	"fmt"
+	"sync"
+	"sync/atomic"
+	"testing"
+
+	"worker/internal/outbox"
+	"worker/internal/outbox/sinktest"
+	"worker/internal/testkit"
+)
+
+// BenchmarkPublish publishes b.N events through the sink from 256
+// goroutines at once (the relay's default max_in_flight for a broker),
+// each waiting for its ack, into a file-storage stream on an in-process
+// server (or the one WORKER_TEST_NATS_URL names). It reports the
+// process's CPU per message: the client's and, in process, the server's.
+// The events carry a W3C traceparent, sampled or not: a sampled one makes
+// the server parse every header of the message into a map, to look for a
+// trace destination (see docs/sinks.md, "Message").
+//
+//	go test -run '^$' -bench Publish -benchtime 100000x -benchmem ./internal/outbox/sink/nats
+func BenchmarkPublish(b *testing.B) {
+	for _, flags := range []struct{ name, value string }{{"sampled", "01"}, {"unsampled", "00"}} {
+		b.Run(flags.name, func(b *testing.B) {
+			tg, _ := newTarget(b, false)
+			tg.createStream(b, 0)
+			s := connect(b, tg.config())
+			events := make([]outbox.Event, b.N)
+			for i := range events {
+				events[i] = sinktest.Event(fmt.Sprintf("order-%d", i%1000), i)
+				events[i].Headers["traceparent"] = fmt.Sprintf("00-%032x-%016x-%s", i+1, i+1, flags.value)
+			}
+			var next atomic.Int64
+			var wg sync.WaitGroup
+			cpu := testkit.SelfCPU(b)
+			b.ReportAllocs()
+			b.ResetTimer()
+			for range 256 {
+				wg.Go(func() {
+					for i := next.Add(1) - 1; i < int64(b.N); i = next.Add(1) - 1 {
+						if err := s.Publish(context.Background(), events[i]); err != nil {
+							b.Error(err)
+							return
+						}
+					}
+				})
+			}
+			wg.Wait()
+			b.StopTimer()
+			n := float64(b.N)
+			b.ReportMetric(n/b.Elapsed().Seconds(), "msgs/s")
+			b.ReportMetric(float64((testkit.SelfCPU(b)-cpu).Microseconds())/n, "cpu-µs/msg")
+		})
+	}
+}
