@@ -1,8 +1,11 @@
 package startup_test
 
 import (
+	"cmp"
 	"net"
 	"net/http"
+	"net/url"
+	"os"
 	"strings"
 	"syscall"
 	"testing"
@@ -11,7 +14,10 @@ import (
 	"github.com/nats-io/nats-server/v2/server"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
+	"github.com/twmb/franz-go/pkg/kfake"
 
+	"worker/internal/outbox/sink"
+	"worker/internal/outbox/sinktest"
 	"worker/internal/pgtest"
 	"worker/internal/testkit"
 )
@@ -186,13 +192,91 @@ func TestRabbitMQSinkStartFailures(t *testing.T) {
 	})
 	t.Run("missing exchange", func(t *testing.T) {
 		t.Parallel()
+		// The broker of the rabbitmq sink's tests, with their opt-out.
+		if os.Getenv("WORKER_TEST_RABBITMQ_SKIP") != "" {
+			t.Skip("WORKER_TEST_RABBITMQ_SKIP is set: RabbitMQ tests skipped")
+		}
+		url := cmp.Or(os.Getenv("WORKER_TEST_RABBITMQ_URL"), "amqp://guest:guest@127.0.0.1:5672/")
 		p := startWorker(t, []string{"APP_DATABASE_URL=" + db.URL, "APP_OUTBOX_SINK=rabbitmq",
-			"APP_OUTBOX_RABBITMQ_EXCHANGE=no-such-exchange-for-worker-tests"})
+			"APP_OUTBOX_RABBITMQ_URL=" + url, "APP_OUTBOX_RABBITMQ_EXCHANGE=no-such-exchange-for-worker-tests"})
 		if code := p.exitCode(t, 20*time.Second); code != 78 {
-			t.Fatalf("exit %d, want 78 (is RabbitMQ running on 127.0.0.1:5672?)", code)
+			t.Fatalf("exit %d, want 78 (is RabbitMQ running at %s? WORKER_TEST_RABBITMQ_URL names another)", code, sink.RedactURLs(url))
 		}
 		if !strings.Contains(p.out.String(), "outbox.rabbitmq.exchange") {
 			t.Errorf("the key is not named:\n%s", p.out.String())
+		}
+	})
+}
+
+// The rabbitmq sink's broker in /readyz: ready while the broker answers,
+// 503 naming it once the connection is gone. The worker reaches the broker
+// through a proxy, so the test can take it away from this worker alone.
+func TestRabbitMQSinkReadiness(t *testing.T) {
+	t.Parallel()
+	if os.Getenv("WORKER_TEST_RABBITMQ_SKIP") != "" {
+		t.Skip("WORKER_TEST_RABBITMQ_SKIP is set: RabbitMQ tests skipped")
+	}
+	u, err := url.Parse(cmp.Or(os.Getenv("WORKER_TEST_RABBITMQ_URL"), "amqp://guest:guest@127.0.0.1:5672/"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if u.Port() == "" {
+		u.Host = net.JoinHostPort(u.Hostname(), "5672")
+	}
+	proxy := sinktest.NewProxy(t, u.Host)
+	u.Host = proxy.Addr()
+	db := pgtest.New(t)
+	p := startWorker(t, []string{"APP_DATABASE_URL=" + db.URL, "APP_OUTBOX_SINK=rabbitmq",
+		"APP_OUTBOX_RABBITMQ_URL=" + u.String(), "APP_OUTBOX_RABBITMQ_EXCHANGE=amq.topic"})
+	p.waitReady(t, 20*time.Second)
+	proxy.Cut()
+	testkit.Eventually(t, 10*time.Second, "/readyz to report the broker", func() bool {
+		code, body := p.get("/readyz")
+		return code == http.StatusServiceUnavailable && strings.Contains(body, "broker unreachable")
+	})
+}
+
+// The worker with the kafka sink: publishes with acks=all, reports the
+// broker in /readyz, and at start exits 69 naming the knob, without the SASL
+// password, when no broker answers within connect_timeout.
+func TestKafkaSinkWorker(t *testing.T) {
+	t.Parallel()
+	db := pgtest.New(t)
+	t.Run("publishes and reports the broker", func(t *testing.T) {
+		t.Parallel()
+		cluster, err := kfake.NewCluster(kfake.NumBrokers(1), kfake.SeedTopics(2, "order"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer cluster.Close()
+		p := startWorker(t, []string{"APP_DATABASE_URL=" + db.URL, "APP_OUTBOX_SINK=kafka",
+			"APP_OUTBOX_KAFKA_BROKERS=" + strings.Join(cluster.ListenAddrs(), ",")})
+		p.waitReady(t, 20*time.Second)
+		if _, err := db.Pool.Exec(t.Context(), `INSERT INTO outbox_event (aggregate_type, aggregate_id, event_type, payload)
+			SELECT 'order', 'o-' || g, 'order.paid', '{}' FROM generate_series(1, 10) g`); err != nil {
+			t.Fatal(err)
+		}
+		testkit.Eventually(t, 20*time.Second, "10 events acknowledged", func() bool {
+			var n int
+			_ = db.Pool.QueryRow(t.Context(), `SELECT count(*) FROM outbox_event WHERE status = 'PUBLISHED'`).Scan(&n)
+			return n == 10
+		})
+		cluster.Close()
+		testkit.Eventually(t, 20*time.Second, "/readyz to report the broker", func() bool {
+			code, body := p.get("/readyz")
+			return code == http.StatusServiceUnavailable && strings.Contains(body, "broker unreachable")
+		})
+	})
+	t.Run("unreachable", func(t *testing.T) {
+		t.Parallel()
+		p := startWorker(t, []string{"APP_DATABASE_URL=" + db.URL, "APP_OUTBOX_SINK=kafka",
+			"APP_OUTBOX_KAFKA_BROKERS=127.0.0.1:1", "APP_OUTBOX_KAFKA_CONNECT_TIMEOUT=1s",
+			"APP_OUTBOX_KAFKA_SASL_MECHANISM=PLAIN", "APP_OUTBOX_KAFKA_SASL_USER=relay", "APP_OUTBOX_KAFKA_SASL_PASSWORD=kafka-pw-52"})
+		if code := p.exitCode(t, 20*time.Second); code != 69 {
+			t.Fatalf("exit %d, want 69", code)
+		}
+		if out := p.out.String(); strings.Contains(out, "kafka-pw-52") || !strings.Contains(out, "APP_OUTBOX_KAFKA_CONNECT_TIMEOUT") {
+			t.Errorf("want the knob named and no password:\n%s", out)
 		}
 	})
 }

@@ -5,6 +5,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net"
 	neturl "net/url"
 	"os"
 	"os/exec"
@@ -39,6 +40,24 @@ func brokerURL() string {
 		return u
 	}
 	return "amqp://guest:guest@127.0.0.1:5672/"
+}
+
+// parseBrokerURL is brokerURL with its port spelled out, so that its Host
+// can be dialled (or replaced) as is.
+func parseBrokerURL(t testing.TB) *neturl.URL {
+	t.Helper()
+	u, err := neturl.Parse(brokerURL())
+	if err != nil {
+		t.Fatalf("%s: %v", urlEnv, err)
+	}
+	if u.Port() == "" {
+		port := "5672"
+		if u.Scheme == "amqps" {
+			port = "5671"
+		}
+		u.Host = net.JoinHostPort(u.Hostname(), port)
+	}
+	return u
 }
 
 // requireBroker returns a connection to the test broker, or fails the
@@ -162,9 +181,11 @@ func TestConformance(t *testing.T) {
 	tg := newTarget(t, "Sales%20Order.*")
 	// Through a proxy the test can take the broker away from one sink.
 	viaProxy := func(t *testing.T, publishTimeout time.Duration) (*Sink, *sinktest.Proxy) {
-		p := sinktest.NewProxy(t, "127.0.0.1:5672")
+		u := parseBrokerURL(t)
+		p := sinktest.NewProxy(t, u.Host)
+		u.Host = p.Addr()
 		cfg := tg.config()
-		cfg.URL = strings.Replace(tg.url, "127.0.0.1:5672", p.Addr(), 1)
+		cfg.URL = u.String()
 		cfg.PublishTimeout = publishTimeout
 		return connect(t, cfg), p
 	}
@@ -228,10 +249,7 @@ func TestRelays(t *testing.T) {
 // deleted when t ends, and returns it with the broker URL that names it.
 func privateVHost(t *testing.T) (vhost, url string) {
 	t.Helper()
-	u, err := neturl.Parse(brokerURL())
-	if err != nil {
-		t.Fatal(err)
-	}
+	u := parseBrokerURL(t)
 	vhost = "sinktest-" + uuid.NewString()[:8]
 	rabbitmqctl(t, "add_vhost", vhost)
 	t.Cleanup(func() { _ = exec.Command("rabbitmqctl", "delete_vhost", vhost).Run() })
@@ -294,8 +312,10 @@ func TestConnect(t *testing.T) {
 		_ = ch.ExchangeDelete(cfg.Exchange, false, false)
 	})
 	t.Run("wrong password is refused at once", func(t *testing.T) {
+		u := parseBrokerURL(t)
+		u.User = neturl.UserPassword(cmp.Or(u.User.Username(), "guest"), "wrong-secret-9")
 		cfg := outbox.DefaultRabbitMQConfig()
-		cfg.URL = "amqp://guest:wrong-secret-9@127.0.0.1:5672/"
+		cfg.URL = u.String()
 		s, _ := New(cfg, Options{})
 		err := s.Connect(ctx)
 		if !errors.Is(err, sink.ErrRefused) || strings.Contains(err.Error(), "wrong-secret-9") {
