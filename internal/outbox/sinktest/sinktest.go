@@ -10,6 +10,7 @@ import (
 	"fmt"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -226,4 +227,32 @@ func closeSink(t testing.TB, s outbox.Sink) {
 			t.Errorf("close: %v", err)
 		}
 	}
+}
+
+// Events returns n events over 1,000 aggregates, for a benchmark.
+func Events(n int) []outbox.Event {
+	events := make([]outbox.Event, n)
+	for i := range events {
+		events[i] = Event(fmt.Sprintf("order-%d", i%1000), i)
+	}
+	return events
+}
+
+// PublishAll publishes events through s from inFlight goroutines at once,
+// each waiting for its publish to return, as the relay's publishes in
+// flight do. It reports the first error of each goroutine to tb.
+func PublishAll(tb testing.TB, s outbox.Sink, events []outbox.Event, inFlight int) {
+	var next atomic.Int64
+	var wg sync.WaitGroup
+	for range inFlight {
+		wg.Go(func() {
+			for i := next.Add(1) - 1; i < int64(len(events)); i = next.Add(1) - 1 {
+				if err := s.Publish(context.Background(), events[i]); err != nil {
+					tb.Error(err)
+					return
+				}
+			}
+		})
+	}
+	wg.Wait()
 }

@@ -1,13 +1,9 @@
 package nats
 
 import (
-	"context"
 	"fmt"
-	"sync"
-	"sync/atomic"
 	"testing"
 
-	"worker/internal/outbox"
 	"worker/internal/outbox/sinktest"
 	"worker/internal/testkit"
 )
@@ -28,27 +24,14 @@ func BenchmarkPublish(b *testing.B) {
 			tg, _ := newTarget(b, false)
 			tg.createStream(b, 0)
 			s := connect(b, tg.config())
-			events := make([]outbox.Event, b.N)
+			events := sinktest.Events(b.N)
 			for i := range events {
-				events[i] = sinktest.Event(fmt.Sprintf("order-%d", i%1000), i)
 				events[i].Headers["traceparent"] = fmt.Sprintf("00-%032x-%016x-%s", i+1, i+1, flags.value)
 			}
-			var next atomic.Int64
-			var wg sync.WaitGroup
 			cpu := testkit.SelfCPU(b)
 			b.ReportAllocs()
 			b.ResetTimer()
-			for range 256 {
-				wg.Go(func() {
-					for i := next.Add(1) - 1; i < int64(b.N); i = next.Add(1) - 1 {
-						if err := s.Publish(context.Background(), events[i]); err != nil {
-							b.Error(err)
-							return
-						}
-					}
-				})
-			}
-			wg.Wait()
+			sinktest.PublishAll(b, s, events, 256)
 			b.StopTimer()
 			n := float64(b.N)
 			b.ReportMetric(n/b.Elapsed().Seconds(), "msgs/s")

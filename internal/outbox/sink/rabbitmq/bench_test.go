@@ -1,25 +1,19 @@
 package rabbitmq
 
 import (
-	"context"
-	"fmt"
-	"sync"
-	"sync/atomic"
 	"testing"
 
 	"github.com/google/uuid"
 	amqp "github.com/rabbitmq/amqp091-go"
 
-	"worker/internal/outbox"
 	"worker/internal/outbox/sinktest"
 	"worker/internal/testkit"
 )
 
 // BenchmarkPublish publishes b.N events through the sink from 64
-// goroutines at once (the relay's default max_in_flight), each waiting for
-// its confirm, into a durable queue that nothing consumes: a classic queue
-// in its default mode, lazy, and lazy of version 2, and a stream (see
-// docs/sinks.md, "Queues"). It
+// goroutines at once, each waiting for its confirm, into a durable queue
+// that nothing consumes: a classic queue in its default mode, lazy, and
+// lazy of version 2, and a stream (see docs/sinks.md, "Queues"). It
 // reports the client's CPU per message and, when the broker's process runs
 // on this machine, the broker's (whatever else uses the broker meanwhile
 // counts too: give it a node of its own with WORKER_TEST_RABBITMQ_URL).
@@ -44,26 +38,11 @@ func BenchmarkPublish(b *testing.B) {
 				b.Fatal(err)
 			}
 			broker := testkit.ListenerPID(uri.Port)
-			events := make([]outbox.Event, b.N)
-			for i := range events {
-				events[i] = sinktest.Event(fmt.Sprintf("order-%d", i%1000), i)
-			}
-			var next atomic.Int64
-			var wg sync.WaitGroup
+			events := sinktest.Events(b.N)
 			brokerCPU, _ := testkit.ProcessCPU(broker) // 0 when it cannot be read
 			clientCPU := testkit.SelfCPU(b)
 			b.ResetTimer()
-			for range 64 {
-				wg.Go(func() {
-					for i := next.Add(1) - 1; i < int64(b.N); i = next.Add(1) - 1 {
-						if err := s.Publish(context.Background(), events[i]); err != nil {
-							b.Error(err)
-							return
-						}
-					}
-				})
-			}
-			wg.Wait()
+			sinktest.PublishAll(b, s, events, 64)
 			b.StopTimer()
 			n := float64(b.N)
 			b.ReportMetric(n/b.Elapsed().Seconds(), "msgs/s")
