@@ -293,23 +293,11 @@ func (r *Relay) writeCompletions(group []*completion) {
 			close(c.done)
 		}
 	}()
-	n := len(group)
-	ids, tokens, statuses, errs := make([]int64, n), make([]string, n), make([]string, n), make([]*string, n)
-	attempts, delays := make([]int32, n), make([]int64, n)
-	for i, c := range group {
-		ids[i], tokens[i], statuses[i] = c.ev.Seq, c.token, c.status()
-		attempts[i] = int32(c.ev.Attempts + 1) // the IN_FLIGHT write counted this attempt
-		if f := c.o.failed; f != nil {
-			delays[i] = f.delay.Milliseconds()
-			e := errorText(f.err)
-			errs[i] = &e
-		}
-	}
 	changed := map[int64]bool{}
 	b := &pgx.Batch{}
 	b.Queue("BEGIN")
 	b.Queue("SET LOCAL synchronous_commit = off")
-	b.Queue(completeSQL, ids, tokens, attempts, statuses, delays, errs, r.instanceID).Query(func(rows pgx.Rows) error {
+	b.Queue(completeSQL, r.completeArgs(group)...).Query(func(rows pgx.Rows) error {
 		var id int64
 		_, err := pgx.ForEachRow(rows, []any{&id}, func() error {
 			changed[id] = true
@@ -343,6 +331,24 @@ func (r *Relay) writeCompletions(group []*completion) {
 	r.record(&out)
 }
 
+// completeArgs are completeSQL's arguments for group: one array element
+// per completion.
+func (r *Relay) completeArgs(group []*completion) []any {
+	n := len(group)
+	ids, tokens, statuses, errs := make([]int64, n), make([]string, n), make([]string, n), make([]*string, n)
+	attempts, delays := make([]int32, n), make([]int64, n)
+	for i, c := range group {
+		ids[i], tokens[i], statuses[i] = c.ev.Seq, c.token, c.status()
+		attempts[i] = int32(c.ev.Attempts + 1) // the IN_FLIGHT write counted this attempt
+		if f := c.o.failed; f != nil {
+			delays[i] = f.delay.Milliseconds()
+			e := errorText(f.err)
+			errs[i] = &e
+		}
+	}
+	return []any{ids, tokens, attempts, statuses, delays, errs, r.instanceID}
+}
+
 // trackDetached notes the events a committed batch left IN_FLIGHT, until
 // their publishes record their outcomes.
 func (r *Relay) trackDetached(out *outcomes) {
@@ -372,18 +378,15 @@ func (r *Relay) handBackDetached() {
 	if len(outstanding) == 0 {
 		return
 	}
-	var ids []int64
-	var tokens, statuses []string
-	var attempts []int32
+	group := make([]*completion, 0, len(outstanding))
 	byID := map[int64]*claimedRow{}
 	for ev, token := range outstanding {
-		ids, tokens, statuses = append(ids, ev.Seq), append(tokens, token), append(statuses, StatusPending)
-		attempts = append(attempts, int32(ev.Attempts+1))
+		group = append(group, &completion{ev: ev, token: token, o: eventOutcome{handBack: true}})
 		byID[ev.Seq] = ev
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), finishTimeout)
 	defer cancel()
-	rows, _ := r.pool.Query(ctx, completeSQL, ids, tokens, attempts, statuses, make([]int64, len(ids)), make([]*string, len(ids)), r.instanceID)
+	rows, _ := r.pool.Query(ctx, completeSQL, r.completeArgs(group)...)
 	var id int64
 	_, err := pgx.ForEachRow(rows, []any{&id}, func() error {
 		ev := byID[id]
