@@ -238,21 +238,25 @@ func Events(n int) []outbox.Event {
 	return events
 }
 
-// PublishAll publishes events through s from inFlight goroutines at once,
-// each waiting for its publish to return, as the relay's publishes in
-// flight do. It reports the first error of each goroutine to tb.
-func PublishAll(tb testing.TB, s outbox.Sink, events []outbox.Event, inFlight int) {
+// BenchPublish publishes events through s from inFlight goroutines at
+// once, each waiting for its publish to return, as the relay's publishes in
+// flight do, and reports the rate as msgs/s. The timer runs only while
+// they publish. It reports the first error of each goroutine to b.
+func BenchPublish(b *testing.B, s outbox.Sink, events []outbox.Event, inFlight int) {
 	var next atomic.Int64
 	var wg sync.WaitGroup
+	b.ResetTimer()
 	for range inFlight {
 		wg.Go(func() {
 			for i := next.Add(1) - 1; i < int64(len(events)); i = next.Add(1) - 1 {
 				if err := s.Publish(context.Background(), events[i]); err != nil {
-					tb.Error(err)
+					b.Error(err)
 					return
 				}
 			}
 		})
 	}
 	wg.Wait()
+	b.StopTimer()
+	b.ReportMetric(float64(len(events))/b.Elapsed().Seconds(), "msgs/s")
 }
