@@ -7,6 +7,7 @@ import (
 	"path/filepath"
 	"slices"
 	"strconv"
+	"strings"
 	"testing"
 	"time"
 
@@ -248,7 +249,7 @@ func manifestConfig(t *testing.T, c corev1.Container) *Config {
 	var env []string
 	from := map[string]*corev1.EnvVarSource{}
 	for _, e := range c.Env {
-		if !known[e.Name] {
+		if strings.HasPrefix(e.Name, "APP_") && !known[e.Name] {
 			t.Errorf("%s is not a configuration key (see the README's table)", e.Name)
 		}
 		v := e.Value
@@ -263,6 +264,9 @@ func manifestConfig(t *testing.T, c corev1.Container) *Config {
 	}
 	if f := from["APP_DATABASE_URL"]; f == nil || f.SecretKeyRef == nil {
 		t.Error("APP_DATABASE_URL must come from a Secret")
+	}
+	if f := from["GOMEMLIMIT"]; f == nil || f.ResourceFieldRef == nil || f.ResourceFieldRef.Resource != "limits.memory" || c.Resources.Limits.Memory().IsZero() {
+		t.Error("GOMEMLIMIT must come from the container's memory limit (resourceFieldRef limits.memory), so the collector works harder before the kubelet kills it")
 	}
 	// The image ships configs/ and reads configs/worker.yaml, as here.
 	cfg, err := LoadConfig("../../"+DefaultConfigFile, env)

@@ -166,6 +166,9 @@ func TestRunBecomesReadyServesMetricsAndStopsOnSigterm(t *testing.T) {
 	if code != http.StatusOK || !strings.Contains(body, "go_goroutines") || !strings.Contains(body, "process_resident_memory_bytes") {
 		t.Errorf("/metrics = %d without Go and process collectors", code)
 	}
+	if !strings.Contains(body, "\ngo_gc_gogc_percent 200\n") {
+		t.Error("/metrics lacks go_gc_gogc_percent 200: without GOGC the worker runs at the Go default")
+	}
 	if pending, err := migrate.Pending(context.Background(), db.Pool); err != nil || pending {
 		t.Errorf("migrations not applied at start: pending=%v err=%v", pending, err)
 	}
