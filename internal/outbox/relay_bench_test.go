@@ -69,6 +69,10 @@ const (
 
 var batch500 = []string{"APP_OUTBOX_BATCH_SIZE=500"}
 
+// goDefaultGC runs the worker at Go's default collector target instead of
+// its own (defaultGCPercent in internal/startup).
+const goDefaultGC = "GOGC=100"
+
 func relays(n int, rest ...string) []string {
 	return append([]string{fmt.Sprintf("APP_OUTBOX_RELAYS=%d", n)}, rest...)
 }
@@ -85,6 +89,8 @@ var scalePhases = []scalePhase{
 	{key: "nats", name: "NATS, 1 relay, batch 500, 100,000 events", procs: 1, env: relays(1, batch500...), broker: SinkNATS, backlog: brokerTable},
 	{key: "rabbitmq", name: "RabbitMQ, 1 relay, batch 500, 100,000 events", procs: 1, env: relays(1, batch500...), broker: SinkRabbitMQ, backlog: brokerTable},
 	{key: "kafka", name: "Kafka (kfake), 1 relay, batch 500, 100,000 events", procs: 1, env: relays(1, batch500...), broker: SinkKafka, backlog: brokerTable},
+	{key: "r1gc100", name: "1 relay, batch 500, GOGC=100", procs: 1, env: relays(1, batch500[0], goDefaultGC), extra: true},
+	{key: "wh0gc100", name: "webhook 0 ms, 1 relay, batch 500, GOGC=100", procs: 1, env: relays(1, batch500[0], goDefaultGC), webhook: true, extra: true},
 	{key: "wh0r4", name: "webhook 0 ms, 4 relays, batch 500", procs: 1, env: relays(4, batch500...), webhook: true, extra: true},
 	{key: "wh20r4", name: "webhook 20 ms, 4 relays, 2,000 events / 200 aggregates", procs: 1, env: relays(4), webhook: true, delay: 20 * time.Millisecond, backlog: slowTable, extra: true},
 }
@@ -93,7 +99,8 @@ var scalePhases = []scalePhase{
 type phaseRun struct {
 	phase, ceiling drainResult
 	disorder       int           // events the receiver saw out of their aggregate's order
-	brokerCPU      time.Duration // an in-process broker's CPU during the phase
+	brokerCPU      time.Duration // an in-process broker's or the receiver's CPU during the phase
+	workerRSS      int64         // the largest peak resident memory of the phase's workers, bytes
 }
 
 // BenchmarkRelayScale drains the same 200,000-event backlog (1,000
@@ -104,7 +111,8 @@ type phaseRun struct {
 // sink phase to compare them with in the same round. It prints
 // min / median / max events/s, the median ratio to the ceiling of the same
 // round, and CPU per event (database server processes plus the worker
-// process, or this process for the ceiling; and an in-process broker's).
+// process, or this process for the ceiling; and the receiver's or a
+// measurable broker's).
 func BenchmarkRelayScale(b *testing.B) {
 	phases := selectedPhases(b)
 	db := pgtest.New(b)
@@ -180,9 +188,13 @@ func runScalePhase(tb testing.TB, db *pgtest.DB, ph scalePhase, idle time.Durati
 	waitDrained(tb, db.Pool, 10*time.Minute)
 	var run phaseRun
 	run.brokerCPU = brokerCPU(tb, broker, cpu0)
+	if rcv != nil {
+		run.brokerCPU = testkit.SelfCPU(tb) - cpu0 // the receiver, in this process
+	}
 	run.phase.dbCPU = serverCPU(tb, db, "worker "+instance)
 	for _, p := range procs {
 		run.phase.clientCPU += max(p.stop(tb)-idle, 0)
+		run.workerRSS = max(run.workerRSS, p.peakRSS())
 	}
 	run.phase.events, run.phase.rate = publishedSpan(tb, db.Pool)
 	if rcv != nil {
@@ -215,11 +227,11 @@ func printScale(w io.Writer, phases []scalePhase, runs [][]phaseRun, idle time.D
 		fmt.Fprintf(w, "brokers: %s\n", brokerSetup())
 	}
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight|tabwriter.Debug)
-	fmt.Fprintln(tw, "phase\tevents/s min / median / max\tceiling events/s, median\tratio median (min-max)\tCPU µs/event db+worker\tbroker CPU µs/event\tceiling CPU µs/event db+client\torder violations\t")
+	fmt.Fprintln(tw, "phase\tevents/s min / median / max\tceiling events/s, median\tratio median (min-max)\tCPU µs/event db+worker\tbroker or receiver CPU µs/event\tceiling CPU µs/event db+client\tworker peak RSS MB\torder violations\t")
 	for i, ph := range phases {
 		r := spreadOf(rates(runs[i]))
 		q := spreadOf(ratios(runs[i]))
-		var ceil, db, client, broker, cdb, cclient []float64
+		var ceil, db, client, broker, cdb, cclient, rss []float64
 		violations := 0
 		for _, run := range runs[i] {
 			ceil = append(ceil, run.ceiling.rate)
@@ -230,15 +242,16 @@ func printScale(w io.Writer, phases []scalePhase, runs [][]phaseRun, idle time.D
 			cn := float64(max(run.ceiling.events, 1))
 			cdb = append(cdb, float64(run.ceiling.dbCPU.Microseconds())/cn)
 			cclient = append(cclient, float64(run.ceiling.clientCPU.Microseconds())/cn)
+			rss = append(rss, float64(run.workerRSS)/(1<<20))
 			violations += run.disorder
 		}
-		brokerCol := "" // only an in-process broker's CPU is known
-		if ph.broker != "" && spreadOf(broker).med > 0 {
+		brokerCol := "" // known for the receiver and a broker this process can measure
+		if (ph.broker != "" || ph.webhook) && spreadOf(broker).med > 0 {
 			brokerCol = fmt.Sprintf("%.1f", spreadOf(broker).med)
 		}
-		fmt.Fprintf(tw, "%s\t%.0f / %.0f / %.0f\t%.0f\t%.2f (%.2f-%.2f)\t%.1f+%.1f\t%s\t%.1f+%.1f\t%d\t\n",
+		fmt.Fprintf(tw, "%s\t%.0f / %.0f / %.0f\t%.0f\t%.2f (%.2f-%.2f)\t%.1f+%.1f\t%s\t%.1f+%.1f\t%.0f\t%d\t\n",
 			ph.name, r.min, r.med, r.max, spreadOf(ceil).med, q.med, q.min, q.max,
-			spreadOf(db).med, spreadOf(client).med, brokerCol, spreadOf(cdb).med, spreadOf(cclient).med, violations)
+			spreadOf(db).med, spreadOf(client).med, brokerCol, spreadOf(cdb).med, spreadOf(cclient).med, spreadOf(rss).med, violations)
 	}
 	tw.Flush()
 	// The goals compare phases within a round.
@@ -251,6 +264,7 @@ func printScale(w io.Writer, phases []scalePhase, runs [][]phaseRun, idle time.D
 		{"4 relays ÷ 2 relays", "r4", "r2", rate},
 		{"2 processes x 2 relays ÷ 2 relays", "p2r2", "r2", rate},
 		{"webhook 0 ms ÷ log sink (1 relay, batch 500)", "wh0", "r1", rate},
+		{"webhook 0 ms ÷ log sink, both at GOGC=100", "wh0gc100", "r1gc100", rate},
 		{"NATS ÷ log sink (100,000 events)", "nats", "log100k", rate},
 		{"RabbitMQ ÷ log sink (100,000 events)", "rabbitmq", "log100k", rate},
 		{"Kafka (kfake) ÷ log sink (100,000 events)", "kafka", "log100k", rate},
