@@ -301,9 +301,22 @@ func (p *workerProc) stop(tb testing.TB) time.Duration {
 	return p.cmd.ProcessState.UserTime() + p.cmd.ProcessState.SystemTime()
 }
 
-// peakRSS is the most resident memory the stopped process had, in bytes.
-func (p *workerProc) peakRSS() int64 {
-	return p.cmd.ProcessState.SysUsage().(*syscall.Rusage).Maxrss << 10 // Linux reports KiB
+// peakRSS is the most resident memory the running process has had so far,
+// in bytes. Not the exit status's Maxrss: a child started from this
+// process inherits this process's peak at exec, which an in-process
+// broker makes the larger one.
+func (p *workerProc) peakRSS(tb testing.TB) int64 {
+	tb.Helper()
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", p.cmd.Process.Pid))
+	if err != nil {
+		tb.Fatalf("worker peak memory: %v", err)
+	}
+	_, rest, _ := strings.Cut(string(b), "VmHWM:")
+	var kib int64
+	if _, err := fmt.Sscan(rest, &kib); err != nil {
+		tb.Fatalf("worker peak memory: VmHWM in /proc/%d/status: %v", p.cmd.Process.Pid, err)
+	}
+	return kib << 10
 }
 
 // idleWorkerCPU is what a worker process costs to start, become ready and

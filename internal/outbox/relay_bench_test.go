@@ -193,8 +193,8 @@ func runScalePhase(tb testing.TB, db *pgtest.DB, ph scalePhase, idle time.Durati
 	}
 	run.phase.dbCPU = serverCPU(tb, db, "worker "+instance)
 	for _, p := range procs {
+		run.workerRSS = max(run.workerRSS, p.peakRSS(tb))
 		run.phase.clientCPU += max(p.stop(tb)-idle, 0)
-		run.workerRSS = max(run.workerRSS, p.peakRSS())
 	}
 	run.phase.events, run.phase.rate = publishedSpan(tb, db.Pool)
 	if rcv != nil {
