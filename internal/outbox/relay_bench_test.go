@@ -187,9 +187,10 @@ func runScalePhase(tb testing.TB, db *pgtest.DB, ph scalePhase, idle time.Durati
 	}
 	waitDrained(tb, db.Pool, 10*time.Minute)
 	var run phaseRun
-	run.brokerCPU = brokerCPU(tb, broker, cpu0)
 	if rcv != nil {
 		run.brokerCPU = testkit.SelfCPU(tb) - cpu0 // the receiver, in this process
+	} else {
+		run.brokerCPU = brokerCPU(tb, broker, cpu0)
 	}
 	run.phase.dbCPU = serverCPU(tb, db, "worker "+instance)
 	for _, p := range procs {
