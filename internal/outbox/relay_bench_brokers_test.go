@@ -19,10 +19,6 @@ import (
 // benchmark process's CPU during the phase is the broker's), RabbitMQ is
 // the real local broker with a queue of its own.
 
-// rabbitURLEnv names the RabbitMQ of the benchmark, as for the rabbitmq
-// sink's tests; by default the local one with guest/guest.
-const rabbitURLEnv = "WORKER_TEST_RABBITMQ_URL"
-
 // benchBroker is a broker one phase publishes to.
 type benchBroker struct {
 	env   []string // APP_OUTBOX_* settings that point the worker at it
@@ -113,19 +109,16 @@ var rabbitQueueArgs = amqp.Table{"x-queue-mode": "lazy", "x-queue-version": 2}
 // broker runs on this machine, its process is found by its listening
 // port, so the phase can report its CPU.
 func prepareRabbitMQ(tb testing.TB) *benchBroker {
-	url := os.Getenv(rabbitURLEnv)
-	if url == "" {
-		url = "amqp://guest:guest@127.0.0.1:5672/"
-	}
+	url := testkit.RabbitMQURL()
 	uri, err := amqp.ParseURI(url)
 	if err != nil {
-		tb.Fatalf("%s: %v", rabbitURLEnv, err)
+		tb.Fatalf("%s: %v", testkit.RabbitMQURLEnv, err)
 	}
 	name := "bench-" + uuid.NewString()[:8]
 	admin := func(f func(*amqp.Channel) error) {
 		conn, err := amqp.Dial(url)
 		if err != nil {
-			tb.Fatalf("RabbitMQ is not reachable (%s names another): %v", rabbitURLEnv, err)
+			tb.Fatalf("RabbitMQ is not reachable (%s names another): %v", testkit.RabbitMQURLEnv, err)
 		}
 		defer conn.Close()
 		ch, err := conn.Channel()
@@ -186,8 +179,8 @@ func brokerCPU(tb testing.TB, b *benchBroker, since time.Duration) time.Duration
 // brokerSetup describes the brokers for the printed table.
 func brokerSetup() string {
 	rabbit := "the local broker"
-	if os.Getenv(rabbitURLEnv) != "" {
-		rabbit = "the broker " + rabbitURLEnv + " names"
+	if os.Getenv(testkit.RabbitMQURLEnv) != "" {
+		rabbit = "the broker " + testkit.RabbitMQURLEnv + " names"
 	}
 	return "NATS: nats-server in this process (file storage); RabbitMQ: " + rabbit +
 		" (durable lazy classic queue of version 2, persistent messages; its CPU when it runs on this machine); Kafka: kfake in this process (3 brokers, 8 partitions, data in files)"

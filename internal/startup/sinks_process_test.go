@@ -1,11 +1,8 @@
 package startup_test
 
 import (
-	"cmp"
 	"net"
 	"net/http"
-	"net/url"
-	"os"
 	"strings"
 	"syscall"
 	"testing"
@@ -193,14 +190,12 @@ func TestRabbitMQSinkStartFailures(t *testing.T) {
 	t.Run("missing exchange", func(t *testing.T) {
 		t.Parallel()
 		// The broker of the rabbitmq sink's tests, with their opt-out.
-		if os.Getenv("WORKER_TEST_RABBITMQ_SKIP") != "" {
-			t.Skip("WORKER_TEST_RABBITMQ_SKIP is set: RabbitMQ tests skipped")
-		}
-		url := cmp.Or(os.Getenv("WORKER_TEST_RABBITMQ_URL"), "amqp://guest:guest@127.0.0.1:5672/")
+		testkit.SkipWithoutRabbitMQ(t)
+		url := testkit.RabbitMQURL()
 		p := startWorker(t, []string{"APP_DATABASE_URL=" + db.URL, "APP_OUTBOX_SINK=rabbitmq",
 			"APP_OUTBOX_RABBITMQ_URL=" + url, "APP_OUTBOX_RABBITMQ_EXCHANGE=no-such-exchange-for-worker-tests"})
 		if code := p.exitCode(t, 20*time.Second); code != 78 {
-			t.Fatalf("exit %d, want 78 (is RabbitMQ running at %s? WORKER_TEST_RABBITMQ_URL names another)", code, sink.RedactURLs(url))
+			t.Fatalf("exit %d, want 78 (is RabbitMQ running at %s? %s names another)", code, sink.RedactURLs(url), testkit.RabbitMQURLEnv)
 		}
 		if !strings.Contains(p.out.String(), "outbox.rabbitmq.exchange") {
 			t.Errorf("the key is not named:\n%s", p.out.String())
@@ -213,16 +208,8 @@ func TestRabbitMQSinkStartFailures(t *testing.T) {
 // through a proxy, so the test can take it away from this worker alone.
 func TestRabbitMQSinkReadiness(t *testing.T) {
 	t.Parallel()
-	if os.Getenv("WORKER_TEST_RABBITMQ_SKIP") != "" {
-		t.Skip("WORKER_TEST_RABBITMQ_SKIP is set: RabbitMQ tests skipped")
-	}
-	u, err := url.Parse(cmp.Or(os.Getenv("WORKER_TEST_RABBITMQ_URL"), "amqp://guest:guest@127.0.0.1:5672/"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	if u.Port() == "" {
-		u.Host = net.JoinHostPort(u.Hostname(), "5672")
-	}
+	testkit.SkipWithoutRabbitMQ(t)
+	u := testkit.ParseRabbitMQURL(t)
 	proxy := sinktest.NewProxy(t, u.Host)
 	u.Host = proxy.Addr()
 	db := pgtest.New(t)

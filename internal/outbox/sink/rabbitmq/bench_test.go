@@ -60,7 +60,7 @@ func declareQueue(tb testing.TB, conn *amqp.Connection, args amqp.Table) target 
 		tb.Fatal(err)
 	}
 	name := "sinkbench-" + uuid.NewString()[:8]
-	tg := target{url: brokerURL(), exchange: name, queue: name}
+	tg := target{url: testkit.RabbitMQURL(), exchange: name, queue: name}
 	if err := ch.ExchangeDeclare(name, "topic", true, false, false, false, nil); err != nil {
 		tb.Fatal(err)
 	}

@@ -69,9 +69,7 @@ type testCerts struct {
 // exclusive no other test uses it until t ends.
 func usePrivateNode(t *testing.T, exclusive bool) *privateNode {
 	t.Helper()
-	if os.Getenv(skipEnv) != "" {
-		t.Skipf("%s is set: RabbitMQ tests skipped", skipEnv)
-	}
+	testkit.SkipWithoutRabbitMQ(t)
 	privNodeOnce.Do(func() { privNode, privNodeErr = startPrivateNode() })
 	if privNodeErr != nil {
 		t.Fatalf("private RabbitMQ node: %v", privNodeErr)

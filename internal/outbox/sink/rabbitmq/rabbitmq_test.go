@@ -5,7 +5,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"net"
 	neturl "net/url"
 	"os"
 	"os/exec"
@@ -19,14 +18,7 @@ import (
 	"worker/internal/outbox"
 	"worker/internal/outbox/sink"
 	"worker/internal/outbox/sinktest"
-)
-
-// These tests need a real RabbitMQ: WORKER_TEST_RABBITMQ_URL, by default
-// the local one with guest/guest. They fail when it is unreachable, unless
-// WORKER_TEST_RABBITMQ_SKIP=1 says to skip them.
-const (
-	urlEnv  = "WORKER_TEST_RABBITMQ_URL"
-	skipEnv = "WORKER_TEST_RABBITMQ_SKIP"
+	"worker/internal/testkit"
 )
 
 // Child process settings of TestRelays.
@@ -35,42 +27,15 @@ const (
 	childExchangeEnv = "WORKER_SINKTEST_RABBITMQ_EXCHANGE"
 )
 
-func brokerURL() string {
-	if u := os.Getenv(urlEnv); u != "" {
-		return u
-	}
-	return "amqp://guest:guest@127.0.0.1:5672/"
-}
-
-// parseBrokerURL is brokerURL with its port spelled out, so that its Host
-// can be dialled (or replaced) as is.
-func parseBrokerURL(t testing.TB) *neturl.URL {
-	t.Helper()
-	u, err := neturl.Parse(brokerURL())
-	if err != nil {
-		t.Fatalf("%s: %v", urlEnv, err)
-	}
-	if u.Port() == "" {
-		port := "5672"
-		if u.Scheme == "amqps" {
-			port = "5671"
-		}
-		u.Host = net.JoinHostPort(u.Hostname(), port)
-	}
-	return u
-}
-
 // requireBroker returns a connection to the test broker, or fails the
 // test saying how to get one.
 func requireBroker(t testing.TB) *amqp.Connection {
 	t.Helper()
-	if os.Getenv(skipEnv) != "" {
-		t.Skipf("%s is set: RabbitMQ tests skipped", skipEnv)
-	}
-	conn, err := amqp.Dial(brokerURL())
+	testkit.SkipWithoutRabbitMQ(t)
+	conn, err := amqp.Dial(testkit.RabbitMQURL())
 	if err != nil {
 		t.Fatalf("RabbitMQ is not reachable at %s: %v\nStart one (`rabbitmq-server -detached`; .ci/run does it), point %s at one, or set %s=1 to skip these tests.",
-			sink.RedactURLs(brokerURL()), err, urlEnv, skipEnv)
+			sink.RedactURLs(testkit.RabbitMQURL()), err, testkit.RabbitMQURLEnv, testkit.RabbitMQSkipEnv)
 	}
 	t.Cleanup(func() { _ = conn.Close() })
 	return conn
@@ -84,7 +49,7 @@ type target struct {
 // newTarget declares a topic exchange and a queue bound with binding.
 func newTarget(t testing.TB, binding string) target {
 	t.Helper()
-	return declareTarget(t, requireBroker(t), brokerURL(), binding)
+	return declareTarget(t, requireBroker(t), testkit.RabbitMQURL(), binding)
 }
 
 // declareTarget declares the target on the broker at url, conn.
@@ -181,7 +146,7 @@ func TestConformance(t *testing.T) {
 	tg := newTarget(t, "Sales%20Order.*")
 	// Through a proxy the test can take the broker away from one sink.
 	viaProxy := func(t *testing.T, publishTimeout time.Duration) (*Sink, *sinktest.Proxy) {
-		u := parseBrokerURL(t)
+		u := testkit.ParseRabbitMQURL(t)
 		p := sinktest.NewProxy(t, u.Host)
 		u.Host = p.Addr()
 		cfg := tg.config()
@@ -249,7 +214,7 @@ func TestRelays(t *testing.T) {
 // deleted when t ends, and returns it with the broker URL that names it.
 func privateVHost(t *testing.T) (vhost, url string) {
 	t.Helper()
-	u := parseBrokerURL(t)
+	u := testkit.ParseRabbitMQURL(t)
 	vhost = "sinktest-" + uuid.NewString()[:8]
 	rabbitmqctl(t, "add_vhost", vhost)
 	t.Cleanup(func() { _ = exec.Command("rabbitmqctl", "delete_vhost", vhost).Run() })
@@ -287,7 +252,7 @@ func TestConnect(t *testing.T) {
 	ctx := t.Context()
 	t.Run("missing exchange names the key", func(t *testing.T) {
 		cfg := outbox.DefaultRabbitMQConfig()
-		cfg.URL, cfg.Exchange = brokerURL(), "sinktest-missing-"+uuid.NewString()[:8]
+		cfg.URL, cfg.Exchange = testkit.RabbitMQURL(), "sinktest-missing-"+uuid.NewString()[:8]
 		s, err := New(cfg, Options{})
 		if err != nil {
 			t.Fatal(err)
@@ -299,7 +264,7 @@ func TestConnect(t *testing.T) {
 	})
 	t.Run("declare_exchange declares it", func(t *testing.T) {
 		cfg := outbox.DefaultRabbitMQConfig()
-		cfg.URL, cfg.Exchange, cfg.DeclareExchange = brokerURL(), "sinktest-declared-"+uuid.NewString()[:8], true
+		cfg.URL, cfg.Exchange, cfg.DeclareExchange = testkit.RabbitMQURL(), "sinktest-declared-"+uuid.NewString()[:8], true
 		s := connect(t, cfg)
 		if err := s.Ready(ctx); err != nil {
 			t.Errorf("ready: %v", err)
@@ -312,7 +277,7 @@ func TestConnect(t *testing.T) {
 		_ = ch.ExchangeDelete(cfg.Exchange, false, false)
 	})
 	t.Run("wrong password is refused at once", func(t *testing.T) {
-		u := parseBrokerURL(t)
+		u := testkit.ParseRabbitMQURL(t)
 		u.User = neturl.UserPassword(cmp.Or(u.User.Username(), "guest"), "wrong-secret-9")
 		cfg := outbox.DefaultRabbitMQConfig()
 		cfg.URL = u.String()
