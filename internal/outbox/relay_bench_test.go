@@ -247,8 +247,8 @@ func printScale(w io.Writer, phases []scalePhase, runs [][]phaseRun, idle time.D
 			violations += run.disorder
 		}
 		brokerCol := "" // known for the receiver and a broker this process can measure
-		if (ph.broker != "" || ph.webhook) && spreadOf(broker).med > 0 {
-			brokerCol = fmt.Sprintf("%.1f", spreadOf(broker).med)
+		if m := spreadOf(broker).med; m > 0 {
+			brokerCol = fmt.Sprintf("%.1f", m)
 		}
 		fmt.Fprintf(tw, "%s\t%.0f / %.0f / %.0f\t%.0f\t%.2f (%.2f-%.2f)\t%.1f+%.1f\t%s\t%.1f+%.1f\t%.0f\t%d\t\n",
 			ph.name, r.min, r.med, r.max, spreadOf(ceil).med, q.med, q.min, q.max,
