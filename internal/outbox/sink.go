@@ -2,8 +2,13 @@ package outbox
 
 import (
 	"context"
+	"crypto/tls"
 	"encoding/json"
 	"errors"
+	"io"
+	"net"
+	"net/http"
+	"syscall"
 	"time"
 )
 
@@ -21,7 +26,11 @@ type Event struct {
 }
 
 // Sink publishes events. Publish returns nil only when the event is durably
-// handed over. An error is transient unless wrapped with Permanent.
+// handed over. An error is about the event (it counts toward max_attempts)
+// unless it is wrapped with Permanent (the event goes DEAD at once) or
+// Unavailable (the sink itself is down: the event waits, its attempts
+// untouched). A network error, a timeout or a cancelled context counts as
+// Unavailable without being wrapped (see IsUnavailable).
 type Sink interface {
 	Name() string
 	Publish(ctx context.Context, e Event) error
@@ -52,3 +61,63 @@ type RetryAfterError struct {
 
 func (e *RetryAfterError) Error() string { return e.Err.Error() }
 func (e *RetryAfterError) Unwrap() error { return e.Err }
+
+// UnavailableError marks a failure of the sink, not of the event: the sink
+// is down, unreachable, overloaded or did not say whether it took the event.
+// The relay then stops claiming and probes the sink with one event until it
+// answers again; no event spends an attempt on it (see breaker.go).
+type UnavailableError struct{ Err error }
+
+func (e *UnavailableError) Error() string { return e.Err.Error() }
+func (e *UnavailableError) Unwrap() error { return e.Err }
+
+// Unavailable wraps err as an UnavailableError.
+func Unavailable(err error) error { return &UnavailableError{Err: err} }
+
+// IsUnavailable reports whether err says the sink, rather than the event,
+// failed: an UnavailableError, or an error whose outcome is unknown or that
+// never reached the sink (refused or reset connections, DNS, TLS
+// handshakes, timeouts, EOF). A permanent error is never unavailability.
+func IsUnavailable(err error) bool {
+	if err == nil || IsPermanent(err) {
+		return false
+	}
+	var u *UnavailableError
+	if errors.As(err, &u) {
+		return true
+	}
+	var (
+		netErr  net.Error
+		dnsErr  *net.DNSError
+		opErr   *net.OpError
+		tlsErr  *tls.RecordHeaderError
+		certErr *tls.CertificateVerificationError
+	)
+	switch {
+	case errors.Is(err, context.DeadlineExceeded), errors.Is(err, context.Canceled),
+		errors.Is(err, io.EOF), errors.Is(err, io.ErrUnexpectedEOF),
+		errors.Is(err, syscall.ECONNREFUSED), errors.Is(err, syscall.ECONNRESET),
+		errors.Is(err, syscall.ECONNABORTED), errors.Is(err, syscall.EPIPE),
+		errors.Is(err, syscall.EHOSTUNREACH), errors.Is(err, syscall.ENETUNREACH),
+		errors.Is(err, net.ErrClosed):
+		return true
+	case errors.As(err, &dnsErr), errors.As(err, &opErr), errors.As(err, &tlsErr), errors.As(err, &certErr):
+		return true
+	case errors.As(err, &netErr) && netErr.Timeout():
+		return true
+	}
+	return false
+}
+
+// UnavailableStatus reports whether an HTTP answer with this status says
+// the receiver, not the request, failed: 408, 429, 502, 503 and 504. A
+// 500 is about the request: the receiver answered, and may answer
+// other events.
+func UnavailableStatus(code int) bool {
+	switch code {
+	case http.StatusRequestTimeout, http.StatusTooManyRequests, http.StatusBadGateway,
+		http.StatusServiceUnavailable, http.StatusGatewayTimeout:
+		return true
+	}
+	return false
+}
