@@ -142,7 +142,7 @@ func newWebhookSink(cfg outbox.WebhookConfig) (*outbox.WebhookSink, error) {
 	s, err := outbox.NewWebhookSink(cfg, nil)
 	if err != nil {
 		// The cause is left out on purpose: its text carries the raw URL.
-		return nil, &ConfigError{Msg: strings.ReplaceAll(err.Error(), obs.MaskDSN(cfg.URL), maskURL(cfg.URL))}
+		return nil, &ConfigError{Msg: obs.MaskDSN(err.Error())}
 	}
 	return s, nil
 }

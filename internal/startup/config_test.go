@@ -118,7 +118,7 @@ func TestMissingConfigFile(t *testing.T) {
 
 func TestPrintConfigMasksSecrets(t *testing.T) {
 	cfg, err := LoadConfig(writeFile(t, "{}"), []string{
-		"APP_DATABASE_URL=postgres://app:s3cr3t-pw@db:5432/app",
+		"APP_DATABASE_URL=postgres://app-user:s3cr3t-pw@db:5432/app?application_name=billing",
 		"APP_OUTBOX_WEBHOOK_SECRET=whsec_c2VjcmV0LXNpZ25pbmcta2V5",
 		"APP_OUTBOX_WEBHOOK_URL=https://example.test/hook",
 	})
@@ -130,12 +130,12 @@ func TestPrintConfigMasksSecrets(t *testing.T) {
 		t.Fatal(err)
 	}
 	s := out.String()
-	for _, secret := range []string{"s3cr3t-pw", "c2VjcmV0LXNpZ25pbmcta2V5"} {
+	for _, secret := range []string{"s3cr3t-pw", "c2VjcmV0LXNpZ25pbmcta2V5", "app-user", "billing"} {
 		if strings.Contains(s, secret) {
 			t.Fatalf("config print leaks %q:\n%s", secret, s)
 		}
 	}
-	for _, want := range []string{"url: postgres://app:xxxxx@db:5432/app", "secret: xxxxx", "wait_time: 100ms", "https://example.test/hook"} {
+	for _, want := range []string{"url: postgres://xxxxx@db:5432/app?xxxxx", "secret: xxxxx", "wait_time: 100ms", "https://example.test/hook"} {
 		if !strings.Contains(s, want) {
 			t.Errorf("config print lacks %q:\n%s", want, s)
 		}
