@@ -81,11 +81,13 @@ func Main(args []string, stdout, stderr io.Writer, environ []string) int {
 	if exited >= 0 {
 		return exited
 	}
+	e := &cmdEnv{ConfigPath: c.Config, Stdout: stdout, Stderr: stderr, Environ: environ}
 	if err != nil {
-		fmt.Fprintf(stderr, "worker: %v (see worker --help)\n", err)
+		// One log line like every other failure, so it carries instance_id
+		// and reaches a log pipeline in the configured format.
+		e.fatalLogger().Error("exiting", "error", fmt.Sprintf("%v (see worker --help)", err), "exit_code", ExitUsage)
 		return ExitUsage
 	}
-	e := &cmdEnv{ConfigPath: c.Config, Stdout: stdout, Stderr: stderr, Environ: environ}
 	if err := kctx.Run(e); err != nil {
 		code := ExitCode(err)
 		e.fatalLogger().Error("exiting", "error", err, "exit_code", code)
@@ -111,7 +113,7 @@ func (e *cmdEnv) fatalLogger() *slog.Logger {
 	sinks.Webhook.Secret = env["APP_OUTBOX_WEBHOOK_SECRET"]
 	sinks.NATS.URL, sinks.NATS.Password, sinks.NATS.Token = env["APP_OUTBOX_NATS_URL"], env["APP_OUTBOX_NATS_PASSWORD"], env["APP_OUTBOX_NATS_TOKEN"]
 	sinks.RabbitMQ.URL, sinks.Kafka.SASLPassword = env["APP_OUTBOX_RABBITMQ_URL"], env["APP_OUTBOX_KAFKA_SASL_PASSWORD"]
-	log, err := obs.NewLogger(e.Stderr, earlyLogFormat(e.ConfigPath, e.Environ), "info", env["APP_INSTANCE_ID"],
+	log, err := obs.NewLogger(e.Stderr, earlyLogFormat(e.ConfigPath, e.Environ), "info", earlyInstanceID(e.ConfigPath, e.Environ),
 		logSecrets(env["APP_DATABASE_URL"], append(sinkSecrets(sinks), env["APP_UI_PASSWORD"])...)...)
 	if err != nil {
 		panic(err) // earlyLogFormat returns only formats NewLogger knows
@@ -148,6 +150,13 @@ func (configPrintCmd) Run(e *cmdEnv) error {
 	if err != nil {
 		return err
 	}
+	// The warnings go to stderr, as run's do: a misspelt variable is a
+	// setting that config print, like run, does not show.
+	log, err := newLogger(e, cfg)
+	if err != nil {
+		return err
+	}
+	warnMisspeltEnv(log, cfg)
 	return PrintConfig(e.Stdout, cfg)
 }
 

@@ -337,8 +337,8 @@ func TestUnknownKeySuggestsNearestKeyAndLine(t *testing.T) {
 }
 
 // A misspelt APP_* variable is not an error (other software sets APP_
-// variables too) but is not silent either: the logger warns, naming the
-// nearest setting. Variables like no setting pass quietly.
+// variables too) but is not silent either: a warning names the nearest
+// setting. Variables like no setting pass quietly.
 func TestMisspeltEnvironmentVariableIsWarned(t *testing.T) {
 	t.Parallel()
 	cfg, err := LoadConfig("", []string{"APP_LOCK_LEASE_TLL=5s", "APP_SERVICE_HOST=10.0.0.1", "APP_CONFIG_FILE="})
@@ -346,9 +346,11 @@ func TestMisspeltEnvironmentVariableIsWarned(t *testing.T) {
 		t.Fatal(err)
 	}
 	var buf bytes.Buffer
-	if _, err := newLogger(&cmdEnv{Stderr: &buf}, cfg); err != nil {
+	log, err := newLogger(&cmdEnv{Stderr: &buf}, cfg)
+	if err != nil {
 		t.Fatal(err)
 	}
+	warnMisspeltEnv(log, cfg)
 	out := buf.String()
 	if !strings.Contains(out, "APP_LOCK_LEASE_TLL is not a setting and is ignored (did you mean APP_LOCK_LEASE_TTL?)") {
 		t.Errorf("no warning for the misspelt variable:\n%s", out)
