@@ -34,6 +34,7 @@ type cmdEnv struct {
 	Environ    []string
 
 	log *slog.Logger // set once the command has built its logger
+	cfg *Config      // set once an operator command has loaded its configuration
 }
 
 type cli struct {
@@ -187,8 +188,8 @@ func (c outboxEmitCmd) Run(e *cmdEnv) error {
 			return &exitError{code: ExitUsage, msg: f.flag + " is empty; give a value"}
 		}
 	}
-	if !json.Valid([]byte(c.Payload)) {
-		return &exitError{code: ExitUsage, msg: "--payload is not valid JSON"}
+	if err := checkJSONArg("--payload", c.Payload, false); err != nil {
+		return err
 	}
 	return withPool(e, func(ctx context.Context, pool *pgxpool.Pool, _ *slog.Logger) error {
 		id, err := outbox.Emit(ctx, pool, outbox.NewEvent{AggregateType: c.AggregateType, AggregateID: c.AggregateID,
@@ -202,6 +203,8 @@ func (c outboxEmitCmd) Run(e *cmdEnv) error {
 			return &exitError{code: ExitUsage, msg: fmt.Sprintf("the event breaks a rule of outbox_event (%s): %s", ruleErr.Constraint, ruleErr.Problem)}
 		case errors.As(err, &pgErr) && strings.HasPrefix(pgErr.Code, "23"):
 			return &exitError{code: ExitUsage, msg: fmt.Sprintf("the event breaks a rule of outbox_event (%s): %s", pgErr.ConstraintName, pgErr.Message)}
+		case isDataException(err):
+			return &exitError{code: ExitUsage, err: err, msg: "the database refuses the event's data: " + pgErr.Message}
 		}
 		if err != nil {
 			return err
@@ -328,4 +331,40 @@ func printDead(w io.Writer, list []outbox.DeadEvent, total int64) error {
 	}
 	_, err := fmt.Fprintf(w, "%d DEAD event(s)\n", total)
 	return err
+}
+
+// checkJSONArg refuses a flag's value that is not JSON (not a JSON object
+// when object is set), or that holds a NUL character (\u0000) in a string:
+// PostgreSQL's jsonb cannot store one, and its refusal is the operator's
+// mistake (exit 64), not an internal error.
+func checkJSONArg(flag, value string, object bool) error {
+	dec := json.NewDecoder(strings.NewReader(value))
+	if object {
+		if tok, err := dec.Token(); err != nil || tok != json.Delim('{') {
+			return &exitError{code: ExitUsage, msg: flag + " is not a JSON object"}
+		}
+	}
+	for {
+		tok, err := dec.Token()
+		if errors.Is(err, io.EOF) {
+			break
+		}
+		if err != nil {
+			return &exitError{code: ExitUsage, msg: flag + " is not valid JSON: " + err.Error()}
+		}
+		if s, ok := tok.(string); ok && strings.ContainsRune(s, 0) {
+			return &exitError{code: ExitUsage, msg: flag + ` holds \u0000 (NUL) in a string, which PostgreSQL's jsonb cannot store`}
+		}
+	}
+	if !json.Valid([]byte(value)) { // the token stream accepts "1 2", and "{" alone
+		return &exitError{code: ExitUsage, msg: flag + " is not valid JSON"}
+	}
+	return nil
+}
+
+// isDataException is PostgreSQL refusing a value (SQLSTATE class 22: bad
+// text encoding, a number out of range, an unsupported escape in JSON).
+func isDataException(err error) bool {
+	var pgErr *pgconn.PgError
+	return errors.As(err, &pgErr) && strings.HasPrefix(pgErr.Code, "22")
 }

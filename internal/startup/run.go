@@ -267,6 +267,7 @@ func withPool(e *cmdEnv, f func(ctx context.Context, pool *pgxpool.Pool, log *sl
 		return err
 	}
 	warnMisspeltEnv(log, cfg)
+	e.cfg = cfg
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
 	defer stop()
 	pool, err := connectDB(ctx, cfg, log)

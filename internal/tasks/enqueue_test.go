@@ -156,7 +156,7 @@ func TestEnqueueCopiesMetaFromContext(t *testing.T) {
 		CorrelationID: "corr-3", TenantID: "tenant-a"})
 	var id int64
 	err := pgx.BeginFunc(ctx, db.Pool, func(tx pgx.Tx) error {
-		res, err := EnqueueJSON(ctx, tx, "k", json.RawMessage(`{}`), &river.InsertOpts{Metadata: []byte(`{"tenant_id": "explicit"}`)})
+		res, err := EnqueueJSON(ctx, tx, "meta-kind", json.RawMessage(`{}`), &river.InsertOpts{Metadata: []byte(`{"tenant_id": "explicit"}`)})
 		if err == nil {
 			id = res.Job.ID
 		}
