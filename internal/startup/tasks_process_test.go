@@ -250,8 +250,8 @@ func TestTasksAndUIConfigErrorsExit78(t *testing.T) {
 		{"ui without password", []string{"APP_UI_ENABLED=true"}, "APP_UI_PASSWORD"},
 		{"queue without workers", []string{writeConfig(t, "tasks:\n  queues:\n    mail: {max_workers: 0}\n")}, "tasks.queues.mail.max_workers"},
 		{"unknown queue key", []string{writeConfig(t, "tasks:\n  queues:\n    mail: {workers: 3}\n")}, `tasks.queues.mail: unknown key`},
-		{"kind of unknown type", []string{writeConfig(t, "tasks:\n  kinds:\n    - {name: x, type: ftp}\n")}, `tasks.kinds[0]`},
-		{"kind in unknown queue", []string{writeConfig(t, "tasks:\n  kinds:\n    - {name: x, type: sql, sql: SELECT $1, queue: nope}\n")}, `is not under tasks.queues`},
+		{"kind of unknown type", []string{writeConfig(t, "tasks:\n  kinds:\n    - {name: export, type: ftp}\n")}, `tasks.kinds[0]`},
+		{"kind in unknown queue", []string{writeConfig(t, "tasks:\n  kinds:\n    - {name: export, type: sql, sql: SELECT $1, queue: nope}\n")}, `is not under tasks.queues`},
 		{"go kind without worker", []string{writeConfig(t, "tasks:\n  kinds:\n    - {name: resize, type: go}\n")}, "no Go worker is registered"},
 		{"bad max attempts", []string{"APP_TASKS_MAX_ATTEMPTS=0"}, "APP_TASKS_MAX_ATTEMPTS=0"},
 	}
