@@ -9,6 +9,7 @@ import (
 	"log/slog"
 	"os"
 	"os/user"
+	"slices"
 	"strings"
 	"text/tabwriter"
 	"time"
@@ -85,7 +86,14 @@ func Main(args []string, stdout, stderr io.Writer, environ []string) int {
 	e := &cmdEnv{ConfigPath: c.Config, Stdout: stdout, Stderr: stderr, Environ: environ}
 	if err != nil {
 		// One log line like every other failure, so it carries instance_id
-		// and reaches a log pipeline in the configured format.
+		// and reaches a log pipeline in the configured format. kong may
+		// stop before it read APP_CONFIG_FILE.
+		for _, kv := range slices.Backward(environ) {
+			if v, ok := strings.CutPrefix(kv, "APP_CONFIG_FILE="); ok && e.ConfigPath == "" {
+				e.ConfigPath = v
+				break
+			}
+		}
 		e.fatalLogger().Error("exiting", "error", fmt.Sprintf("%v (see worker --help)", err), "exit_code", ExitUsage)
 		return ExitUsage
 	}

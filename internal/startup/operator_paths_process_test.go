@@ -71,6 +71,7 @@ func TestExitLinesNameTheInstance(t *testing.T) {
 		{"config error", []string{"APP_LOCK_WAIT_TIME=banana"}, nil, 78, "APP_LOCK_WAIT_TIME"},
 		{"config error, instance from the environment", []string{"APP_LOCK_WAIT_TIME=banana", "APP_INSTANCE_ID=replica-7"}, nil, 78, "replica-7"},
 		{"unknown flag", nil, []string{"--frobnicate"}, 64, "see worker --help"},
+		{"unknown flag, instance from the file", []string{writeConfig(t, "instance: {id: from-file}\n")}, []string{"--frobnicate"}, 64, `"instance_id":"from-file"`},
 		{"bad argument", nil, []string{"outbox", "dead", "list", "--limit", "0"}, 64, "--limit 0"},
 		{"healthcheck with a zero timeout", nil, []string{"healthcheck", "--timeout", "0s"}, 64, "--timeout 0s: want a positive duration"},
 		{"healthcheck with a negative timeout", nil, []string{"healthcheck", "--timeout=-1s"}, 64, "--timeout -1s: want a positive duration"},
