@@ -125,6 +125,13 @@ func parseWebhookURL(raw string) (*url.URL, error) {
 		// MaskDSN: the value may carry basic-auth credentials.
 		return nil, fmt.Errorf("%s %q: want an absolute http:// or https:// URL, such as https://hooks.example.com/outbox", key, obs.MaskDSN(raw))
 	}
+	// url.Parse takes any digits as a port; a dial would fail on every
+	// event instead of once, at start.
+	if p := u.Port(); p != "" {
+		if n, err := strconv.Atoi(p); err != nil || n < 1 || n > 65535 {
+			return nil, fmt.Errorf("%s %q: port %s: want a port from 1 to 65535", key, shownURL(u), p)
+		}
+	}
 	return u, nil
 }
 

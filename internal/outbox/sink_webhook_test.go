@@ -528,6 +528,11 @@ func TestNewWebhookSinkValidatesConfig(t *testing.T) {
 		{URL: "https://user:hunter2@ho st/x", Timeout: time.Second},
 		{URL: "ftp://user:hunter2@hooks.example.com", Timeout: time.Second},
 		{URL: "://bad", Timeout: time.Second},
+		{URL: "http://hooks.example.com:99999/outbox", Timeout: time.Second},
+		{URL: "http://hooks.example.com:65536/outbox", Timeout: time.Second},
+		{URL: "https://user:hunter2@hooks.example.com:0/outbox", Timeout: time.Second},
+		{URL: "http://hooks.example.com:http/outbox", Timeout: time.Second},
+		{URL: "http://[::1]:123456/outbox", Timeout: time.Second},
 	}
 	for _, cfg := range bad {
 		_, err := NewWebhookSink(cfg, nil)
@@ -550,7 +555,8 @@ func TestNewWebhookSinkValidatesConfig(t *testing.T) {
 		}
 	}
 
-	for _, u := range []string{"http://127.0.0.1:8080/hook", "https://hooks.example.com/a/b?tenant=7"} {
+	for _, u := range []string{"http://127.0.0.1:8080/hook", "https://hooks.example.com/a/b?tenant=7",
+		"http://hooks.example.com:1/x", "https://hooks.example.com:65535/x", "http://[::1]:8080/x", "http://hooks.example.com:/x"} {
 		if _, err := NewWebhookSink(WebhookConfig{URL: u, Timeout: time.Second}, nil); err != nil {
 			t.Errorf("URL %q rejected: %v", u, err)
 		}
