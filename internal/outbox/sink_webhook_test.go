@@ -294,7 +294,7 @@ func TestWebhookSinkStatusClassification(t *testing.T) {
 		{408, "30", "unavailable", 30 * time.Second},
 		{500, "15", "transient", 15 * time.Second},
 		{503, now.Add(120 * time.Second).Format(http.TimeFormat), "unavailable", 120 * time.Second},
-		{429, now.Add(-time.Minute).Format(http.TimeFormat), "unavailable", 0},             // date in the past: retry now
+		{429, now.Add(-time.Minute).Format(http.TimeFormat), "unavailable", 0},              // date in the past: retry now
 		{500, now.Add(90 * time.Second).Format(time.RFC850), "transient", 90 * time.Second}, // obsolete date form
 		{503, "99999999999", "unavailable", time.Hour},                                      // capped
 		{503, "soon", "unavailable", -1},                                                    // unparseable: plain backoff
