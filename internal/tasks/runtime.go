@@ -76,15 +76,17 @@ func New(opts Options) (*Runtime, error) {
 	if err != nil {
 		return nil, err
 	}
-	goKinds := slices.Clone(reg.kinds)
-	if err := addConfiguredKinds(reg, &cfg, pool, opts.HTTPClient); err != nil {
+	kinds := slices.Concat(cfg.KindNames(), reg.kinds)
+	slices.Sort(kinds)
+	m, err := newMetrics(opts.Registerer, slices.Compact(kinds), cfg.QueueNames(), cfg.httpKindNames())
+	if err != nil {
 		pool.Close()
 		return nil, err
 	}
-	kinds := slices.Concat(cfg.KindNames(), goKinds)
-	slices.Sort(kinds)
-	m, err := newMetrics(opts.Registerer, slices.Compact(kinds), cfg.QueueNames())
-	if err != nil {
+	log := opts.Logger.With("component", "tasks")
+	if err := addConfiguredKinds(reg, &cfg, pool, opts.HTTPClient, func(kind string) *endpointBreaker {
+		return newEndpointBreaker(kind, m, log, cfg.ProbeBackoffMax)
+	}); err != nil {
 		pool.Close()
 		return nil, err
 	}
@@ -93,7 +95,6 @@ func New(opts Options) (*Runtime, error) {
 	for name, q := range cfg.Queues {
 		queues[name] = river.QueueConfig{MaxWorkers: q.Workers()}
 	}
-	log := opts.Logger.With("component", "tasks")
 	rt := &Runtime{cfg: cfg, log: log, pool: pool, m: m}
 	if len(kinds) == 0 {
 		return rt, nil // River refuses to run without a worker; nothing to run
@@ -135,7 +136,7 @@ func New(opts Options) (*Runtime, error) {
 
 // addConfiguredKinds registers a worker for each http and sql kind, and
 // checks that each go kind has one.
-func addConfiguredKinds(reg *Registry, cfg *Config, pool *pgxpool.Pool, client *http.Client) error {
+func addConfiguredKinds(reg *Registry, cfg *Config, pool *pgxpool.Pool, client *http.Client, endpoint func(kind string) *endpointBreaker) error {
 	httpClient := &http.Client{}
 	if client != nil {
 		cp := *client
@@ -149,7 +150,7 @@ func addConfiguredKinds(reg *Registry, cfg *Config, pool *pgxpool.Pool, client *
 		}
 		switch k.Type {
 		case TypeHTTP:
-			river.AddWorkerArgs(reg.workers, rawArgs{kind: k.Name}, river.Worker[rawArgs](&httpWorker{kind: k, client: httpClient}))
+			river.AddWorkerArgs(reg.workers, rawArgs{kind: k.Name}, river.Worker[rawArgs](&httpWorker{kind: k, client: httpClient, endpoint: endpoint(k.Name)}))
 		case TypeSQL:
 			river.AddWorkerArgs(reg.workers, rawArgs{kind: k.Name}, river.Worker[rawArgs](&sqlWorker{kind: k, pool: pool}))
 		case TypeGo:
