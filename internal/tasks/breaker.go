@@ -83,18 +83,20 @@ func (b *endpointBreaker) waiting(lastWait time.Time) {
 }
 
 // succeeded records a 2xx: the endpoint is up, so an open breaker closes.
-func (b *endpointBreaker) succeeded() {
+// It reports whether it closed the breaker.
+func (b *endpointBreaker) succeeded() (closed bool) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	now := b.now()
 	b.lastSuccess = now
 	if !b.open {
-		return
+		return false
 	}
 	b.log.Info("task endpoint available again; tasks of this kind run", "task_kind", b.kind,
 		"down_for", now.Sub(b.openedAt).Round(time.Millisecond).String(), "tasks_waited", b.waited)
 	b.open, b.probing, b.probeFailures, b.waited = false, false, 0, 0
 	b.up.Set(1)
+	return true
 }
 
 // ownFailure reports whether an unavailable answer to a task that last

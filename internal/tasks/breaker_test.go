@@ -3,11 +3,14 @@ package tasks
 import (
 	"encoding/json"
 	"fmt"
+	"log/slog"
 	"net/http"
 	"net/http/httptest"
 	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
 
 	"worker/internal/pgtest"
 	"worker/internal/testkit"
@@ -148,5 +151,49 @@ func TestProbeBackoffIsCappedAndNeverZero(t *testing.T) {
 	}
 	if d := backoff(time.Second, 10*time.Millisecond, 1); d > 10*time.Millisecond || d <= 0 {
 		t.Errorf("a cap below the base: %s", d)
+	}
+}
+
+// Closing the breaker wakes the kind's tasks that were snoozed for the
+// endpoint, and only those: a task scheduled for later on purpose, or of
+// another kind, keeps its time.
+func TestClosingTheBreakerWakesTheTasksThatWaited(t *testing.T) {
+	t.Parallel()
+	db := pgtest.New(t)
+	ctx := t.Context()
+	cfg := testConfig(t, nil)
+	if err := publishConfig(ctx, db.Pool, &cfg); err != nil {
+		t.Fatal(err)
+	}
+	enqueueLater := func(kind, metadata string) int64 {
+		var id int64
+		if err := db.Pool.QueryRow(ctx, `SELECT worker_enqueue($1, '{}'::jsonb, metadata => $2::jsonb, scheduled_at => now() + interval '1 hour')`,
+			kind, metadata).Scan(&id); err != nil {
+			t.Fatal(err)
+		}
+		// As River leaves a short snooze: available, due later.
+		if _, err := db.Pool.Exec(ctx, `UPDATE river_job SET state = 'available' WHERE id = $1`, id); err != nil {
+			t.Fatal(err)
+		}
+		return id
+	}
+	waited := enqueueLater("notify", `{"endpoint_unavailable_at": "2026-01-01T00:00:00Z", "snoozes": 3}`)
+	planned := enqueueLater("notify", `{}`)
+	other := enqueueLater("other", `{"endpoint_unavailable_at": "2026-01-01T00:00:00Z"}`)
+
+	m, err := newMetrics(prometheus.NewRegistry(), nil, nil, []string{"notify"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	w := &httpWorker{kind: Kind{Name: "notify"}, pool: db.Pool, endpoint: newEndpointBreaker("notify", m, slog.New(slog.DiscardHandler), time.Second)}
+	w.wakeWaiting(ctx)
+	for id, wantDue := range map[int64]bool{waited: true, planned: false, other: false} {
+		var due bool
+		if err := db.Pool.QueryRow(ctx, `SELECT scheduled_at <= now() FROM river_job WHERE id = $1`, id).Scan(&due); err != nil {
+			t.Fatal(err)
+		}
+		if due != wantDue {
+			t.Errorf("task %d due now: %v, want %v", id, due, wantDue)
+		}
 	}
 }

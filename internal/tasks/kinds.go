@@ -85,6 +85,7 @@ type httpWorker struct {
 	kind     Kind
 	client   *http.Client
 	endpoint *endpointBreaker
+	pool     *pgxpool.Pool // River's, to wake the tasks that waited
 	// retryAt holds a Retry-After the endpoint asked for, from Work to
 	// NextRetry, which River calls right after Work returns.
 	retryAt sync.Map // job id -> time.Time
@@ -100,7 +101,9 @@ func (w *httpWorker) Work(ctx context.Context, job *river.Job[rawArgs]) error {
 	code, retryAt, err := w.post(ctx, job)
 	switch {
 	case err == nil && code >= 200 && code <= 299:
-		w.endpoint.succeeded()
+		if w.endpoint.succeeded() {
+			w.wakeWaiting(ctx)
+		}
 		return nil
 	case err != nil && ctx.Err() != nil && !errors.Is(ctx.Err(), context.DeadlineExceeded):
 		// Shutdown or an operator's cancel: River decides; says nothing
@@ -172,6 +175,25 @@ func (w *httpWorker) snooze(ctx context.Context, job *river.Job[rawArgs], retryA
 	_ = river.MetadataSet(ctx, unavailableAtKey, now.UTC())
 	d := max(backoff(probeBackoffBase, w.endpoint.max, snoozesOf(job.Metadata)+1), retryAt.Sub(now))
 	return &endpointDownError{err: river.JobSnooze(d)}
+}
+
+// wakeWaiting makes the kind's snoozed tasks due now, once the endpoint is
+// back: they would otherwise wait out the rest of their snooze, up to
+// tasks.probe_backoff_max. Only tasks snoozed for their endpoint (with
+// endpoint_unavailable_at) and already available to River (a snooze up to
+// River's scheduler interval, 5s) are woken; a task scheduled for later on
+// purpose is left alone. Best effort: a failure only costs that wait.
+func (w *httpWorker) wakeWaiting(ctx context.Context) {
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 2*time.Second)
+	defer cancel()
+	tag, err := w.pool.Exec(ctx, `UPDATE river_job SET scheduled_at = now()
+		WHERE state = 'available' AND kind = $1 AND scheduled_at > now() AND metadata ? $2`, w.kind.Name, unavailableAtKey)
+	log := w.endpoint.log.With("task_kind", w.kind.Name)
+	if err != nil {
+		log.Warn("could not wake the tasks that waited for the endpoint; they run when their snooze ends", "error", err)
+		return
+	}
+	log.Debug("woke the tasks that waited for the endpoint", "tasks", tag.RowsAffected())
 }
 
 // endpointDownError is the snooze of a task whose endpoint is unavailable.
