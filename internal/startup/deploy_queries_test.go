@@ -42,6 +42,7 @@ func TestDeployQueriesNameOnlyExportedMetrics(t *testing.T) {
 tasks:
   kinds:
     - {name: ping, type: sql, sql: "SELECT $1"}
+    - {name: hook, type: http, url: "http://127.0.0.1:9/hook"}
 `), 0o600); err != nil {
 		t.Fatal(err)
 	}
