@@ -117,7 +117,7 @@ const blockedMsg = "rabbitmq blocked the connection (a memory or disk alarm); pu
 
 // TestBlocked raises a memory alarm on the private node, which blocks
 // every publishing connection (connection.blocked). A publish fails as
-// transient within publish_timeout, then at once with a RetryAfterError
+// Unavailable within publish_timeout, then at once with a RetryAfterError
 // naming the cause, and the sink logs the block once. A relay publishing
 // through the alarm loses nothing and dead-letters nothing: once the alarm
 // clears every event is on the queue, first deliveries in per-aggregate
@@ -184,7 +184,7 @@ func TestBlocked(t *testing.T) {
 
 // probeBlocked publishes through a sink of its own while the alarm is on:
 // the broker blocks its connection on the first message, which then times
-// out; the next publish fails at once with a RetryAfterError.
+// out; the next publish fails at once, Unavailable with a RetryAfterError.
 func probeBlocked(t *testing.T, n *privateNode) {
 	t.Helper()
 	cfg := n.target(t, "#").config()
@@ -199,8 +199,8 @@ func probeBlocked(t *testing.T, n *privateNode) {
 	t.Cleanup(func() { _ = s.Close(context.Background()) })
 	for i := range 3 {
 		err := boundedPublish(t, s, sinktest.Event("probe", i), cfg.PublishTimeout)
-		if err == nil || outbox.IsPermanent(err) {
-			t.Fatalf("publish #%d while blocked: got %v, want a transient error", i, err)
+		if !outbox.IsUnavailable(err) || outbox.IsPermanent(err) {
+			t.Fatalf("publish #%d while blocked: got %v, want Unavailable", i, err)
 		}
 		var ra *outbox.RetryAfterError
 		if errors.As(err, &ra) {
