@@ -234,8 +234,12 @@ func (s *Sink) giveUp(client *kgo.Client, done <-chan error, cause error) error 
 	case <-time.After(settleWait):
 	}
 	s.abandon(client)
-	if err := <-done; err == nil {
-		return nil // acknowledged before the close
+	select {
+	case err := <-done: // Close fails every record the client held
+		if err == nil {
+			return nil // acknowledged before the close
+		}
+	case <-time.After(settleWait): // closed all the same: it sends nothing more
 	}
 	return fmt.Errorf("%w: no answer from the broker; the outcome is unknown", cause)
 }
