@@ -70,9 +70,9 @@ func runOutage(t *testing.T, b brokerOutage) {
 	}, b.env...))
 	p.waitReady(t, 30*time.Second)
 
-	ctx, stop := context.WithCancel(t.Context())
+	stop := make(chan struct{})
 	var produced sync.WaitGroup
-	produced.Go(func() { produceEvents(ctx, t, db) })
+	produced.Go(func() { produceEvents(t, db, stop) })
 
 	time.Sleep(outageUp) // events flow at a steady rate: the outage must hit traffic
 	upLine := fmt.Sprintf("outbox_sink_up{sink=%q} ", b.sink)
@@ -84,8 +84,12 @@ func runOutage(t *testing.T, b brokerOutage) {
 	time.Sleep(outageDown) // the outage lasts while events keep arriving
 	b.up(t)
 	back := time.Now()
+	var backDB time.Time // the same instant on the database's clock, which stamps published_at
+	if err := db.Pool.QueryRow(t.Context(), `SELECT clock_timestamp()`).Scan(&backDB); err != nil {
+		t.Fatal(err)
+	}
 	time.Sleep(outageAfter) // events keep arriving after the return
-	stop()
+	close(stop)
 	produced.Wait()
 
 	var total int
@@ -108,7 +112,34 @@ func runOutage(t *testing.T, b brokerOutage) {
 		}
 		time.Sleep(20 * time.Millisecond)
 	}
-	t.Logf("%s: %d events, all published %s after the broker's return", b.sink, total, time.Since(back).Round(time.Millisecond))
+	// The backlog: the events that arrived before the broker's return.
+	var waited int
+	var backlogDone time.Time
+	if err := db.Pool.QueryRow(t.Context(), `SELECT count(*), max(published_at) FROM outbox_event WHERE occurred_at < $1`,
+		backDB).Scan(&waited, &backlogDone); err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("%s: %d events; the %d that arrived before the broker's return were all published %s after it, every event %s after it",
+		b.sink, total, waited, backlogDone.Sub(backDB).Round(time.Millisecond), time.Since(back).Round(time.Millisecond))
+	var spent int // the publish that succeeded is every event's one attempt
+	if err := db.Pool.QueryRow(t.Context(), `SELECT count(*) FROM outbox_event WHERE attempts <> 1`).Scan(&spent); err != nil {
+		t.Fatal(err)
+	}
+	if spent > 0 {
+		t.Errorf("%d events spent attempts on the outage, want their attempts untouched", spent)
+		rows, _ := db.Pool.Query(t.Context(), `SELECT id, attempts, coalesce(last_error, '') FROM outbox_event WHERE attempts <> 1 ORDER BY id`)
+		for rows.Next() {
+			var id int64
+			var attempts int
+			var lastErr string
+			_ = rows.Scan(&id, &attempts, &lastErr)
+			t.Logf("event %d: %d attempts, last error %q", id, attempts, lastErr)
+		}
+		rows.Close()
+	}
+	if n := strings.Count(p.out.String(), `"msg":"outbox sink unavailable; claiming stops`); n != 1 {
+		t.Errorf("%d warnings that the sink is unavailable, want one for the one outage", n)
+	}
 	if v := metricLine(p, upLine); v != "1" {
 		t.Errorf("%s%s after the outage, want 1", upLine, v)
 	}
@@ -116,18 +147,18 @@ func runOutage(t *testing.T, b brokerOutage) {
 }
 
 // produceEvents inserts one event per outageInterval, round robin over
-// outageAggregates aggregates, until ctx ends.
-func produceEvents(ctx context.Context, t *testing.T, db *pgtest.DB) {
+// outageAggregates aggregates, until stop closes.
+func produceEvents(t *testing.T, db *pgtest.DB, stop <-chan struct{}) {
 	tick := time.NewTicker(outageInterval)
 	defer tick.Stop()
 	for n := 0; ; n++ {
 		select {
-		case <-ctx.Done():
+		case <-stop:
 			return
 		case <-tick.C:
 		}
-		if _, err := db.Pool.Exec(ctx, `INSERT INTO outbox_event (aggregate_type, aggregate_id, event_type, payload)
-			VALUES ('order', $1, 'order.paid', jsonb_build_object('n', $2::int))`, fmt.Sprintf("o-%d", n%outageAggregates), n); err != nil && ctx.Err() == nil {
+		if _, err := db.Pool.Exec(t.Context(), `INSERT INTO outbox_event (aggregate_type, aggregate_id, event_type, payload)
+			VALUES ('order', $1, 'order.paid', jsonb_build_object('n', $2::int))`, fmt.Sprintf("o-%d", n%outageAggregates), n); err != nil {
 			t.Errorf("insert: %v", err)
 			return
 		}

@@ -5,6 +5,7 @@ import (
 	"net"
 	"sync"
 	"testing"
+	"time"
 )
 
 // Proxy forwards TCP connections to a broker, so a test can take the
@@ -101,9 +102,17 @@ func (p *Proxy) Cut() {
 func (p *Proxy) Restore(t testing.TB) {
 	t.Helper()
 	p.Cut()
-	ln, err := net.Listen("tcp", p.addr)
-	if err != nil {
-		t.Fatalf("proxy: listening again on %s: %v", p.addr, err)
+	// The port was ours a moment ago; listening again can race the
+	// teardown of its last connections.
+	var ln net.Listener
+	var err error
+	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(10 * time.Millisecond) {
+		if ln, err = net.Listen("tcp", p.addr); err == nil {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("proxy: listening again on %s: %v", p.addr, err)
+		}
 	}
 	p.mu.Lock()
 	p.ln, p.frozen = ln, false
