@@ -23,9 +23,10 @@ import (
 
 const deployDir = "../../deploy"
 
-// targetLabels are set by Prometheus on every scraped series; queries may
-// use them on any metric.
-var targetLabels = []string{"job", "instance"}
+// targetLabels are set by Prometheus on every scraped series (namespace by
+// the Prometheus Operator's ServiceMonitor); queries may use them on any
+// metric.
+var targetLabels = []string{"job", "instance", "namespace"}
 
 // A query on a metric or label the worker does not export shows an empty
 // panel, or an alert that can never fire: both read as "all is well". A
