@@ -233,25 +233,57 @@ func TestKubernetesExampleOverlay(t *testing.T) {
 	checkNetworkPolicy(t, objs, opsPort)
 }
 
-// An overlay replaces the image with kustomize's images:, as the docs show.
-func TestKubernetesImageOverride(t *testing.T) {
+// An overlay customizes the deployment as the README shows: its own image
+// with images:, its own worker.yaml (jobs configured without a rebuild),
+// and the label its Prometheus selects on.
+func TestKubernetesOverlayCustomizes(t *testing.T) {
 	t.Parallel()
 	base := kustomizeBuild(t, deployFS(t, nil), ".")
 	image := one[appsv1.Deployment](t, base).Spec.Template.Spec.Containers[0].Image
 	name, _, _ := strings.Cut(image, ":")
-	fsys := deployFS(t, map[string]string{"../mine/kustomization.yaml": `resources: [../kubernetes]
+	fsys := deployFS(t, map[string]string{
+		"../mine/kustomization.yaml": `resources: [../kubernetes]
+components: [../kubernetes/components/monitoring]
 images:
   - name: ` + name + `
     newName: ghcr.io/acme/worker
     newTag: 9.9.9
-`})
+configMapGenerator:
+  - name: worker-config
+    behavior: replace
+    files: [worker.yaml]
+patches:
+  - target: {group: monitoring.coreos.com}
+    patch: |
+      - op: replace
+        path: /metadata/labels/release
+        value: kube-prometheus-stack
+`,
+		"../mine/worker.yaml": `multi_instance: {enabled: true}
+lock: {provider: postgres}
+jobs:
+  - {name: purge-sessions, kind: sql, delay: 1m, sql: "DELETE FROM session WHERE expires_at < now()"}
+`,
+	})
 	mine := kustomizeBuild(t, fsys, "../mine")
-	if got := one[appsv1.Deployment](t, mine).Spec.Template.Spec.Containers[0].Image; got != "ghcr.io/acme/worker:9.9.9" {
+	pod := one[appsv1.Deployment](t, mine).Spec.Template.Spec
+	if got := pod.Containers[0].Image; got != "ghcr.io/acme/worker:9.9.9" {
 		t.Errorf("overlay image %q, want ghcr.io/acme/worker:9.9.9", got)
 	}
+	cfg := manifestConfig(t, pod, one[corev1.ConfigMap](t, mine))
+	if len(cfg.Jobs) != 1 || cfg.Jobs[0].Name != "purge-sessions" {
+		t.Errorf("jobs %+v; want the overlay's purge-sessions", cfg.Jobs)
+	}
+	for _, m := range []metav1.ObjectMeta{one[monitoringv1.ServiceMonitor](t, mine).ObjectMeta, one[monitoringv1.PrometheusRule](t, mine).ObjectMeta} {
+		if m.Labels[monitorSelectorLabel] != "kube-prometheus-stack" {
+			t.Errorf("%s labels %v; want the overlay's %s: kube-prometheus-stack", m.Name, m.Labels, monitorSelectorLabel)
+		}
+	}
+
 	readme := readFile(t, "../../README.md")
 	for _, want := range []string{"kubectl apply -k deploy/kubernetes\n", "kubectl apply -k deploy/kubernetes/" + exampleOverlay,
-		"kubectl create secret generic worker-database", "- name: " + name} {
+		"kubectl create secret generic worker-database", "- name: " + name, "behavior: replace",
+		"- target: {group: monitoring.coreos.com}"} {
 		if !strings.Contains(readme, want) {
 			t.Errorf("the README's Kubernetes section lacks %q", strings.TrimSpace(want))
 		}
