@@ -383,19 +383,17 @@ func checkWorkerManifests(t *testing.T, objs builtObjects) corev1.ContainerPort 
 func checkImage(t *testing.T, c corev1.Container) {
 	t.Helper()
 	ref := c.Image
-	name, digest, pinned := strings.Cut(ref, "@sha256:")
-	if !pinned {
-		i := strings.LastIndex(ref, ":")
-		if i > strings.LastIndex(ref, "/") {
-			name, digest = ref[:i], ref[i+1:]
-			pinned = digest != "latest"
-		}
+	// name@sha256:digest, or name:tag where the tag follows the last "/"
+	// (a registry's host:port has a colon too).
+	name, pin, hasDigest := strings.Cut(ref, "@sha256:")
+	if i := strings.LastIndex(ref, ":"); !hasDigest && i > strings.LastIndex(ref, "/") {
+		name, pin = ref[:i], ref[i+1:]
 	}
 	registry, _, hasPath := strings.Cut(name, "/")
 	if !hasPath || !strings.ContainsAny(registry, ".:") && registry != "localhost" {
 		t.Errorf("image %q does not name its registry (host/path:tag)", ref)
 	}
-	if !pinned || digest == "" {
+	if pin == "" || pin == "latest" {
 		t.Errorf("image %q has no pinned tag or digest", ref)
 	}
 	if c.ImagePullPolicy == corev1.PullAlways {
