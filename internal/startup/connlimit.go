@@ -61,10 +61,3 @@ func (l *connLimiter) stopWaiting(c net.Conn) {
 		l.waiting.Remove(e)
 	}
 }
-
-// count is how many connections are open (for tests).
-func (l *connLimiter) count() int {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return len(l.open)
-}
