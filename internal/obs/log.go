@@ -50,8 +50,9 @@ func NewLogger(w io.Writer, format, level, instanceID string, secrets ...string)
 	return log.With("instance_id", instanceID), nil
 }
 
-// Masker removes secrets from text: passwords inside URLs and key=value
-// DSNs, and any literal secret it was given.
+// Masker removes secrets from text: the user information and query string
+// of URLs, the user and password of key=value DSNs, and any literal secret
+// it was given.
 type Masker struct{ literals []string }
 
 // NewMasker returns a Masker that also hides the given literal secrets.
@@ -72,23 +73,37 @@ func NewMasker(secrets ...string) *Masker {
 	return m
 }
 
+// A URL inside text ends at white space, a quote, an angle bracket or a
+// backslash (an escaped quote).
 var (
-	urlPassword = regexp.MustCompile(`([a-zA-Z][a-zA-Z0-9+.-]*://[^:/@\s]*:)([^@\s]*)@`)
-	kvPassword  = regexp.MustCompile(`(?i)(password\s*=\s*)('[^']*'|[^\s&]+)`)
+	// Everything between "scheme://" and the last "@" before the host: a
+	// user name alone may be a token (https://TOKEN@host), so the whole
+	// user information goes, even with an unescaped "@" in the password.
+	urlUserInfo = regexp.MustCompile(`([a-zA-Z][a-zA-Z0-9+.-]*://)[^/?#\s"'<>\\]*@`)
+	// The query string: it carries tokens (?token=, ?sig=) as often as
+	// settings (?sslmode=, ?application_name=).
+	urlQuery = regexp.MustCompile(`([a-zA-Z][a-zA-Z0-9+.-]*://[^?#\s"'<>\\]*)\?[^#\s"'<>\\]+`)
+	// A key=value DSN's password and user (pgx's connect errors name the
+	// user this way: "user=app database=app").
+	kvSecret = regexp.MustCompile(`(?i)(\b(?:password|user)\s*=\s*)('[^']*'|[^\s&'\x60]+)`)
 )
 
-// Mask returns s with every secret replaced by "xxxxx".
+// Mask returns s with every secret replaced by "xxxxx": a URL keeps its
+// scheme, host, port and path (postgres://xxxxx@db:5432/app?xxxxx).
 func (m *Masker) Mask(s string) string {
-	s = urlPassword.ReplaceAllString(s, "${1}xxxxx@")
-	s = kvPassword.ReplaceAllString(s, "${1}xxxxx")
+	s = urlUserInfo.ReplaceAllString(s, "${1}xxxxx@")
+	s = urlQuery.ReplaceAllString(s, "${1}?xxxxx")
+	s = kvSecret.ReplaceAllString(s, "${1}xxxxx")
 	for _, lit := range m.literals {
 		s = strings.ReplaceAll(s, lit, "xxxxx")
 	}
 	return s
 }
 
-// MaskDSN hides the password of a database URL or key=value DSN.
-func MaskDSN(dsn string) string { return NewMasker().Mask(dsn) }
+// MaskDSN hides the user information and query string of every URL in s
+// (a database URL, a webhook URL, an error that quotes one) and the user
+// and password of a key=value DSN.
+func MaskDSN(s string) string { return NewMasker().Mask(s) }
 
 type ctxKey struct{}
 

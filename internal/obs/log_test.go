@@ -46,8 +46,13 @@ func TestLoggerNeverPrintsSecrets(t *testing.T) {
 			t.Errorf("line without instance_id: %s", l)
 		}
 	}
-	if !strings.Contains(out, "postgres://app:xxxxx@db.internal:5432/app") {
-		t.Errorf("masked DSN should keep user and host for debugging:\n%s", out)
+	if !strings.Contains(out, "postgres://xxxxx@db.internal:5432/app?xxxxx") {
+		t.Errorf("masked DSN should keep the host and database for debugging:\n%s", out)
+	}
+	for _, leak := range []string{"app:", "sslmode=require"} {
+		if strings.Contains(out, leak) {
+			t.Errorf("log output keeps a URL's user or query string %q:\n%s", leak, out)
+		}
 	}
 }
 
@@ -74,16 +79,28 @@ func TestLoggerLevelAndFormat(t *testing.T) {
 	}
 }
 
+// A URL in any text loses its user information and query string: a user
+// name alone may be a token, and a query often carries one.
 func TestMaskDSN(t *testing.T) {
 	cases := map[string]string{
-		"postgres://u:p@h:5432/d":            "postgres://u:xxxxx@h:5432/d",
-		"postgres://u@h/d":                   "postgres://u@h/d",
-		"host=h password='a b' user=u":       "host=h password=xxxxx user=u",
-		"amqp://guest:guest@127.0.0.1:5672/": "amqp://guest:xxxxx@127.0.0.1:5672/",
+		"postgres://u:p@h:5432/d":                                    "postgres://xxxxx@h:5432/d",
+		"postgres://u@h/d":                                           "postgres://xxxxx@h/d",
+		"postgres://u:p@ss@h/d":                                      "postgres://xxxxx@h/d",
+		"postgres://h/d?sslmode=disable&application_name=app":        "postgres://h/d?xxxxx",
+		"host=h password='a b' user=u":                               "host=h password=xxxxx user=xxxxx",
+		"failed to connect to `user=app database=app`: refused":      "failed to connect to `user=xxxxx database=app`: refused",
+		"amqp://guest:guest@127.0.0.1:5672/":                         "amqp://xxxxx@127.0.0.1:5672/",
+		"https://TOKEN@hooks.example.com/x?sig=abc#frag":             "https://xxxxx@hooks.example.com/x?xxxxx#frag",
+		`dial "postgres://app:pw@db/app?sslmode=require": refused`:   `dial "postgres://xxxxx@db/app?xxxxx": refused`,
+		"two: http://a:b@h1/x?q=1 and nats://h2:4222, done":          "two: http://xxxxx@h1/x?xxxxx and nats://h2:4222, done",
+		"no url: user@example.com is an address, path/with?question": "no url: user@example.com is an address, path/with?question",
 	}
 	for in, want := range cases {
 		if got := MaskDSN(in); got != want {
 			t.Errorf("MaskDSN(%q) = %q, want %q", in, got, want)
+		}
+		if again := MaskDSN(want); again != want {
+			t.Errorf("MaskDSN is not idempotent on %q: %q", want, again)
 		}
 	}
 }

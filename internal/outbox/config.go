@@ -27,6 +27,9 @@ type Config struct {
 	MaxAttempts     int           `koanf:"max_attempts" yaml:"max_attempts"`
 	BackoffBase     time.Duration `koanf:"backoff_base" yaml:"backoff_base"`
 	BackoffMax      time.Duration `koanf:"backoff_max" yaml:"backoff_max"`
+	// ProbeBackoffMax caps the wait between probes of a sink found
+	// unavailable (breaker.go).
+	ProbeBackoffMax time.Duration `koanf:"probe_backoff_max" yaml:"probe_backoff_max"`
 	BlockOnDead     bool          `koanf:"block_on_dead" yaml:"block_on_dead"`
 	Retention       time.Duration `koanf:"retention" yaml:"retention"`
 	// MetricsInterval is how often the relay refreshes outbox_pending_size
@@ -103,6 +106,7 @@ func DefaultConfig() Config {
 		MaxAttempts:     3,
 		BackoffBase:     time.Second,
 		BackoffMax:      5 * time.Minute,
+		ProbeBackoffMax: 5 * time.Second,
 		Retention:       168 * time.Hour,
 		MetricsInterval: 5 * time.Second,
 		Webhook:         WebhookConfig{Timeout: 10 * time.Second},
@@ -139,6 +143,7 @@ func (c Config) Validate() error {
 		// room for one publish and the final write.
 		atLeast("in_flight_timeout", c.InFlightTimeout, time.Second),
 		atLeast("backoff_base", c.BackoffBase, time.Millisecond),
+		atLeast("probe_backoff_max", c.ProbeBackoffMax, 10*time.Millisecond),
 		atLeast("retention", c.Retention, time.Minute),
 		atLeast("metrics_interval", c.MetricsInterval, 100*time.Millisecond),
 	} {

@@ -28,24 +28,27 @@ const otherEventType = "other"
 
 // Failure kinds (outbox_publish_failures_total{kind}).
 const (
-	kindTransient = "transient"
-	kindPermanent = "permanent"
+	kindTransient   = "transient"
+	kindPermanent   = "permanent"
+	kindUnavailable = "unavailable" // the sink's failure, not the event's: no attempt spent
 )
 
 type metrics struct {
-	pending    *prometheus.GaugeVec   // outbox_pending_size{status}
-	lag        *prometheus.GaugeVec   // outbox_publisher_lag_seconds{event_type}
-	published  *prometheus.CounterVec // outbox_published_total{event_type}
-	failures   *prometheus.CounterVec // outbox_publish_failures_total{event_type,kind}
-	latency    prometheus.Histogram   // outbox_publish_latency_seconds
-	batchSize  prometheus.Histogram   // outbox_batch_size
-	claimed    prometheus.Gauge       // outbox_claimed_events
-	retry      *prometheus.CounterVec // job_retry_total{job_name,outcome}
-	dlq        *prometheus.CounterVec // job_dlq_total{job_name}
-	eventTypes labelCap
+	pending       *prometheus.GaugeVec   // outbox_pending_size{status}
+	lag           *prometheus.GaugeVec   // outbox_publisher_lag_seconds{event_type}
+	published     *prometheus.CounterVec // outbox_published_total{event_type}
+	failures      *prometheus.CounterVec // outbox_publish_failures_total{event_type,kind}
+	latency       prometheus.Histogram   // outbox_publish_latency_seconds
+	batchSize     prometheus.Histogram   // outbox_batch_size
+	claimed       prometheus.Gauge       // outbox_claimed_events
+	sinkUp        prometheus.Gauge       // outbox_sink_up{sink}
+	breakerOpened prometheus.Counter     // outbox_sink_breaker_opened_total{sink}
+	retry         *prometheus.CounterVec // job_retry_total{job_name,outcome}
+	dlq           *prometheus.CounterVec // job_dlq_total{job_name}
+	eventTypes    labelCap
 }
 
-func newMetrics(reg prometheus.Registerer) (*metrics, error) {
+func newMetrics(reg prometheus.Registerer, sink string) (*metrics, error) {
 	if reg == nil {
 		reg = prometheus.NewRegistry()
 	}
@@ -71,7 +74,7 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 	}
 	if m.failures, err = register(reg, prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "outbox_publish_failures_total",
-		Help: "Failed publish attempts, by event type and kind (transient: retried or DEAD after max_attempts; permanent: DEAD at once).",
+		Help: "Failed publish attempts, by event type and kind (transient: retried or DEAD after max_attempts; permanent: DEAD at once; unavailable: the sink was down, the event waits without spending an attempt).",
 	}, []string{"event_type", "kind"})); err != nil {
 		return nil, err
 	}
@@ -95,6 +98,23 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 	})); err != nil {
 		return nil, err
 	}
+	sinkUpVec, err := register(reg, prometheus.NewGaugeVec(prometheus.GaugeOpts{
+		Name: "outbox_sink_up",
+		Help: "1 while the relay's sink takes publishes, 0 while its breaker is open: the sink is unavailable, claiming has stopped and events wait with their attempts untouched.",
+	}, []string{"sink"}))
+	if err != nil {
+		return nil, err
+	}
+	m.sinkUp = sinkUpVec.WithLabelValues(sink)
+	m.sinkUp.Set(1)
+	openedVec, err := register(reg, prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "outbox_sink_breaker_opened_total",
+		Help: "Times the relay found its sink unavailable and stopped claiming until a probe got through.",
+	}, []string{"sink"}))
+	if err != nil {
+		return nil, err
+	}
+	m.breakerOpened = openedVec.WithLabelValues(sink)
 	// job_retry_total and job_dlq_total are defined once, in obs, and
 	// shared with tasks.
 	shared, err := obs.NewRetryMetrics(reg)
@@ -133,6 +153,7 @@ func (m *metrics) initEventType(v string) {
 	m.published.WithLabelValues(v)
 	m.failures.WithLabelValues(v, kindTransient)
 	m.failures.WithLabelValues(v, kindPermanent)
+	m.failures.WithLabelValues(v, kindUnavailable)
 }
 
 // observeLatency records one publish latency. A negative one (an

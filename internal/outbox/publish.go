@@ -22,9 +22,17 @@ import (
 // (one aggregate each) and publish each run in order, up to max_in_flight
 // publishes at once across the relay.
 type batch struct {
+	probe bool // the single event that probes an open breaker
 	runs  []*runState
-	token string        // claimed_by of the events this batch detaches
-	cutCh chan struct{} // closed when the batch is cut: nothing new starts
+	// reserved are publish slots the loop took for this batch before
+	// claiming it (slow.go); its workers use them first, and cutOff gives
+	// back what is left. With reserved slots the batch is cut as soon as
+	// every event started: allStarted is closed then.
+	reserved   int
+	events     int
+	allStarted chan struct{}
+	token      string        // claimed_by of the events this batch detaches
+	cutCh      chan struct{} // closed when the batch is cut: nothing new starts
 
 	mu   sync.Mutex
 	next int // the next run a worker takes
@@ -47,14 +55,20 @@ type runState struct {
 // it must not overtake the failed event. It returns the outcomes to commit
 // once every publish finished, or after detach_after with the outstanding
 // ones detached.
-func (r *Relay) publish(runs [][]claimedRow, claimedAt time.Time, skew time.Duration) *outcomes {
+func (r *Relay) publish(runs [][]claimedRow, claimedAt time.Time, skew time.Duration, probe bool, reserved int) *outcomes {
 	b := &batch{
-		token: fmt.Sprintf("%s/%016x", r.instanceID, rand.Uint64()),
-		cutCh: make(chan struct{}),
-		out:   outcomes{settled: make(chan struct{})},
+		probe:    probe,
+		reserved: reserved,
+		token:    fmt.Sprintf("%s/%016x", r.instanceID, rand.Uint64()),
+		cutCh:    make(chan struct{}),
+		out:      outcomes{settled: make(chan struct{})},
 	}
 	for _, run := range runs {
 		b.runs = append(b.runs, &runState{events: run})
+		b.events += len(run)
+	}
+	if reserved > 0 {
+		b.allStarted = make(chan struct{})
 	}
 	// A detached publish must end before its visibility deadline
 	// (in_flight_timeout after the batch commits) lets another relay
@@ -81,26 +95,31 @@ func (r *Relay) publish(runs [][]claimedRow, claimedAt time.Time, skew time.Dura
 	select {
 	case <-done:
 	case <-t.C:
+	case <-b.allStarted: // nil unless pipelining for a slow sink
 	}
-	return b.cutOff()
+	return b.cutOff(r)
 }
 
 // work publishes runs of b until none is left or the batch is cut.
 func (r *Relay) work(ctx context.Context, b *batch, skew time.Duration) {
 	for run := b.take(); run != nil; run = b.take() {
 		for {
-			if !r.acquireSlot(b.cutCh) {
+			if !b.useReserved() && !r.acquireSlot(b.cutCh) {
 				b.begin(run, true) // cut while waiting: hand the rest back
 				return
 			}
-			ev := b.begin(run, r.claimCtx.Err() != nil)
+			// Once the sink is down, what has not started waits for it.
+			stop := r.claimCtx.Err() != nil || (!b.probe && r.sinkUp.open())
+			ev := b.begin(run, stop)
 			if ev == nil {
 				<-r.slots
 				break
 			}
 			err := ev.unreadable // permanent: DEAD without reaching the sink
 			if err == nil {
+				start := time.Now()
 				err = r.sink.Publish(ctx, ev.Event)
+				r.notePublish(time.Since(start))
 			}
 			o := r.outcome(*ev, err, skew)
 			<-r.slots
@@ -119,6 +138,17 @@ func (r *Relay) acquireSlot(cut <-chan struct{}) bool {
 	case <-cut:
 		return false
 	}
+}
+
+// useReserved takes one of the batch's reserved slots, if any is left.
+func (b *batch) useReserved() bool {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if b.reserved == 0 {
+		return false
+	}
+	b.reserved--
+	return true
 }
 
 // take returns the next run nobody works on, or nil.
@@ -148,6 +178,9 @@ func (b *batch) begin(run *runState, stop bool) *claimedRow {
 	}
 	run.busy = true
 	b.out.started++
+	if b.allStarted != nil && b.out.started == b.events {
+		close(b.allStarted)
+	}
 	return &run.events[run.pos]
 }
 
@@ -185,13 +218,16 @@ func (b *batch) handBack(run *runState, i int) {
 }
 
 // cutOff ends the batch: nothing new starts, the events being published
-// are detached and everything not yet started is handed back. It returns
-// the outcomes to commit; workers no longer touch them.
-func (b *batch) cutOff() *outcomes {
+// are detached, everything not yet started is handed back and the
+// reserved slots no worker took are given back. It returns the outcomes
+// to commit; workers no longer touch them.
+func (b *batch) cutOff(r *Relay) *outcomes {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	b.cut = true
 	close(b.cutCh)
+	r.releaseSlots(b.reserved)
+	b.reserved = 0
 	for _, run := range b.runs {
 		if run.over {
 			continue
@@ -219,10 +255,19 @@ type eventOutcome struct {
 func (r *Relay) outcome(ev claimedRow, err error, skew time.Duration) eventOutcome {
 	switch {
 	case err == nil:
+		r.sinkUp.answered(true)
 		return eventOutcome{at: time.Now().Add(skew)}
 	case r.hardCtx.Err() != nil:
 		return eventOutcome{handBack: true}
+	case ev.unreadable != nil:
+		f := r.classify(ev, err) // never reached the sink: says nothing about it
+		return eventOutcome{failed: &f}
+	case IsUnavailable(err) || (!IsPermanent(err) && r.sinkUp.sinkWide(ev.Event, err)):
+		// Not the event's fault: it waits for the sink, attempts untouched.
+		r.sinkDown(ev.Event, err)
+		return eventOutcome{handBack: true}
 	default:
+		r.sinkUp.answered(false)
 		f := r.classify(ev, err)
 		return eventOutcome{failed: &f}
 	}
@@ -305,6 +350,9 @@ func (r *Relay) writeCompletions(group []*completion) {
 		})
 		return err
 	})
+	// The aggregates these events held are free again: tell the other
+	// replicas' loops, which may be idle because every head was in flight.
+	b.Queue("SELECT pg_notify($1, '')", NotifyChannel)
 	b.Queue("COMMIT")
 	ctx, cancel := context.WithTimeout(context.Background(), finishTimeout)
 	defer cancel()

@@ -9,6 +9,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -52,6 +53,10 @@ type Relay struct {
 	wake   []chan struct{} // one per loop; a token means "look again"
 	shares *shares         // splits windows between the loops; nil with one loop
 	slots  chan struct{}   // one token per publish in progress: max_in_flight
+	// latency is a moving average of the sink's publish time, in
+	// nanoseconds: above detach_after, the loops pipeline (slowSink).
+	latency atomic.Int64
+	sinkUp  *breaker // open while the sink is unavailable (breaker.go)
 
 	mu           sync.Mutex
 	started      bool
@@ -88,7 +93,7 @@ func NewRelay(pool *pgxpool.Pool, sink Sink, cfg Config, instanceID string, log 
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
-	m, err := newMetrics(reg)
+	m, err := newMetrics(reg, sink.Name())
 	if err != nil {
 		return nil, fmt.Errorf("outbox: register metrics: %w", err)
 	}
@@ -108,6 +113,7 @@ func NewRelay(pool *pgxpool.Pool, sink Sink, cfg Config, instanceID string, log 
 	for i := range r.wake {
 		r.wake[i] = make(chan struct{}, 1)
 	}
+	r.sinkUp = newBreaker(cfg.ProbeBackoffMax, r.breakerOpened, r.breakerClosed)
 	if cfg.Relays > 1 {
 		r.shares = newShares(r.wake)
 	}
@@ -208,7 +214,17 @@ func (r *Relay) loop(i int) {
 	st := loopState{loop: i}
 	defer r.settle(&st)
 	for r.claimCtx.Err() == nil {
-		n, err := r.runBatch(r.claimCtx, &st)
+		if r.sinkUp.open() {
+			r.settle(&st) // hold no claim and no connection while the sink is down
+		}
+		probe, ok := r.sinkUp.admit(r.claimCtx)
+		if !ok {
+			break
+		}
+		n, err := r.runBatch(r.claimCtx, &st, probe)
+		if probe && n == 0 {
+			r.sinkUp.probeClaimedNothing()
+		}
 		if err != nil && r.claimCtx.Err() == nil {
 			failures++
 			r.log.Warn("outbox batch failed", "relay", i, "error", err, "consecutive_failures", failures)
@@ -303,22 +319,35 @@ type outcomes struct {
 	committed bool          // read after settled is closed
 }
 
-// runBatch claims one batch and publishes it. It returns the number of
-// events claimed. The outcomes are committed with the next claim, or by
-// settle.
-func (r *Relay) runBatch(ctx context.Context, st *loopState) (int, error) {
+// runBatch claims one batch and publishes it, or a single event when it is
+// the probe of an open breaker. It returns the number of events claimed.
+// The outcomes are committed with the next claim, or by settle.
+func (r *Relay) runBatch(ctx context.Context, st *loopState, probe bool) (int, error) {
+	_, txSink := r.sink.(TxSink)
+	limit, reserved := 0, 0 // 0: claim st.size
+	switch {
+	case probe:
+		limit = 1
+	case !txSink && r.slowSink():
+		if reserved = r.reserveSlots(ctx, st); reserved == 0 {
+			return 0, nil // stopping
+		}
+		limit = reserved
+	}
 	if st.conn == nil {
 		conn, err := r.pool.Acquire(ctx)
 		if err != nil {
+			r.releaseSlots(reserved)
 			return 0, err
 		}
 		st.conn = conn
 	}
-	runs, skew, err := r.claim(ctx, st)
+	runs, skew, err := r.claim(ctx, st, limit)
 	if r.shares != nil {
 		r.shares.hold(st.loop, runs)
 	}
 	if err != nil {
+		r.releaseSlots(reserved)
 		rollback(st.conn.Conn())
 		st.conn.Release()
 		st.conn = nil
@@ -329,6 +358,7 @@ func (r *Relay) runBatch(ctx context.Context, st *loopState) (int, error) {
 		n += len(run)
 	}
 	if n == 0 {
+		r.releaseSlots(reserved)
 		rollback(st.conn.Conn())
 		return 0, nil
 	}
@@ -340,8 +370,11 @@ func (r *Relay) runBatch(ctx context.Context, st *loopState) (int, error) {
 	if ts, ok := r.sink.(TxSink); ok {
 		out = r.publishTx(ts, st.conn.Conn(), runs, skew)
 	} else {
-		out = r.publish(runs, claimedAt, skew)
-		st.size = r.nextSize(st.size, out)
+		out = r.publish(runs, claimedAt, skew, probe, reserved)
+		r.sinkWideFailure(out)
+		if limit == 0 {
+			st.size = r.nextSize(st.size, out)
+		}
 	}
 	out.claimed = n
 	st.pending = out
@@ -353,13 +386,20 @@ func (r *Relay) runBatch(ctx context.Context, st *loopState) (int, error) {
 
 // claim commits the previous batch's outcomes, opens the batch transaction
 // and locks a batch: heads from the window and their runs, topped up by
-// heads from behind the window when it is blocked. It returns the runs to
-// publish, oldest head first, and the database clock minus ours.
-func (r *Relay) claim(ctx context.Context, st *loopState) ([][]claimedRow, time.Duration, error) {
+// heads from behind the window when it is blocked: limit events, or
+// st.size when limit is 0. It returns the runs to publish, oldest head
+// first, and the database clock minus ours.
+func (r *Relay) claim(ctx context.Context, st *loopState, limit int) ([][]claimedRow, time.Duration, error) {
 	if st.size == 0 {
 		st.size = r.cfg.BatchSize
 	}
 	n := st.size
+	if limit > 0 {
+		n = limit
+	}
+	if d := r.runDepth(); d > 0 {
+		n = min(n, r.cfg.MaxInFlight*d)
+	}
 	st.window = max(st.window, r.minWindow())
 	// A share left from a sibling's window needs no window of its own.
 	var cands []*candidate
@@ -525,15 +565,38 @@ func (r *Relay) nextSize(size int, out *outcomes) int {
 }
 
 // depth is the longest run of one aggregate a claim of n events takes: n
-// spread over max_in_flight aggregates once n is below batch_size. An
+// spread over max_in_flight aggregates once n is below batch_size, and no
+// longer than the sink publishes in half of detach_after (runDepth). An
 // aggregate's events are published one after another, so a slow sink gets
 // through a batch faster as many short runs than as a few long ones.
 // Zero: no bound.
 func (r *Relay) depth(n int) int {
-	if n >= r.cfg.BatchSize {
+	d := r.runDepth()
+	if n < r.cfg.BatchSize {
+		spread := (n + r.cfg.MaxInFlight - 1) / r.cfg.MaxInFlight
+		if d == 0 || spread < d {
+			d = spread
+		}
+	}
+	return d
+}
+
+// runDepth is how many events of one aggregate the sink publishes, one
+// after another, in half of detach_after at its average latency; 0 when
+// that is more than a batch (a fast sink), or nothing was published yet.
+// A claim takes at most max_in_flight runs of that length: all of them
+// start at once and finish before detach_after, and the next claim
+// follows.
+func (r *Relay) runDepth() int {
+	lat := time.Duration(r.latency.Load())
+	if lat <= 0 {
 		return 0
 	}
-	return (n + r.cfg.MaxInFlight - 1) / r.cfg.MaxInFlight
+	d := r.cfg.DetachAfter / (2 * lat)
+	if d >= time.Duration(r.cfg.BatchSize) {
+		return 0
+	}
+	return max(1, int(d))
 }
 
 // lockWindow locks heads and their runs, up to n events, in one statement.

@@ -273,7 +273,9 @@ func TestRelayDetachedOutcomesWrittenTogether(t *testing.T) {
 		case ids[0]:
 			return Permanent(errors.New("refused for good"))
 		case ids[1], ids[2], ids[3]:
-			return &RetryAfterError{Err: errors.New("broker busy"), After: time.Hour}
+			// Each its own failure: the same one for three aggregates
+			// would say the sink is down (breaker.go).
+			return &RetryAfterError{Err: fmt.Errorf("queue for %s full", e.AggregateID), After: time.Hour}
 		}
 		return nil
 	}
@@ -344,7 +346,7 @@ func TestRelayDetachedOutcomesWrittenTogether(t *testing.T) {
 		case 0:
 			want = state{status: StatusDead, claimedBy: "test-relay", lastError: "permanent: refused for good", attempts: 1}
 		case 1, 2, 3:
-			want = state{status: StatusFailed, claimedBy: "test-relay", lastError: "broker busy", attempts: 1, retryLater: true}
+			want = state{status: StatusFailed, claimedBy: "test-relay", lastError: fmt.Sprintf("queue for agg-%d full", i), attempts: 1, retryLater: true}
 		case n - 1:
 			want = state{status: StatusInFlight, claimedBy: takenOver, attempts: 1}
 		default:

@@ -263,7 +263,7 @@ func histogramCount(t *testing.T, g prometheus.Gatherer, name string) uint64 {
 // TestRelayEventTypeLabelsAreCapped: past maxEventTypes distinct event
 // types, the label value is "other".
 func TestRelayEventTypeLabelsAreCapped(t *testing.T) {
-	m, err := newMetrics(nil)
+	m, err := newMetrics(nil, SinkLog)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -284,15 +284,15 @@ func TestRelayEventTypeLabelsAreCapped(t *testing.T) {
 // already be registered by the job runtime; the relay reuses them.
 func TestRelayRegistersBesideJobMetrics(t *testing.T) {
 	reg := prometheus.NewRegistry()
-	if _, err := newMetrics(reg); err != nil {
+	if _, err := newMetrics(reg, SinkLog); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := newMetrics(reg); err != nil {
+	if _, err := newMetrics(reg, SinkLog); err != nil {
 		t.Fatalf("second relay on the same registry: %v", err)
 	}
 	reg2 := prometheus.NewRegistry()
 	reg2.MustRegister(prometheus.NewGauge(prometheus.GaugeOpts{Name: "job_dlq_total", Help: "a clash"}))
-	if _, err := newMetrics(reg2); err == nil {
+	if _, err := newMetrics(reg2, SinkLog); err == nil {
 		t.Error("a clashing metric was accepted")
 	}
 }
@@ -586,7 +586,7 @@ SELECT 'order', 'hot', 'hot', '{}' FROM generate_series(1, 100)`)
 	}
 	st := &loopState{window: maxWindowFactor * cfg.BatchSize, conn: conn}
 	defer r.settle(st)
-	runs, _, err := r.claim(ctx, st)
+	runs, _, err := r.claim(ctx, st, 0)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -203,7 +203,7 @@ func appendRefusal(t *testing.T, db *pgtest.DB, e NewEvent) string {
 func TestLatencyIgnoresNegativeAndOverflow(t *testing.T) {
 	t.Parallel()
 	reg := prometheus.NewRegistry()
-	m, err := newMetrics(reg)
+	m, err := newMetrics(reg, SinkLog)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -224,7 +224,7 @@ func TestLatencyIgnoresNegativeAndOverflow(t *testing.T) {
 // rules may carry control characters in event_type; the label does not.
 func TestEventTypeLabelHasNoControlCharacters(t *testing.T) {
 	t.Parallel()
-	m, err := newMetrics(nil)
+	m, err := newMetrics(nil, SinkLog)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -246,23 +246,23 @@ func TestEventTypeLabelHasNoControlCharacters(t *testing.T) {
 func TestFailureSeriesExistAtZero(t *testing.T) {
 	t.Parallel()
 	reg := prometheus.NewRegistry()
-	m, err := newMetrics(reg)
+	m, err := newMetrics(reg, SinkLog)
 	if err != nil {
 		t.Fatal(err)
 	}
-	for _, kind := range []string{kindTransient, kindPermanent} {
+	for _, kind := range []string{kindTransient, kindPermanent, kindUnavailable} {
 		if v, ok := testkit.Metric(t, reg, "outbox_publish_failures_total", map[string]string{"event_type": otherEventType, "kind": kind}); !ok || v != 0 {
 			t.Errorf("failures{other,%s} = %v (present %v) at start, want 0", kind, v, ok)
 		}
 	}
 	m.published.WithLabelValues(m.eventType("order.shipped")).Inc()
-	for _, kind := range []string{kindTransient, kindPermanent} {
+	for _, kind := range []string{kindTransient, kindPermanent, kindUnavailable} {
 		if v, ok := testkit.Metric(t, reg, "outbox_publish_failures_total", map[string]string{"event_type": "order.shipped", "kind": kind}); !ok || v != 0 {
 			t.Errorf("failures{order.shipped,%s} = %v (present %v) after a publish, want 0", kind, v, ok)
 		}
 	}
-	if n := testutil.CollectAndCount(reg, "outbox_publish_failures_total"); n != 4 {
-		t.Errorf("%d failure series, want 4", n)
+	if n := testutil.CollectAndCount(reg, "outbox_publish_failures_total"); n != 6 {
+		t.Errorf("%d failure series, want 6", n)
 	}
 }
 

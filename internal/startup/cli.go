@@ -9,6 +9,7 @@ import (
 	"log/slog"
 	"os"
 	"os/user"
+	"slices"
 	"strings"
 	"text/tabwriter"
 	"time"
@@ -34,6 +35,7 @@ type cmdEnv struct {
 	Environ    []string
 
 	log *slog.Logger // set once the command has built its logger
+	cfg *Config      // set once an operator command has loaded its configuration
 }
 
 type cli struct {
@@ -81,11 +83,20 @@ func Main(args []string, stdout, stderr io.Writer, environ []string) int {
 	if exited >= 0 {
 		return exited
 	}
+	e := &cmdEnv{ConfigPath: c.Config, Stdout: stdout, Stderr: stderr, Environ: environ}
 	if err != nil {
-		fmt.Fprintf(stderr, "worker: %v (see worker --help)\n", err)
+		// One log line like every other failure, so it carries instance_id
+		// and reaches a log pipeline in the configured format. kong may
+		// stop before it read APP_CONFIG_FILE.
+		for _, kv := range slices.Backward(environ) {
+			if v, ok := strings.CutPrefix(kv, "APP_CONFIG_FILE="); ok && e.ConfigPath == "" {
+				e.ConfigPath = v
+				break
+			}
+		}
+		e.fatalLogger().Error("exiting", "error", fmt.Sprintf("%v (see worker --help)", err), "exit_code", ExitUsage)
 		return ExitUsage
 	}
-	e := &cmdEnv{ConfigPath: c.Config, Stdout: stdout, Stderr: stderr, Environ: environ}
 	if err := kctx.Run(e); err != nil {
 		code := ExitCode(err)
 		e.fatalLogger().Error("exiting", "error", err, "exit_code", code)
@@ -111,7 +122,7 @@ func (e *cmdEnv) fatalLogger() *slog.Logger {
 	sinks.Webhook.Secret = env["APP_OUTBOX_WEBHOOK_SECRET"]
 	sinks.NATS.URL, sinks.NATS.Password, sinks.NATS.Token = env["APP_OUTBOX_NATS_URL"], env["APP_OUTBOX_NATS_PASSWORD"], env["APP_OUTBOX_NATS_TOKEN"]
 	sinks.RabbitMQ.URL, sinks.Kafka.SASLPassword = env["APP_OUTBOX_RABBITMQ_URL"], env["APP_OUTBOX_KAFKA_SASL_PASSWORD"]
-	log, err := obs.NewLogger(e.Stderr, earlyLogFormat(e.ConfigPath, e.Environ), "info", env["APP_INSTANCE_ID"],
+	log, err := obs.NewLogger(e.Stderr, earlyLogFormat(e.ConfigPath, e.Environ), "info", earlyInstanceID(e.ConfigPath, e.Environ),
 		logSecrets(env["APP_DATABASE_URL"], append(sinkSecrets(sinks), env["APP_UI_PASSWORD"])...)...)
 	if err != nil {
 		panic(err) // earlyLogFormat returns only formats NewLogger knows
@@ -148,6 +159,13 @@ func (configPrintCmd) Run(e *cmdEnv) error {
 	if err != nil {
 		return err
 	}
+	// The warnings go to stderr, as run's do: a misspelt variable is a
+	// setting that config print, like run, does not show.
+	log, err := newLogger(e, cfg)
+	if err != nil {
+		return err
+	}
+	warnMisspeltEnv(log, cfg)
 	return PrintConfig(e.Stdout, cfg)
 }
 
@@ -178,8 +196,8 @@ func (c outboxEmitCmd) Run(e *cmdEnv) error {
 			return &exitError{code: ExitUsage, msg: f.flag + " is empty; give a value"}
 		}
 	}
-	if !json.Valid([]byte(c.Payload)) {
-		return &exitError{code: ExitUsage, msg: "--payload is not valid JSON"}
+	if err := checkJSONArg("--payload", c.Payload, false); err != nil {
+		return err
 	}
 	return withPool(e, func(ctx context.Context, pool *pgxpool.Pool, _ *slog.Logger) error {
 		id, err := outbox.Emit(ctx, pool, outbox.NewEvent{AggregateType: c.AggregateType, AggregateID: c.AggregateID,
@@ -193,6 +211,8 @@ func (c outboxEmitCmd) Run(e *cmdEnv) error {
 			return &exitError{code: ExitUsage, msg: fmt.Sprintf("the event breaks a rule of outbox_event (%s): %s", ruleErr.Constraint, ruleErr.Problem)}
 		case errors.As(err, &pgErr) && strings.HasPrefix(pgErr.Code, "23"):
 			return &exitError{code: ExitUsage, msg: fmt.Sprintf("the event breaks a rule of outbox_event (%s): %s", pgErr.ConstraintName, pgErr.Message)}
+		case isDataException(err):
+			return &exitError{code: ExitUsage, err: err, msg: "the database refuses the event's data: " + pgErr.Message}
 		}
 		if err != nil {
 			return err
@@ -319,4 +339,40 @@ func printDead(w io.Writer, list []outbox.DeadEvent, total int64) error {
 	}
 	_, err := fmt.Fprintf(w, "%d DEAD event(s)\n", total)
 	return err
+}
+
+// checkJSONArg refuses a flag's value that is not JSON (not a JSON object
+// when object is set), or that holds a NUL character (\u0000) in a string:
+// PostgreSQL's jsonb cannot store one, and its refusal is the operator's
+// mistake (exit 64), not an internal error.
+func checkJSONArg(flag, value string, object bool) error {
+	dec := json.NewDecoder(strings.NewReader(value))
+	if object {
+		if tok, err := dec.Token(); err != nil || tok != json.Delim('{') {
+			return &exitError{code: ExitUsage, msg: flag + " is not a JSON object"}
+		}
+	}
+	for {
+		tok, err := dec.Token()
+		if errors.Is(err, io.EOF) {
+			break
+		}
+		if err != nil {
+			return &exitError{code: ExitUsage, msg: flag + " is not valid JSON: " + err.Error()}
+		}
+		if s, ok := tok.(string); ok && strings.ContainsRune(s, 0) {
+			return &exitError{code: ExitUsage, msg: flag + ` holds \u0000 (NUL) in a string, which PostgreSQL's jsonb cannot store`}
+		}
+	}
+	if !json.Valid([]byte(value)) { // the token stream accepts "1 2", and "{" alone
+		return &exitError{code: ExitUsage, msg: flag + " is not valid JSON"}
+	}
+	return nil
+}
+
+// isDataException is PostgreSQL refusing a value (SQLSTATE class 22: bad
+// text encoding, a number out of range, an unsupported escape in JSON).
+func isDataException(err error) bool {
+	var pgErr *pgconn.PgError
+	return errors.As(err, &pgErr) && strings.HasPrefix(pgErr.Code, "22")
 }

@@ -179,7 +179,7 @@ func LoadConfig(path string, environ []string) (*Config, error) {
 	if path != "" {
 		fk := koanf.New(".")
 		if err := fk.Load(file.Provider(path), yaml.Parser()); err != nil {
-			return nil, configErrorf("config file %s: %v", path, err)
+			return nil, fileError(path, err)
 		}
 		if err := checkFileKeys(fk, defaults, path, fileLines(path)); err != nil {
 			return nil, err
@@ -253,49 +253,64 @@ func LoadConfig(path string, environ []string) (*Config, error) {
 
 // checkFileKeys rejects keys the worker does not know, so a typo in the YAML
 // file is an error instead of a silently ignored setting. The message names
-// the line and the nearest known key.
+// the line and the nearest known key, and lists every such key, so that a
+// file with several mistakes is fixed in one round.
 func checkFileKeys(fk *koanf.Koanf, defaults map[string]any, path string, lines lineFinder) error {
+	var errs []error
 	known := slices.Sorted(maps.Keys(defaults))
 	for _, key := range fk.Keys() {
 		if key == "jobs" || strings.HasPrefix(key, "jobs.") || isTaskListKey(key) || isRoutesKey(key) {
 			continue
 		}
 		if _, ok := defaults[key]; !ok {
-			return configErrorf("%s: unknown key %q%s; known keys are listed in %s and the README",
-				lines.at(strings.Split(key, ".")...), key, didYouMean(key, known), DefaultConfigFile)
+			errs = append(errs, fmt.Errorf("%s: unknown key %q%s; known keys are listed in %s and the README",
+				lines.at(strings.Split(key, ".")...), key, didYouMean(key, known), DefaultConfigFile))
 		}
 	}
-	if err := checkTaskKeys(fk, path); err != nil {
-		return err
+	var taskErr *ConfigError
+	if errors.As(checkTaskKeys(fk, path), &taskErr) {
+		errs = append(errs, errors.New(taskErr.Msg)) // without a second "invalid configuration:"
 	}
-	raw := fk.Get("jobs")
+	errs = append(errs, checkJobKeys(fk.Get("jobs"), lines)...)
+	if len(errs) > 0 {
+		return configErrorf("%w", errors.Join(errs...))
+	}
+	return nil
+}
+
+// checkJobKeys returns a problem for each unknown key and each unitless
+// duration in the jobs list, every job's.
+func checkJobKeys(raw any, lines lineFinder) []error {
 	if raw == nil {
 		return nil
 	}
 	list, ok := raw.([]any)
 	if !ok {
-		return configErrorf("%s: jobs must be a list of job entries", lines.at("jobs"))
+		return []error{fmt.Errorf("%s: jobs must be a list of job entries", lines.at("jobs"))}
 	}
+	var errs []error
 	allowed := tagNames(reflect.TypeFor[jobs.Definition]())
 	for i, item := range list {
 		m, ok := item.(map[string]any)
 		if !ok {
-			return configErrorf("%s: jobs[%d] must be a mapping with name, kind, delay, ...", lines.at("jobs", strconv.Itoa(i)), i)
+			errs = append(errs, fmt.Errorf("%s: jobs[%d] must be a mapping with name, kind, delay, ...", lines.at("jobs", strconv.Itoa(i)), i))
+			continue
 		}
-		for key, v := range m {
+		for _, key := range slices.Sorted(maps.Keys(m)) {
 			where := lines.at("jobs", strconv.Itoa(i), key)
 			if !slices.Contains(allowed, key) {
-				return configErrorf("%s: jobs[%d] %q: unknown key %q%s; allowed: %s",
-					where, i, fmt.Sprint(m["name"]), key, didYouMean(key, allowed), strings.Join(allowed, ", "))
+				errs = append(errs, fmt.Errorf("%s: jobs[%d] %q: unknown key %q%s; allowed: %s",
+					where, i, fmt.Sprint(m["name"]), key, didYouMean(key, allowed), strings.Join(allowed, ", ")))
+				continue
 			}
 			if slices.Contains([]string{"delay", "initial_delay", "timeout", "lease_ttl"}, key) {
-				if err := checkUnitless(v); err != nil {
-					return configErrorf("%s: jobs[%d] %q: %s %v %v", where, i, fmt.Sprint(m["name"]), key, v, err)
+				if err := checkUnitless(m[key]); err != nil {
+					errs = append(errs, fmt.Errorf("%s: jobs[%d] %q: %s %v %v", where, i, fmt.Sprint(m["name"]), key, m[key], err))
 				}
 			}
 		}
 	}
-	return nil
+	return errs
 }
 
 func tagNames(t reflect.Type) []string {
@@ -430,9 +445,13 @@ func (c *Config) validate(source func(string) string) error {
 			return configErrorf("%v", err)
 		}
 	}
-	if err := jobs.ValidateDefinitions(c.Jobs); err != nil {
-		return configErrorf("%w", err)
-	}
+	return c.validateJobs(source)
+}
+
+// validateJobs checks every job and reports each one that is wrong, in one
+// error.
+func (c *Config) validateJobs(source func(string) string) error {
+	errs := []error{jobs.ValidateDefinitions(c.Jobs)}
 	// The worker's own jobs share the name space (the name is the lock key).
 	reserved := []string{outbox.ReaperJobName, lockReaperName}
 	for _, sp := range jobs.Builtin(nil) {
@@ -440,13 +459,16 @@ func (c *Config) validate(source func(string) string) error {
 	}
 	for i, d := range c.Jobs {
 		if slices.Contains(reserved, d.Name) {
-			return configErrorf("jobs[%d] %q: name is taken by a job built into the worker (%s); choose another",
-				i, d.Name, strings.Join(reserved, ", "))
+			errs = append(errs, fmt.Errorf("jobs[%d] %q: name is taken by a job built into the worker (%s); choose another",
+				i, d.Name, strings.Join(reserved, ", ")))
 		}
 		if d.LeaseTTL > 0 && d.LeaseTTL < c.Lock.WaitTime {
-			return configErrorf("jobs[%d] %q: lease_ttl %s is shorter than %s=%s; the lease must outlive the wait for it",
-				i, d.Name, d.LeaseTTL, source("lock.wait_time"), c.Lock.WaitTime)
+			errs = append(errs, fmt.Errorf("jobs[%d] %q: lease_ttl %s is shorter than %s=%s; the lease must outlive the wait for it",
+				i, d.Name, d.LeaseTTL, source("lock.wait_time"), c.Lock.WaitTime))
 		}
+	}
+	if err := errors.Join(errs...); err != nil {
+		return configErrorf("%w", err)
 	}
 	return nil
 }
@@ -459,27 +481,44 @@ func defaultInstanceID() string {
 	return instanceHost() + "-" + hex.EncodeToString(b)
 }
 
-// earlyLogFormat is log.format read as far as it can be when the full
-// configuration is invalid: from the environment, then the file, else the
-// default. Only a valid value counts.
-func earlyLogFormat(path string, environ []string) string {
-	valid := func(f string) bool { return f == "json" || f == "text" }
+// earlySetting reads one key as far as it can be when the full
+// configuration is invalid: from its environment variable (which wins over
+// the file, even when wrong), then the file. ok is false when neither sets
+// it.
+func earlySetting(path string, environ []string, key string) (v string, ok bool) {
+	env := setting{Key: key}.Env() + "="
 	for _, kv := range slices.Backward(environ) {
-		if v, ok := strings.CutPrefix(kv, "APP_LOG_FORMAT="); ok {
-			if valid(v) {
-				return v
-			}
-			return "json" // the environment wins over the file, even when wrong
+		if v, ok := strings.CutPrefix(kv, env); ok {
+			return v, true
 		}
 	}
 	if path == "" {
 		path = DefaultConfigFile
 	}
 	fk := koanf.New(".")
-	if fk.Load(file.Provider(path), yaml.Parser()) == nil && valid(fk.String("log.format")) {
-		return fk.String("log.format")
+	if fk.Load(file.Provider(path), yaml.Parser()) == nil && fk.Exists(key) {
+		return fk.String(key), true
+	}
+	return "", false
+}
+
+// earlyLogFormat is log.format read by earlySetting; JSON unless that is a
+// valid format.
+func earlyLogFormat(path string, environ []string) string {
+	if f, _ := earlySetting(path, environ, "log.format"); f == "text" {
+		return f
 	}
 	return "json"
+}
+
+// earlyInstanceID is instance.id read by earlySetting, or one derived as
+// LoadConfig derives it: every log line names its replica, also the one
+// saying why the configuration was refused.
+func earlyInstanceID(path string, environ []string) string {
+	if id, _ := earlySetting(path, environ, "instance.id"); id != "" {
+		return id
+	}
+	return defaultInstanceID()
 }
 
 func instanceHost() string {

@@ -7,6 +7,8 @@ import (
 	"strconv"
 	"strings"
 
+	goyaml "github.com/goccy/go-yaml"
+	goyamlparser "github.com/goccy/go-yaml/parser"
 	"go.yaml.in/yaml/v3"
 
 	"worker/internal/obs"
@@ -16,6 +18,23 @@ import (
 // Helpers that make configuration errors name what the operator wrote: the
 // file and line, the nearest known key, the environment variable a value
 // came from, and never a URL's credentials.
+
+// fileError reports a configuration file that cannot be read or parsed.
+// For a syntax error it names the line and column of the problem itself:
+// the YAML decoder (yaml.v3) names the line where the enclosing block
+// starts, counted from 0 for some errors, so a bad line 3 was reported as
+// line 2 or 1. goccy/go-yaml's parser points at the offending token.
+func fileError(path string, err error) error {
+	if b, rerr := os.ReadFile(path); rerr == nil {
+		_, perr := goyamlparser.ParseBytes(b, 0)
+		var syntax *goyaml.SyntaxError
+		if errors.As(perr, &syntax) && syntax.Token != nil {
+			pos := syntax.Token.Position
+			return configErrorf("config file %s:%d:%d: %s", path, pos.Line, pos.Column, syntax.Message)
+		}
+	}
+	return configErrorf("config file %s: %v", path, err)
+}
 
 // lineFinder locates keys in the YAML file, for "file:line" in messages.
 type lineFinder struct {
@@ -142,7 +161,7 @@ func newWebhookSink(cfg outbox.WebhookConfig) (*outbox.WebhookSink, error) {
 	s, err := outbox.NewWebhookSink(cfg, nil)
 	if err != nil {
 		// The cause is left out on purpose: its text carries the raw URL.
-		return nil, &ConfigError{Msg: strings.ReplaceAll(err.Error(), obs.MaskDSN(cfg.URL), maskURL(cfg.URL))}
+		return nil, &ConfigError{Msg: obs.MaskDSN(err.Error())}
 	}
 	return s, nil
 }

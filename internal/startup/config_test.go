@@ -118,7 +118,7 @@ func TestMissingConfigFile(t *testing.T) {
 
 func TestPrintConfigMasksSecrets(t *testing.T) {
 	cfg, err := LoadConfig(writeFile(t, "{}"), []string{
-		"APP_DATABASE_URL=postgres://app:s3cr3t-pw@db:5432/app",
+		"APP_DATABASE_URL=postgres://app-user:s3cr3t-pw@db:5432/app?application_name=billing",
 		"APP_OUTBOX_WEBHOOK_SECRET=whsec_c2VjcmV0LXNpZ25pbmcta2V5",
 		"APP_OUTBOX_WEBHOOK_URL=https://example.test/hook",
 	})
@@ -130,12 +130,12 @@ func TestPrintConfigMasksSecrets(t *testing.T) {
 		t.Fatal(err)
 	}
 	s := out.String()
-	for _, secret := range []string{"s3cr3t-pw", "c2VjcmV0LXNpZ25pbmcta2V5"} {
+	for _, secret := range []string{"s3cr3t-pw", "c2VjcmV0LXNpZ25pbmcta2V5", "app-user", "billing"} {
 		if strings.Contains(s, secret) {
 			t.Fatalf("config print leaks %q:\n%s", secret, s)
 		}
 	}
-	for _, want := range []string{"url: postgres://app:xxxxx@db:5432/app", "secret: xxxxx", "wait_time: 100ms", "https://example.test/hook"} {
+	for _, want := range []string{"url: postgres://xxxxx@db:5432/app?xxxxx", "secret: xxxxx", "wait_time: 100ms", "https://example.test/hook"} {
 		if !strings.Contains(s, want) {
 			t.Errorf("config print lacks %q:\n%s", want, s)
 		}
@@ -337,8 +337,8 @@ func TestUnknownKeySuggestsNearestKeyAndLine(t *testing.T) {
 }
 
 // A misspelt APP_* variable is not an error (other software sets APP_
-// variables too) but is not silent either: the logger warns, naming the
-// nearest setting. Variables like no setting pass quietly.
+// variables too) but is not silent either: a warning names the nearest
+// setting. Variables like no setting pass quietly.
 func TestMisspeltEnvironmentVariableIsWarned(t *testing.T) {
 	t.Parallel()
 	cfg, err := LoadConfig("", []string{"APP_LOCK_LEASE_TLL=5s", "APP_SERVICE_HOST=10.0.0.1", "APP_CONFIG_FILE="})
@@ -346,9 +346,11 @@ func TestMisspeltEnvironmentVariableIsWarned(t *testing.T) {
 		t.Fatal(err)
 	}
 	var buf bytes.Buffer
-	if _, err := newLogger(&cmdEnv{Stderr: &buf}, cfg); err != nil {
+	log, err := newLogger(&cmdEnv{Stderr: &buf}, cfg)
+	if err != nil {
 		t.Fatal(err)
 	}
+	warnMisspeltEnv(log, cfg)
 	out := buf.String()
 	if !strings.Contains(out, "APP_LOCK_LEASE_TLL is not a setting and is ignored (did you mean APP_LOCK_LEASE_TTL?)") {
 		t.Errorf("no warning for the misspelt variable:\n%s", out)

@@ -35,7 +35,7 @@ func TestPermanentDBErrors(t *testing.T) {
 			}
 			continue
 		}
-		if ExitCode(err) != c.want || strings.Contains(err.Error(), "hunter2") || !strings.Contains(err.Error(), "app:xxxxx@db.internal") {
+		if ExitCode(err) != c.want || strings.Contains(err.Error(), "hunter2") || !strings.Contains(err.Error(), "xxxxx@db.internal") {
 			t.Errorf("%s: %v (exit %d), want exit %d naming the masked URL", c.code, err, ExitCode(err), c.want)
 		}
 		var pgErr *pgconn.PgError

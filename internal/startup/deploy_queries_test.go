@@ -70,29 +70,6 @@ tasks:
 		return len(problems) == 0
 	})
 
-	// The README's metrics table is the worker's metrics: every family
-	// (the Go, process and HTTP handler collectors' aside) with exactly its
-	// labels.
-	_, families := scrape(t, p)
-	documented := readmeMetrics(t)
-	for name, labels := range families {
-		if strings.HasPrefix(name, "go_") || strings.HasPrefix(name, "process_") || strings.HasPrefix(name, "promhttp_") {
-			continue
-		}
-		doc, ok := documented[name]
-		slices.Sort(labels)
-		if !ok {
-			t.Errorf("README's metrics table has no row for %s", name)
-		} else if !slices.Equal(doc, labels) {
-			t.Errorf("README's metrics table gives %s the labels %v; it has %v", name, doc, labels)
-		}
-	}
-	for name := range documented {
-		if _, ok := families[name]; !ok {
-			t.Errorf("README's metrics table lists %s, which the worker does not export", name)
-		}
-	}
-
 	// The worker said in one line what it is and how it runs.
 	lines := p.out.Lines(t, "worker starting")
 	if len(lines) != 1 {
@@ -109,36 +86,6 @@ tasks:
 			t.Errorf("startup line has no %s: %v", k, lines[0])
 		}
 	}
-}
-
-// readmeMetrics returns the README's metrics table: each metric with its
-// label names, sorted.
-func readmeMetrics(t *testing.T) map[string][]string {
-	t.Helper()
-	b, err := os.ReadFile("../../README.md")
-	if err != nil {
-		t.Fatal(err)
-	}
-	_, section, _ := strings.Cut(string(b), "\n## Metrics\n")
-	section, _, _ = strings.Cut(section, "\n## ")
-	backticked := regexp.MustCompile("`([a-z_]+)`")
-	out := map[string][]string{}
-	for line := range strings.SplitSeq(section, "\n") {
-		cols := strings.Split(line, "|")
-		if len(cols) < 4 || !strings.HasPrefix(strings.TrimSpace(cols[1]), "`") {
-			continue
-		}
-		labels := []string{}
-		for _, m := range backticked.FindAllStringSubmatch(cols[2], -1) {
-			labels = append(labels, m[1])
-		}
-		slices.Sort(labels)
-		out[strings.Trim(strings.TrimSpace(cols[1]), "`")] = labels
-	}
-	if len(out) < 20 {
-		t.Fatalf("read %d rows from the README's metrics table", len(out))
-	}
-	return out
 }
 
 // query is one PromQL expression found in deploy/, with where it was found.

@@ -24,6 +24,11 @@ func (e *unhealthyError) Error() string { return "not ready: " + e.err.Error() }
 func (e *unhealthyError) Unwrap() error { return e.err }
 
 func (c healthcheckCmd) Run(e *cmdEnv) error {
+	if c.Timeout <= 0 {
+		// A zero budget would fail every check as "context deadline
+		// exceeded", which reads like a worker that does not answer.
+		return &exitError{code: ExitUsage, msg: fmt.Sprintf("--timeout %s: want a positive duration, such as 3s", c.Timeout)}
+	}
 	if err := c.check(e); err != nil {
 		return &unhealthyError{err}
 	}

@@ -5,7 +5,6 @@ import (
 	"fmt"
 	"io"
 	"net/http"
-	"net/url"
 	"reflect"
 	"strings"
 	"time"
@@ -111,10 +110,8 @@ func printable(v reflect.Value, secret string) any {
 			out[i] = printable(v.Index(i), "")
 		}
 		return out
-	case v.Kind() == reflect.String && secret == "dsn":
-		return obs.MaskDSN(v.String())
-	case v.Kind() == reflect.String && secret == "url":
-		return maskURL(v.String())
+	case v.Kind() == reflect.String && (secret == "dsn" || secret == "url"):
+		return obs.MaskDSN(v.String()) // user information and query string
 	case v.Kind() == reflect.String && secret == "urls":
 		return sink.RedactURLs(v.String()) // a broker's comma-separated server list
 	case v.Kind() == reflect.Map && secret == "values":
@@ -136,22 +133,4 @@ func printable(v reflect.Value, secret string) any {
 func omitted(f reflect.StructField, v reflect.Value) bool {
 	_, opts, _ := strings.Cut(f.Tag.Get("yaml"), ",")
 	return opts == "omitempty" && v.IsZero()
-}
-
-// maskURL hides a URL's password and query, which may carry credentials.
-func maskURL(raw string) string {
-	u, err := url.Parse(raw)
-	if err != nil {
-		if i := strings.IndexAny(raw, "?#"); i >= 0 {
-			raw = raw[:i] + "?xxxxx"
-		}
-		return obs.MaskDSN(raw)
-	}
-	if u.User != nil {
-		u.User = url.User("xxxxx") // a user name alone may be a token
-	}
-	if u.RawQuery != "" {
-		u.RawQuery = "xxxxx"
-	}
-	return u.String()
 }

@@ -1,6 +1,7 @@
 package startup
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -59,10 +60,11 @@ func (runCmd) Run(e *cmdEnv) error {
 	if err != nil {
 		return err
 	}
-	if err := CheckLockProvider(cfg); err != nil {
-		return err
-	}
-	if err := cfg.checkUI(); err != nil {
+	// A misspelt variable is warned about after the startup line, or, when
+	// the worker stops before that line, before the reason it stops: the
+	// typo may be why.
+	if err := cmp.Or(CheckLockProvider(cfg), cfg.checkUI()); err != nil {
+		warnMisspeltEnv(log, cfg)
 		return err
 	}
 
@@ -87,11 +89,13 @@ func (runCmd) Run(e *cmdEnv) error {
 	registerOpsMetrics(reg, ready)
 	ui, servers, err := newServers(cfg, reg, ready, log)
 	if err != nil {
+		warnMisspeltEnv(log, cfg)
 		return err
 	}
 	// After the checks that fail at once, which log their one fatal line
 	// alone.
 	logStartup(log, cfg, configFile(e.ConfigPath))
+	warnMisspeltEnv(log, cfg)
 	for _, s := range servers {
 		go s.serve(log)
 	}
@@ -244,11 +248,16 @@ func newLogger(e *cmdEnv, cfg *Config) (*slog.Logger, error) {
 	if err != nil {
 		return nil, configErrorf("%w", err)
 	}
+	e.log = log
+	return log, nil
+}
+
+// warnMisspeltEnv warns about each APP_* variable that is no setting but
+// nearly names one: the setting meant was not applied.
+func warnMisspeltEnv(log *slog.Logger, cfg *Config) {
 	for _, m := range cfg.misspeltEnv {
 		log.Warn("environment variable " + m)
 	}
-	e.log = log
-	return log, nil
 }
 
 // logSecrets are the literal values the logger hides wherever they appear:
@@ -297,6 +306,8 @@ func withPool(e *cmdEnv, f func(ctx context.Context, pool *pgxpool.Pool, log *sl
 	if err != nil {
 		return err
 	}
+	warnMisspeltEnv(log, cfg)
+	e.cfg = cfg
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
 	defer stop()
 	pool, err := connectDB(ctx, cfg, log)

@@ -125,17 +125,23 @@ func withTasksAdmin(e *cmdEnv, f func(ctx context.Context, a *tasks.Admin, pool 
 }
 
 type tasksEnqueueCmd struct {
-	Kind string `arg:"" help:"Task kind."`
-	Args string `default:"{}" help:"Args as a JSON object."`
+	Kind             string `arg:"" help:"Task kind."`
+	Args             string `default:"{}" help:"Args as a JSON object."`
+	AllowUnknownKind bool   `help:"Enqueue a kind that neither this configuration nor a running replica knows (its task waits until a replica runs that kind)."`
 	outputFlag
 }
 
 func (c tasksEnqueueCmd) Run(e *cmdEnv) error {
-	var obj map[string]any
-	if err := json.Unmarshal([]byte(c.Args), &obj); err != nil {
-		return &exitError{code: ExitUsage, msg: "--args is not a JSON object: " + err.Error()}
+	if err := tasks.CheckKindName(c.Kind); err != nil {
+		return &exitError{code: ExitUsage, msg: err.Error()}
+	}
+	if err := checkJSONArg("--args", c.Args, true); err != nil {
+		return err
 	}
 	return withTasksAdmin(e, func(ctx context.Context, a *tasks.Admin, pool *pgxpool.Pool) error {
+		if err := c.checkKnown(ctx, e.cfg, pool); err != nil {
+			return err
+		}
 		var id int64
 		err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
 			res, err := tasks.EnqueueJSON(ctx, tx, c.Kind, json.RawMessage(c.Args), nil)
@@ -144,6 +150,9 @@ func (c tasksEnqueueCmd) Run(e *cmdEnv) error {
 			}
 			return err
 		})
+		if isDataException(err) {
+			return &exitError{code: ExitUsage, err: err, msg: "the database refuses --args: " + err.Error()}
+		}
 		if err != nil {
 			return err
 		}
@@ -153,6 +162,23 @@ func (c tasksEnqueueCmd) Run(e *cmdEnv) error {
 		fmt.Fprintf(e.Stdout, "enqueued task %d\n", id)
 		return nil
 	})
+}
+
+// checkKnown refuses a kind that no configuration knows, unless
+// --allow-unknown-kind: no replica would run its task, which would wait for
+// ever and count against its queue's max_backlog. A kind is known from
+// this command's configuration (tasks.kinds) or from worker_task_kind,
+// where every replica running tasks publishes its kinds, Go ones included.
+func (c tasksEnqueueCmd) checkKnown(ctx context.Context, cfg *Config, pool *pgxpool.Pool) error {
+	if c.AllowUnknownKind || slices.Contains(cfg.Tasks.KindNames(), c.Kind) {
+		return nil
+	}
+	known, err := tasks.KnownKind(ctx, pool, c.Kind)
+	if err != nil || known {
+		return err
+	}
+	return &exitError{code: ExitUsage, msg: fmt.Sprintf("task kind %q is not under tasks.kinds here, and no replica running tasks has published it: "+
+		"no replica would run the task; check the name, or pass --allow-unknown-kind to enqueue it anyway", c.Kind)}
 }
 
 type tasksListCmd struct {

@@ -101,6 +101,9 @@ tasks:
 		l := deadJSON()
 		return len(l) == 1 && l[0]["id"] == float64(enq.ID) && l[0]["state"] == "cancelled"
 	})
+	if l := deadJSON(); l[0]["reason"] != "permanent_error" {
+		t.Errorf("dead list: reason %v, want permanent_error", l[0]["reason"])
+	}
 	if out := cli("tasks", "dead", "list"); !strings.Contains(out, "forbidden") || !strings.Contains(out, "403") {
 		t.Errorf("dead list:\n%s", out)
 	}
@@ -128,6 +131,19 @@ tasks:
 		if l["id"] == float64(later) {
 			t.Error("an operator-cancelled task is listed as a dead letter")
 		}
+	}
+	// Both are cancelled, as River UI's Cancelled tab shows them; the
+	// reason tells them apart.
+	var cancelled []map[string]any
+	if err := json.Unmarshal([]byte(cli("tasks", "list", "--state", "cancelled", "--output", "json")), &cancelled); err != nil {
+		t.Fatal(err)
+	}
+	reasons := map[float64]any{}
+	for _, l := range cancelled {
+		reasons[l["id"].(float64)] = l["reason"]
+	}
+	if reasons[float64(later)] != "operator_cancel" || reasons[float64(enq.ID)] != "permanent_error" {
+		t.Errorf("cancelled tasks' reasons: %v; want %d operator_cancel, %d permanent_error", reasons, later, enq.ID)
 	}
 
 	// River logs through the worker's JSON logger, never as text on stdout
@@ -236,8 +252,8 @@ func TestTasksAndUIConfigErrorsExit78(t *testing.T) {
 		{"ui.addr is http.addr", []string{"APP_UI_ADDR=127.0.0.1:0"}, `is APP_HTTP_ADDR too`},
 		{"queue without workers", []string{writeConfig(t, "tasks:\n  queues:\n    mail: {max_workers: 0}\n")}, "tasks.queues.mail.max_workers"},
 		{"unknown queue key", []string{writeConfig(t, "tasks:\n  queues:\n    mail: {workers: 3}\n")}, `tasks.queues.mail: unknown key`},
-		{"kind of unknown type", []string{writeConfig(t, "tasks:\n  kinds:\n    - {name: x, type: ftp}\n")}, `tasks.kinds[0]`},
-		{"kind in unknown queue", []string{writeConfig(t, "tasks:\n  kinds:\n    - {name: x, type: sql, sql: SELECT $1, queue: nope}\n")}, `is not under tasks.queues`},
+		{"kind of unknown type", []string{writeConfig(t, "tasks:\n  kinds:\n    - {name: export, type: ftp}\n")}, `tasks.kinds[0]`},
+		{"kind in unknown queue", []string{writeConfig(t, "tasks:\n  kinds:\n    - {name: export, type: sql, sql: SELECT $1, queue: nope}\n")}, `is not under tasks.queues`},
 		{"go kind without worker", []string{writeConfig(t, "tasks:\n  kinds:\n    - {name: resize, type: go}\n")}, "no Go worker is registered"},
 		{"bad max attempts", []string{"APP_TASKS_MAX_ATTEMPTS=0"}, "APP_TASKS_MAX_ATTEMPTS=0"},
 	}
@@ -376,8 +392,12 @@ tasks:
 func TestEnqueueIntoAFullQueueExits75(t *testing.T) {
 	t.Parallel()
 	db := pgtest.New(t)
-	// What a replica with `default: {max_backlog: 1}` publishes at start.
+	// What a replica with `default: {max_backlog: 1}` and a kind report
+	// publishes at start.
 	if _, err := db.Pool.Exec(context.Background(), "UPDATE worker_task_queue SET max_backlog = 1 WHERE queue = 'default'"); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := db.Pool.Exec(context.Background(), "INSERT INTO worker_task_kind VALUES ('report', 'default', 3)"); err != nil {
 		t.Fatal(err)
 	}
 	env := []string{"APP_DATABASE_URL=" + db.URL}

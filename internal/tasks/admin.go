@@ -1,6 +1,7 @@
 package tasks
 
 import (
+	"cmp"
 	"context"
 	"encoding/json"
 	"errors"
@@ -26,6 +27,33 @@ import (
 var deadStates = []rivertype.JobState{rivertype.JobStateDiscarded, rivertype.JobStateCancelled}
 
 const notOperatorCancelled = "NOT (metadata ? 'cancel_attempted_at')"
+
+// Why a task stopped for good without succeeding: Task.Reason.
+const (
+	ReasonAttemptsExhausted = "attempts_exhausted" // discarded: its last attempt failed
+	ReasonPermanentError    = "permanent_error"    // cancelled by its own run: the error was permanent
+	ReasonOperatorCancel    = "operator_cancel"    // cancelled by an operator (CLI, River UI, JobCancel)
+)
+
+// reason tells the three ways a task ends without success apart. River
+// records an operator's cancel (JobCancel, which the CLI and River UI call)
+// as cancel_attempted_at in the task's metadata; a cancel by a permanent
+// error leaves none and has that error as its last.
+func reason(j *rivertype.JobRow) string {
+	switch j.State {
+	case rivertype.JobStateDiscarded:
+		return ReasonAttemptsExhausted
+	case rivertype.JobStateCancelled:
+		var md struct {
+			CancelAttemptedAt any `json:"cancel_attempted_at"`
+		}
+		if json.Unmarshal(j.Metadata, &md) == nil && md.CancelAttemptedAt != nil {
+			return ReasonOperatorCancel
+		}
+		return ReasonPermanentError
+	}
+	return ""
+}
 
 // ErrNotFound is a task id that does not exist.
 var ErrNotFound = errors.New("no such task")
@@ -59,12 +87,15 @@ type Task struct {
 	Args        json.RawMessage `json:"args"`
 	Metadata    json.RawMessage `json:"metadata"`
 	LastError   string          `json:"last_error,omitempty"`
+	// Reason says why a discarded or cancelled task stopped: one of the
+	// Reason* constants.
+	Reason string `json:"reason,omitempty"`
 }
 
 func toTask(j *rivertype.JobRow) Task {
 	t := Task{ID: j.ID, Kind: j.Kind, Queue: j.Queue, State: string(j.State), Attempt: j.Attempt,
 		MaxAttempts: j.MaxAttempts, CreatedAt: j.CreatedAt, ScheduledAt: j.ScheduledAt, FinalizedAt: j.FinalizedAt,
-		Args: j.EncodedArgs, Metadata: j.Metadata}
+		Args: j.EncodedArgs, Metadata: j.Metadata, Reason: reason(j)}
 	if n := len(j.Errors); n > 0 {
 		t.LastError = j.Errors[n-1].Error
 	}
@@ -189,10 +220,10 @@ func Print(w io.Writer, list []Task, asJSON bool) error {
 		return enc.Encode(list)
 	}
 	tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
-	fmt.Fprintln(tw, "ID\tKIND\tQUEUE\tSTATE\tATTEMPT\tCREATED\tLAST ERROR")
+	fmt.Fprintln(tw, "ID\tKIND\tQUEUE\tSTATE\tREASON\tATTEMPT\tCREATED\tLAST ERROR")
 	for _, t := range list {
-		fmt.Fprintf(tw, "%d\t%s\t%s\t%s\t%d/%d\t%s\t%s\n", t.ID, t.Kind, t.Queue, t.State, t.Attempt, t.MaxAttempts,
-			t.CreatedAt.UTC().Format(time.RFC3339), strings.Join(strings.Fields(t.LastError), " "))
+		fmt.Fprintf(tw, "%d\t%s\t%s\t%s\t%s\t%d/%d\t%s\t%s\n", t.ID, t.Kind, t.Queue, t.State, cmp.Or(t.Reason, "-"),
+			t.Attempt, t.MaxAttempts, t.CreatedAt.UTC().Format(time.RFC3339), strings.Join(strings.Fields(t.LastError), " "))
 	}
 	return tw.Flush()
 }

@@ -1,9 +1,11 @@
 package tasks
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
 	"strconv"
+	"strings"
 	"testing"
 
 	"worker/internal/pgtest"
@@ -59,3 +61,58 @@ func TestAdminLogsWhatCancelAndRetryDid(t *testing.T) {
 
 // idNumber is a task id as testkit.LogBuffer.Lines decodes it.
 func idNumber(id int64) json.Number { return json.Number(strconv.FormatInt(id, 10)) }
+
+// A task that stopped for good without succeeding says why: its attempts
+// ran out (discarded), its run failed with a permanent error (cancelled by
+// River), or an operator cancelled it (cancelled too, marked by River's
+// cancel_attempted_at).
+func TestTaskListSaysWhyATaskStopped(t *testing.T) {
+	t.Parallel()
+	db := pgtest.New(t)
+	ctx := context.Background()
+	a, err := NewAdmin(db.Pool, (&testkit.LogBuffer{}).Logger())
+	if err != nil {
+		t.Fatal(err)
+	}
+	exhausted := enqueueSQL(t, db.Pool, "report", `{}`, `{}`)
+	permanent := enqueueSQL(t, db.Pool, "report", `{}`, `{}`)
+	operator := enqueueSQL(t, db.Pool, "report", `{}`, `{}`)
+	waiting := enqueueSQL(t, db.Pool, "report", `{}`, `{}`)
+	// What River writes when a last attempt fails, and when a run returns
+	// river.JobCancel.
+	for id, state := range map[int64]string{exhausted: "discarded", permanent: "cancelled"} {
+		if _, err := db.Pool.Exec(ctx, `UPDATE river_job SET state = $2, attempt = 1, attempted_at = now(), finalized_at = now(),
+			errors = array['{"at": "2026-01-01T00:00:00Z", "attempt": 1, "error": "boom"}'::jsonb] WHERE id = $1`, id, state); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if _, err := a.Cancel(ctx, operator, "ops"); err != nil {
+		t.Fatal(err)
+	}
+	all, err := a.List(ctx, Filter{Limit: 10})
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := map[int64]string{exhausted: ReasonAttemptsExhausted, permanent: ReasonPermanentError, operator: ReasonOperatorCancel, waiting: ""}
+	for _, task := range all {
+		if task.Reason != want[task.ID] {
+			t.Errorf("task %d (%s): reason %q, want %q", task.ID, task.State, task.Reason, want[task.ID])
+		}
+	}
+	dead, err := a.List(ctx, Filter{Dead: true, Limit: 10})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(dead) != 2 {
+		t.Fatalf("dead list: %+v; want the exhausted and the permanent one", dead)
+	}
+	var table bytes.Buffer
+	if err := Print(&table, all, false); err != nil {
+		t.Fatal(err)
+	}
+	for _, r := range []string{"REASON", ReasonAttemptsExhausted, ReasonPermanentError, ReasonOperatorCancel} {
+		if !strings.Contains(table.String(), r) {
+			t.Errorf("table lacks %q:\n%s", r, table.String())
+		}
+	}
+}

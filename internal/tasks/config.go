@@ -150,8 +150,8 @@ func (c *Config) Validate() error {
 }
 
 func (c *Config) validateKind(k *Kind) error {
-	if k.Name == "" || len(k.Name) > 127 || k.Name == "*" {
-		return errors.New("name must be 1 to 127 characters, and not *")
+	if CheckKindName(k.Name) != nil {
+		return errors.New("name: " + KindNameRule)
 	}
 	k.Queue = cmp.Or(k.Queue, DefaultQueue)
 	if _, ok := c.Queues[k.Queue]; !ok {

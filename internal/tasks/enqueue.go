@@ -5,7 +5,9 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"log/slog"
+	"regexp"
 	"sync"
 
 	"github.com/jackc/pgx/v5"
@@ -27,6 +29,34 @@ func (e *RejectedError) Error() string { return e.Msg }
 // Code implements obs.Coded.
 func (e *RejectedError) Code() string { return obs.CodeJobExecutorRejected }
 
+// KindNameRule is River's rule for a kind's name (rivercommon's
+// UserSpecifiedIDOrKindRE, which River checks when a worker is registered,
+// and its river_job.kind length constraint), in an operator's words.
+const KindNameRule = "a kind name is 2 to 127 characters: a letter, digit or _ first, then letters, digits and _ - . : / + [ ] < > ·"
+
+var kindNameRE = regexp.MustCompile(`\A[\w][\w\-\[\]<>\/.·:+]+\z`)
+
+// KindNameError is a task kind name River refuses: a kind River could
+// never run, or could not store.
+type KindNameError struct{ Name string }
+
+func (e *KindNameError) Error() string {
+	name := e.Name
+	if len(name) > 40 {
+		name = fmt.Sprintf("%s… (%d bytes)", name[:40], len(name))
+	}
+	return fmt.Sprintf("task kind %q: %s", name, KindNameRule)
+}
+
+// CheckKindName returns a *KindNameError unless River accepts name as a
+// kind.
+func CheckKindName(name string) error {
+	if len(name) > 127 || !kindNameRE.MatchString(name) {
+		return &KindNameError{Name: name}
+	}
+	return nil
+}
+
 // rejectedState is the SQLSTATE worker_task_admit raises for a full queue.
 const rejectedState = "WK001"
 
@@ -37,11 +67,15 @@ var inserter = sync.OnceValues(func() (*river.Client[pgx.Tx], error) {
 })
 
 // Enqueue inserts a task in the caller's transaction, through River's
-// InsertTx: it runs once tx commits. Queue and max_attempts default to the
+// InsertTx: it runs once tx commits. A kind name River refuses is a
+// *KindNameError. Queue and max_attempts default to the
 // kind's configuration (opts and the args' InsertOpts win), the queue's
 // backlog bound applies (*RejectedError), and the Meta in ctx (WithMeta) is
 // copied into the task's metadata.
 func Enqueue(ctx context.Context, tx pgx.Tx, args river.JobArgs, opts *river.InsertOpts) (*rivertype.JobInsertResult, error) {
+	if err := CheckKindName(args.Kind()); err != nil {
+		return nil, err
+	}
 	client, err := inserter()
 	if err != nil {
 		return nil, err
@@ -75,4 +109,15 @@ func Enqueue(ctx context.Context, tx pgx.Tx, args river.JobArgs, opts *river.Ins
 // type at hand.
 func EnqueueJSON(ctx context.Context, tx pgx.Tx, kind string, args json.RawMessage, opts *river.InsertOpts) (*rivertype.JobInsertResult, error) {
 	return Enqueue(ctx, tx, rawArgs{kind: kind, raw: args}, opts)
+}
+
+// KnownKind reports whether a replica that runs tasks has published kind
+// (configured under tasks.kinds or registered in Go) into worker_task_kind.
+// A task of a kind no replica knows waits for ever.
+func KnownKind(ctx context.Context, db interface {
+	QueryRow(context.Context, string, ...any) pgx.Row
+}, kind string) (bool, error) {
+	var known bool
+	err := db.QueryRow(ctx, "SELECT EXISTS (SELECT 1 FROM worker_task_kind WHERE kind = $1 AND kind <> '*')", kind).Scan(&known)
+	return known, err
 }

@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"slices"
+	"strings"
 	"testing"
 	"time"
 
@@ -156,7 +157,7 @@ func TestEnqueueCopiesMetaFromContext(t *testing.T) {
 		CorrelationID: "corr-3", TenantID: "tenant-a"})
 	var id int64
 	err := pgx.BeginFunc(ctx, db.Pool, func(tx pgx.Tx) error {
-		res, err := EnqueueJSON(ctx, tx, "k", json.RawMessage(`{}`), &river.InsertOpts{Metadata: []byte(`{"tenant_id": "explicit"}`)})
+		res, err := EnqueueJSON(ctx, tx, "meta-kind", json.RawMessage(`{}`), &river.InsertOpts{Metadata: []byte(`{"tenant_id": "explicit"}`)})
 		if err == nil {
 			id = res.Job.ID
 		}
@@ -201,5 +202,69 @@ func TestPublishConfigForgetsDroppedKindsAndQueues(t *testing.T) {
 	}
 	if routed != DefaultQueue || !slices.Equal(queues, []string{DefaultQueue}) {
 		t.Fatalf("after dropping kind send-receipt and queue mail: the kind goes to %q, queues %v; want default and [default]", routed, queues)
+	}
+}
+
+// A kind that no replica publishes (configured or registered in Go) is
+// still enqueued, for a producer deployed before its workers, but
+// worker_enqueue raises a NOTICE saying its task waits; KnownKind, which
+// the CLI asks, says the same.
+func TestUnknownKindRaisesANotice(t *testing.T) {
+	t.Parallel()
+	db := pgtest.New(t)
+	ctx := context.Background()
+	cfg := testConfig(t, nil, Kind{Name: "configured", Type: TypeSQL, SQL: "SELECT $1"})
+	if err := publishConfig(ctx, db.Pool, &cfg, "registered-in-go", "configured"); err != nil {
+		t.Fatal(err)
+	}
+	ccfg, err := pgx.ParseConfig(db.URL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var notices []string
+	ccfg.OnNotice = func(_ *pgconn.PgConn, n *pgconn.Notice) { notices = append(notices, n.Message) }
+	conn, err := pgx.ConnectConfig(ctx, ccfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close(ctx)
+	for _, c := range []struct {
+		kind  string
+		known bool
+	}{{"configured", true}, {"registered-in-go", true}, {"nobody-runs-this", false}} {
+		notices = nil
+		var id int64
+		if err := conn.QueryRow(ctx, "SELECT worker_enqueue($1)", c.kind).Scan(&id); err != nil || id == 0 {
+			t.Fatalf("%s: enqueue: %v", c.kind, err)
+		}
+		if gotNotice := len(notices) == 1 && strings.Contains(notices[0], c.kind+" is not known"); gotNotice == c.known {
+			t.Errorf("%s: notices %q; want one only for a kind no replica knows", c.kind, notices)
+		}
+		if known, err := KnownKind(ctx, conn, c.kind); err != nil || known != c.known {
+			t.Errorf("KnownKind(%s) = %v, %v; want %v", c.kind, known, err, c.known)
+		}
+	}
+}
+
+// A kind name River would refuse to run (one letter, empty, too long, a
+// space) is refused at enqueue with River's rule, not stored to wait for
+// ever.
+func TestEnqueueRefusesAKindNameRiverRejects(t *testing.T) {
+	t.Parallel()
+	db := pgtest.New(t)
+	for _, kind := range []string{"", "k", strings.Repeat("k", 128), "send receipt", "*"} {
+		err := pgx.BeginFunc(t.Context(), db.Pool, func(tx pgx.Tx) error {
+			_, err := EnqueueJSON(t.Context(), tx, kind, json.RawMessage(`{}`), nil)
+			return err
+		})
+		var kne *KindNameError
+		if !errors.As(err, &kne) || !strings.Contains(err.Error(), KindNameRule) {
+			t.Errorf("kind %q: %v; want a KindNameError naming the rule", kind, err)
+		}
+	}
+	for _, kind := range []string{"kk", "send-receipt", "billing.v2/charge", strings.Repeat("k", 127)} {
+		if err := CheckKindName(kind); err != nil {
+			t.Errorf("kind %q refused: %v", kind, err)
+		}
 	}
 }

@@ -46,11 +46,12 @@ const deadLetterRetention = 7 * 24 * time.Hour
 // Runtime is the River client as one of the worker's components: Start
 // runs it, Shutdown stops it within the shutdown budget.
 type Runtime struct {
-	cfg    Config
-	log    *slog.Logger
-	pool   *pgxpool.Pool
-	client *river.Client[pgx.Tx]
-	m      *metrics
+	cfg     Config
+	goKinds []string // registered in Go, with or without an entry in cfg.Kinds
+	log     *slog.Logger
+	pool    *pgxpool.Pool
+	client  *river.Client[pgx.Tx]
+	m       *metrics
 
 	stopRefresh context.CancelFunc
 	refreshDone sync.WaitGroup
@@ -94,7 +95,7 @@ func New(opts Options) (*Runtime, error) {
 		queues[name] = river.QueueConfig{MaxWorkers: q.Workers()}
 	}
 	log := opts.Logger.With("component", "tasks")
-	rt := &Runtime{cfg: cfg, log: log, pool: pool, m: m}
+	rt := &Runtime{cfg: cfg, goKinds: goKinds, log: log, pool: pool, m: m}
 	if len(kinds) == 0 {
 		return rt, nil // River refuses to run without a worker; nothing to run
 	}
@@ -170,7 +171,7 @@ func (e *ConfigError) Error() string { return e.Msg }
 // River and the metrics refresh. ctx is not cancelled at SIGTERM; Shutdown
 // stops everything.
 func (r *Runtime) Start(ctx context.Context) error {
-	if err := publishConfig(ctx, r.pool, &r.cfg); err != nil {
+	if err := publishConfig(ctx, r.pool, &r.cfg, r.goKinds...); err != nil {
 		return fmt.Errorf("tasks: publish configuration: %w", err)
 	}
 	for _, name := range r.cfg.QueueNames() {
@@ -219,17 +220,29 @@ func (r *Runtime) Shutdown(ctx context.Context) error {
 // max_backlog where worker_enqueue and Enqueue read them, and removes the
 // kinds and queues the configuration no longer has: a kind dropped from it
 // would otherwise keep routing its tasks to its old queue, perhaps one no
-// replica works any more.
-func publishConfig(ctx context.Context, pool *pgxpool.Pool, cfg *Config) error {
+// replica works any more. A Go kind without an entry under tasks.kinds gets
+// the defaults' row, so that every kind this replica runs is known to the
+// enqueue paths (worker_task_admit's NOTICE, the CLI's check).
+func publishConfig(ctx context.Context, pool *pgxpool.Pool, cfg *Config, goKinds ...string) error {
+	kinds := slices.Clone(cfg.Kinds)
+	for _, name := range goKinds {
+		if _, ok := cfg.kind(name); !ok {
+			kinds = append(kinds, Kind{Name: name, Queue: DefaultQueue, MaxAttempts: cfg.MaxAttempts})
+		}
+	}
+	// Rows in one order (stale ones, defaults, then kinds and queues by
+	// name), so replicas starting together never deadlock on them.
+	slices.SortFunc(kinds, func(a, b Kind) int { return strings.Compare(a.Name, b.Name) })
+	names := make([]string, len(kinds))
+	for i, k := range kinds {
+		names[i] = k.Name
+	}
 	return pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
-		// Rows in one order (stale ones, defaults, then kinds and queues by
-		// name), so replicas starting together never deadlock on them.
 		b := &pgx.Batch{}
-		b.Queue(`DELETE FROM worker_task_kind WHERE kind <> '*' AND kind <> ALL($1)`, cfg.KindNames())
+		b.Queue(`DELETE FROM worker_task_kind WHERE kind <> '*' AND kind <> ALL($1)`, names)
 		b.Queue(`DELETE FROM worker_task_queue WHERE queue <> ALL($1)`, cfg.QueueNames())
 		b.Queue(`INSERT INTO worker_task_kind VALUES ('*', 'default', $1)
 			ON CONFLICT (kind) DO UPDATE SET queue = excluded.queue, max_attempts = excluded.max_attempts`, cfg.MaxAttempts)
-		kinds := slices.SortedFunc(slices.Values(cfg.Kinds), func(a, b Kind) int { return strings.Compare(a.Name, b.Name) })
 		for _, k := range kinds {
 			b.Queue(`INSERT INTO worker_task_kind VALUES ($1, $2, $3)
 				ON CONFLICT (kind) DO UPDATE SET queue = excluded.queue, max_attempts = excluded.max_attempts`, k.Name, k.Queue, k.MaxAttempts)

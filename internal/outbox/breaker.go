@@ -1,0 +1,239 @@
+package outbox
+
+import (
+	"context"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"worker/internal/obs"
+)
+
+// An outage of the sink is not the events' fault. When a publish says the
+// sink is unavailable (IsUnavailable, or the same failure for most
+// aggregates of a batch), the relay opens its breaker: the event is handed
+// back with its attempts untouched, the loops stop claiming, and one loop
+// at a time claims a single event as a probe, after a jittered exponential
+// backoff capped at probe_backoff_max. The first probe the sink answers
+// closes the breaker and every loop resumes at once. So an outage of any
+// length dead-letters nothing; outbox_sink_up and an alert tell people.
+
+// probeBackoffBase is the first wait between probes.
+const probeBackoffBase = 100 * time.Millisecond
+
+// breaker is the relay's view of whether its sink is available.
+type breaker struct {
+	max     time.Duration // cap of the wait between probes
+	onOpen  func(cause error)
+	onClose func(openFor time.Duration)
+
+	isOpen  atomic.Bool // read on every publish: the closed path takes no lock
+	failing atomic.Bool // alike holds failures since the last answer
+
+	mu        sync.Mutex
+	openedAt  time.Time
+	cause     string // the failure that opened it, its event's id removed
+	probes    int    // failed probes since it opened
+	probing   bool   // a loop is claiming or publishing the probe
+	nextProbe time.Time
+	changed   chan struct{}         // closed and replaced when the breaker closes or a probe ends
+	alike     map[aggregateKey]bool // aggregates that failed with likeText since the sink last answered
+	likeText  string
+}
+
+func newBreaker(max time.Duration, onOpen func(error), onClose func(time.Duration)) *breaker {
+	return &breaker{max: max, onOpen: onOpen, onClose: onClose, changed: make(chan struct{})}
+}
+
+// open reports whether the breaker is open.
+func (b *breaker) open() bool { return b.isOpen.Load() }
+
+// admit returns when the loop may claim: at once while the breaker is
+// closed (probe false), or, while it is open, when this loop is to claim
+// the probe (probe true). It returns ok false when ctx ends first.
+func (b *breaker) admit(ctx context.Context) (probe, ok bool) {
+	for {
+		if !b.open() {
+			return false, true
+		}
+		b.mu.Lock()
+		if !b.isOpen.Load() {
+			b.mu.Unlock()
+			continue
+		}
+		wait := time.Until(b.nextProbe)
+		if !b.probing && wait <= 0 {
+			b.probing = true
+			b.mu.Unlock()
+			return true, true
+		}
+		changed := b.changed
+		b.mu.Unlock()
+		if b.probing {
+			wait = time.Hour // until the probe ends
+		}
+		t := time.NewTimer(wait)
+		select {
+		case <-ctx.Done():
+			t.Stop()
+			return false, false
+		case <-changed:
+		case <-t.C:
+		}
+		t.Stop()
+	}
+}
+
+// probeClaimedNothing ends a probe that found no event to publish. The
+// next loop that finds work probes with it.
+func (b *breaker) probeClaimedNothing() {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if b.probing {
+		b.probing = false
+		b.signal()
+	}
+}
+
+// answered notes that the sink took a publish (ok), or answered it with
+// a failure of the event's own: either way it is available. Only a
+// publish it took ends a run of failures alike (sinkWide).
+func (b *breaker) answered(ok bool) {
+	if !b.open() && !(ok && b.failing.Load()) {
+		return
+	}
+	b.mu.Lock()
+	if ok {
+		b.alike, b.likeText = nil, ""
+		b.failing.Store(false)
+	}
+	if !b.isOpen.Load() {
+		b.mu.Unlock()
+		return
+	}
+	openFor := time.Since(b.openedAt)
+	b.isOpen.Store(false)
+	b.probing = false
+	b.probes = 0
+	b.cause = ""
+	b.signal()
+	b.mu.Unlock()
+	b.onClose(openFor)
+}
+
+// unavailable notes a publish of ev that failed because of the sink. It
+// opens the breaker, or schedules the next probe if this was one.
+func (b *breaker) unavailable(ev Event, err error) {
+	b.mu.Lock()
+	if b.isOpen.Load() {
+		if b.probing {
+			b.probing = false
+			b.probes++
+			b.nextProbe = time.Now().Add(obs.FullJitter(probeBackoffBase, b.max, b.probes+1))
+			b.signal()
+		}
+		b.mu.Unlock()
+		return
+	}
+	b.isOpen.Store(true)
+	b.openedAt = time.Now()
+	b.cause = failureText(ev, err)
+	b.probes = 0
+	b.probing = false
+	b.nextProbe = b.openedAt.Add(obs.FullJitter(probeBackoffBase, b.max, 1))
+	b.mu.Unlock()
+	b.onOpen(err)
+}
+
+// sinkWide reports whether ev's failure err, which is not classified as
+// unavailable, is the sink's all the same: the failure that opened the
+// breaker, or the same failure for minSinkWide aggregates since the sink
+// last answered. A sink that answers every event with the same error is
+// down, whatever it answers.
+func (b *breaker) sinkWide(ev Event, err error) bool {
+	text := failureText(ev, err)
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if b.isOpen.Load() {
+		return b.cause == text
+	}
+	if text != b.likeText {
+		b.alike, b.likeText = map[aggregateKey]bool{}, text
+	}
+	b.alike[aggregateKey{ev.AggregateType, ev.AggregateID}] = true
+	b.failing.Store(true)
+	return len(b.alike) >= minSinkWide
+}
+
+// signal wakes the loops waiting in admit. Called with b.mu held.
+func (b *breaker) signal() {
+	close(b.changed)
+	b.changed = make(chan struct{})
+}
+
+// failureText is err's message with ev's own identifiers removed, so the
+// same failure of different events compares equal.
+func failureText(ev Event, err error) string {
+	s := err.Error()
+	if ev.EventID != "" {
+		s = strings.ReplaceAll(s, ev.EventID, "")
+	}
+	return s
+}
+
+// minSinkWide is the fewest aggregates failing alike that say the sink,
+// not the events, failed. One or two aggregates failing alike is what a
+// poison event looks like; so the first two aggregates of an outage that
+// answers with an unclassified error each spend an attempt.
+const minSinkWide = 3
+
+// sinkDown accounts for a publish of ev that failed because the sink is
+// unavailable: counted, never logged per event, and it opens the breaker.
+func (r *Relay) sinkDown(ev Event, err error) {
+	r.m.failures.WithLabelValues(r.m.eventType(ev.EventType), kindUnavailable).Inc()
+	r.sinkUp.unavailable(ev, err)
+}
+
+// sinkWideFailure turns into hand-backs the failures of a batch that are
+// the failure the breaker opened on meanwhile (breaker.sinkWide): they were
+// the sink's, and must not spend their events' attempts.
+func (r *Relay) sinkWideFailure(out *outcomes) {
+	if !r.sinkUp.open() {
+		return
+	}
+	kept := out.failed[:0]
+	for _, f := range out.failed {
+		if IsPermanent(f.err) || f.ev.unreadable != nil || !r.sinkUp.sinkWide(f.ev.Event, f.err) {
+			kept = append(kept, f)
+			continue
+		}
+		ev := f.ev
+		out.handBack = append(out.handBack, &ev)
+		r.m.failures.WithLabelValues(r.m.eventType(ev.EventType), kindUnavailable).Inc()
+	}
+	out.failed = kept
+}
+
+// breakerOpened logs the outage once, with its cause.
+func (r *Relay) breakerOpened(cause error) {
+	r.m.sinkUp.Set(0)
+	r.m.breakerOpened.Inc()
+	r.log.Warn("outbox sink unavailable; claiming stops, events wait with their attempts untouched, one event probes the sink until it answers",
+		"error", cause, "probe_backoff_max", r.cfg.ProbeBackoffMax)
+}
+
+// breakerClosed logs the end of the outage once: how long it lasted and
+// how many events waited for it.
+func (r *Relay) breakerClosed(openFor time.Duration) {
+	r.m.sinkUp.Set(1)
+	r.wakeAll()
+	attrs := []any{"open_for", openFor.Round(time.Millisecond).String()}
+	ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+	defer cancel()
+	var waiting int64
+	if err := r.pool.QueryRow(ctx, `SELECT count(*) FROM outbox_event WHERE `+unfinished).Scan(&waiting); err == nil {
+		attrs = append(attrs, "events_waiting", waiting)
+	}
+	r.log.Info("outbox sink available again; claiming resumes", attrs...)
+}

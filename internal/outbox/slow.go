@@ -1,0 +1,65 @@
+package outbox
+
+import (
+	"context"
+	"time"
+)
+
+// A sink slower than detach_after detaches every publish: a batch waits
+// detach_after, commits its events IN_FLIGHT and the publishes finish on
+// their own. Claiming a batch of batch_size then, as for a fast sink,
+// locks events that wait for a publish slot until detach_after hands them
+// back; and sizing the next claim by what started (nextSize) ratchets it
+// down to one event per detach_after, whatever max_in_flight allows. So
+// for such a sink the loops pipeline instead: a loop first takes the
+// publish slots that are free (waiting for one if none is), claims that
+// many events, one per aggregate, starts them all at once and detaches
+// them as soon as they have started. Each slot is then busy from one
+// publish to the next, and the relay drains at about max_in_flight /
+// latency.
+
+// slowSink reports whether the sink's publishes take longer than
+// detach_after, on average.
+func (r *Relay) slowSink() bool {
+	return time.Duration(r.latency.Load()) > r.cfg.DetachAfter
+}
+
+// notePublish folds one publish's duration into the moving average. A lost
+// update between concurrent publishers only drops one sample.
+func (r *Relay) notePublish(d time.Duration) {
+	old := r.latency.Load()
+	r.latency.Store(old + (int64(d)-old)/8)
+}
+
+// reserveSlots takes the free publish slots, up to batch_size, waiting for
+// one when none is free, and returns how many it took: 0 only when ctx
+// ended. While it waits, the loop holds no claim and no connection.
+func (r *Relay) reserveSlots(ctx context.Context, st *loopState) int {
+	select {
+	case r.slots <- struct{}{}:
+	default:
+		r.settle(st)
+		select {
+		case r.slots <- struct{}{}:
+		case <-ctx.Done():
+			return 0
+		}
+	}
+	n := 1
+	for n < r.cfg.BatchSize {
+		select {
+		case r.slots <- struct{}{}:
+			n++
+		default:
+			return n
+		}
+	}
+	return n
+}
+
+// releaseSlots gives back n slots that reserveSlots took.
+func (r *Relay) releaseSlots(n int) {
+	for range n {
+		<-r.slots
+	}
+}

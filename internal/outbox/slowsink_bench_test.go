@@ -1,0 +1,115 @@
+package outbox
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"slices"
+	"sync/atomic"
+	"testing"
+	"text/tabwriter"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"worker/internal/pgtest"
+)
+
+// BenchmarkRelaySlowSink drains backlogs through a sink that answers every
+// publish after a fixed latency L, with 1 replica of 1 loop and with 3
+// replicas of 2 loops (relays in this process, a pool each), the backlog
+// committed in 1 transaction and in 10. It prints events/s min / median /
+// max over -rounds and the median ratio to the most any relay could do:
+// min(max_in_flight x replicas, aggregates) / L, since one aggregate's
+// events go one at a time.
+//
+//	go test -run '^$' -bench RelaySlowSink -timeout 30m ./internal/outbox
+func BenchmarkRelaySlowSink(b *testing.B) {
+	type shape struct {
+		latency         time.Duration
+		replicas, loops int
+		txs             int
+	}
+	var shapes []shape
+	for _, l := range []time.Duration{20 * time.Millisecond, 150 * time.Millisecond, 400 * time.Millisecond, time.Second} {
+		for _, rl := range [][2]int{{1, 1}, {3, 2}} {
+			for _, txs := range []int{1, 10} {
+				shapes = append(shapes, shape{l, rl[0], rl[1], txs})
+			}
+		}
+	}
+	const aggregates = 200
+	w := tabwriter.NewWriter(os.Stdout, 0, 0, 2, ' ', tabwriter.AlignRight)
+	fmt.Fprintln(w, "L\treplicas x loops\ttransactions\tevents\tevents/s min / median / max\tideal\tratio\t")
+	for range b.N {
+		for _, s := range shapes {
+			cfg := DefaultConfig()
+			cfg.Relays = s.loops
+			ideal := float64(min(DefaultMaxInFlight(SinkWebhook)*s.replicas, aggregates)) / s.latency.Seconds()
+			// About 8 s of draining at the ideal rate.
+			events := int(8 * ideal)
+			var rates []float64
+			for range *benchRounds {
+				rates = append(rates, drainSlow(b, cfg, s.latency, s.replicas, events, aggregates, s.txs))
+			}
+			slices.Sort(rates)
+			med := rates[len(rates)/2]
+			fmt.Fprintf(w, "%s\t%d x %d\t%d\t%d\t%.0f / %.0f / %.0f\t%.0f\t%.2f\t\n",
+				s.latency, s.replicas, s.loops, s.txs, events, rates[0], med, rates[len(rates)-1], ideal, med/ideal)
+		}
+	}
+	w.Flush()
+}
+
+// drainSlow loads the backlog, starts the relays and returns the events/s
+// from their start until the sink has taken every event.
+func drainSlow(b *testing.B, cfg Config, latency time.Duration, replicas, events, aggregates, txs int) float64 {
+	db := pgtest.New(b)
+	loadBacklogIn(b, db.Pool, events, aggregates, txs)
+	sink := &slowSink{delay: latency}
+	start := time.Now()
+	for range replicas {
+		startRelay(b, db.NewPool(b, int32(cfg.Relays+4)), sink, cfg, nil)
+	}
+	deadline := time.Now().Add(10 * time.Minute)
+	for sink.n.Load() < int64(events) && time.Now().Before(deadline) {
+		time.Sleep(20 * time.Millisecond)
+	}
+	return float64(sink.n.Load()) / time.Since(start).Seconds()
+}
+
+// slowSink answers every publish after delay.
+type slowSink struct {
+	delay time.Duration
+	n     atomic.Int64
+}
+
+func (s *slowSink) Name() string { return SinkWebhook }
+
+func (s *slowSink) Publish(ctx context.Context, e Event) error {
+	t := time.NewTimer(s.delay)
+	defer t.Stop()
+	select {
+	case <-ctx.Done():
+		return ctx.Err()
+	case <-t.C:
+	}
+	s.n.Add(1)
+	return nil
+}
+
+// loadBacklogIn inserts n events over aggs aggregates, round robin, in txs
+// transactions, each a consecutive slice of the events.
+func loadBacklogIn(tb testing.TB, pool *pgxpool.Pool, n, aggs, txs int) {
+	tb.Helper()
+	per := (n + txs - 1) / txs
+	for lo := 0; lo < n; lo += per {
+		_, err := pool.Exec(context.Background(), `
+INSERT INTO outbox_event (aggregate_type, aggregate_id, event_type, payload)
+SELECT 'order', 'order-' || g % $3, 'order.updated', jsonb_build_object('seq', g)
+FROM generate_series($1::int, $2::int - 1) g`, lo, min(n, lo+per), aggs)
+		if err != nil {
+			tb.Fatal(err)
+		}
+	}
+}

@@ -1,0 +1,207 @@
+package startup_test
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"worker/internal/pgtest"
+	"worker/internal/testkit"
+)
+
+// outageReceiver is a webhook endpoint that can be taken down (its port
+// refuses connections) and brought back on the same address. It records the
+// order in which each aggregate's events first arrived.
+type outageReceiver struct {
+	addr string
+
+	mu     sync.Mutex
+	srv    *http.Server
+	first  map[string][]int // aggregate -> event numbers, first arrivals in order
+	seen   map[string]bool  // ce-id
+	copies int              // deliveries of an event already seen
+}
+
+func newOutageReceiver(t *testing.T) *outageReceiver {
+	r := &outageReceiver{addr: freeAddr(t), first: map[string][]int{}, seen: map[string]bool{}}
+	r.up(t)
+	t.Cleanup(r.down)
+	return r
+}
+
+func (r *outageReceiver) up(t *testing.T) {
+	t.Helper()
+	var l net.Listener
+	// The port was ours a moment ago; listening again can race its last
+	// connections' teardown.
+	testkit.Eventually(t, 5*time.Second, "the receiver's port to listen again", func() bool {
+		var err error
+		l, err = net.Listen("tcp", r.addr)
+		return err == nil
+	})
+	srv := &http.Server{Handler: r, ReadHeaderTimeout: 5 * time.Second}
+	r.mu.Lock()
+	r.srv = srv
+	r.mu.Unlock()
+	go func() { _ = srv.Serve(l) }()
+}
+
+// down closes the listener and every connection: the relay sees refused
+// and reset connections.
+func (r *outageReceiver) down() {
+	r.mu.Lock()
+	srv := r.srv
+	r.srv = nil
+	r.mu.Unlock()
+	if srv != nil {
+		_ = srv.Close()
+	}
+}
+
+func (r *outageReceiver) ServeHTTP(w http.ResponseWriter, req *http.Request) {
+	body, err := io.ReadAll(req.Body)
+	var ev struct {
+		A string `json:"a"`
+		N int    `json:"n"`
+	}
+	if err != nil || json.Unmarshal(body, &ev) != nil {
+		w.WriteHeader(http.StatusBadRequest)
+		return
+	}
+	id := req.Header.Get("Ce-Id")
+	r.mu.Lock()
+	if r.seen[id] {
+		r.copies++
+	} else {
+		r.seen[id] = true
+		r.first[ev.A] = append(r.first[ev.A], ev.N)
+	}
+	r.mu.Unlock()
+	w.WriteHeader(http.StatusNoContent)
+}
+
+func (r *outageReceiver) distinct() int {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return len(r.seen)
+}
+
+// TestWebhookOutageHoldsEvents runs the worker against a webhook receiver
+// that goes away for a few seconds while events arrive at 20/s over 10
+// aggregates: no event goes DEAD or spends an attempt, outbox_sink_up reads
+// 0 meanwhile, the outage is logged once when it starts and once when it
+// ends, and every event that waited reaches the receiver within 10 s of its
+// return, in per-aggregate order.
+func TestWebhookOutageHoldsEvents(t *testing.T) {
+	t.Parallel()
+	db := pgtest.New(t)
+	recv := newOutageReceiver(t)
+	w := startWorker(t, []string{
+		"APP_DATABASE_URL=" + db.URL,
+		"APP_TASKS_ENABLED=false",
+		"APP_OUTBOX_SINK=webhook",
+		"APP_OUTBOX_WEBHOOK_URL=http://" + recv.addr + "/events",
+		"APP_OUTBOX_WEBHOOK_TIMEOUT=2s",
+		"APP_OUTBOX_PROBE_BACKOFF_MAX=200ms",
+	})
+	w.waitReady(t, 30*time.Second)
+
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	produced := make(chan int, 1)
+	go func() {
+		tick := time.NewTicker(50 * time.Millisecond) // 20 events/s
+		defer tick.Stop()
+		n := 0
+		defer func() { produced <- n }()
+		for {
+			select {
+			case <-ctx.Done():
+				return
+			case <-tick.C:
+			}
+			agg := fmt.Sprintf("agg-%d", n%10)
+			_, err := db.Pool.Exec(context.Background(), `INSERT INTO outbox_event (aggregate_type, aggregate_id, event_type, payload)
+				VALUES ('order', $1, 'order.changed', jsonb_build_object('a', $1::text, 'n', $2::int))`, agg, n)
+			if err != nil && !errors.Is(err, context.Canceled) {
+				t.Errorf("insert: %v", err)
+				return
+			}
+			n++
+		}
+	}()
+
+	testkit.Eventually(t, 10*time.Second, "the first deliveries", func() bool { return recv.distinct() >= 20 })
+	recv.down()
+	testkit.Eventually(t, 10*time.Second, "outbox_sink_up 0 while the receiver is down", func() bool {
+		_, m := w.get("/metrics")
+		return strings.Contains(m, `outbox_sink_up{sink="webhook"} 0`)
+	})
+	outageEnds := time.Now().Add(3 * time.Second)
+	testkit.Eventually(t, 10*time.Second, "the outage to last 3 s", func() bool { return time.Now().After(outageEnds) })
+	recv.up(t)
+	back := time.Now()
+	cancel()
+	total := <-produced
+
+	testkit.Eventually(t, 10*time.Second, "every event to reach the receiver", func() bool { return recv.distinct() == total })
+	t.Logf("%d events; caught up %s after the receiver came back", total, time.Since(back).Round(time.Millisecond))
+	testkit.Eventually(t, 10*time.Second, "every event marked PUBLISHED", func() bool {
+		var n int
+		err := db.Pool.QueryRow(context.Background(), `SELECT count(*) FROM outbox_event WHERE status = 'PUBLISHED'`).Scan(&n)
+		return err == nil && n == total
+	})
+
+	var dead, spent int
+	if err := db.Pool.QueryRow(context.Background(),
+		`SELECT count(*) FILTER (WHERE status = 'DEAD'), count(*) FILTER (WHERE attempts <> 1) FROM outbox_event`).Scan(&dead, &spent); err != nil {
+		t.Fatal(err)
+	}
+	if dead != 0 || spent != 0 {
+		t.Errorf("%d events DEAD, %d spent attempts on the outage; want none", dead, spent)
+		rows, _ := db.Pool.Query(context.Background(), `SELECT id, status, attempts, coalesce(last_error, '') FROM outbox_event WHERE attempts <> 1 ORDER BY id`)
+		for rows.Next() {
+			var id int64
+			var status, lastErr string
+			var attempts int
+			_ = rows.Scan(&id, &status, &attempts, &lastErr)
+			t.Logf("event %d: %s, %d attempts, last error %q", id, status, attempts, lastErr)
+		}
+		rows.Close()
+	}
+	recv.mu.Lock()
+	for agg, ns := range recv.first {
+		for i := 1; i < len(ns); i++ {
+			if ns[i] < ns[i-1] {
+				t.Errorf("aggregate %s: event %d arrived after event %d", agg, ns[i], ns[i-1])
+			}
+		}
+	}
+	// Only an event whose answer the outage cut can arrive twice.
+	if recv.copies > 64 {
+		t.Errorf("%d duplicate deliveries, more than max_in_flight publishes could have been cut", recv.copies)
+	}
+	recv.mu.Unlock()
+	testkit.Eventually(t, 5*time.Second, "outbox_sink_up 1", func() bool {
+		_, m := w.get("/metrics")
+		return strings.Contains(m, `outbox_sink_up{sink="webhook"} 1`)
+	})
+	out := w.out.String()
+	if n := strings.Count(out, `"msg":"outbox sink unavailable;`); n != 1 {
+		t.Errorf("%d breaker-open log lines, want 1", n)
+	}
+	if n := strings.Count(out, `"msg":"outbox sink available again; claiming resumes"`); n != 1 {
+		t.Errorf("%d breaker-close log lines, want 1", n)
+	}
+	if n := strings.Count(out, `"msg":"outbox publish failed; retry scheduled"`); n != 0 {
+		t.Errorf("%d per-event failure lines during the outage, want none", n)
+	}
+}
