@@ -5,17 +5,20 @@ import (
 	"net"
 	"sync"
 	"testing"
+	"time"
 )
 
 // Proxy forwards TCP connections to a broker, so a test can take the
 // broker away from one sink without stopping it for everyone: Cut closes
 // every connection and refuses new ones, Freeze keeps the connections open
-// but forwards nothing more, as a hung broker would.
+// but forwards nothing more, as a hung broker would, and Restore brings the
+// broker back on the same address.
 type Proxy struct {
-	ln     net.Listener
+	addr   string
 	target string
 
 	mu     sync.Mutex
+	ln     net.Listener
 	conns  []net.Conn
 	frozen bool
 }
@@ -27,18 +30,18 @@ func NewProxy(t testing.TB, target string) *Proxy {
 	if err != nil {
 		t.Fatal(err)
 	}
-	p := &Proxy{ln: ln, target: target}
-	go p.accept()
+	p := &Proxy{ln: ln, addr: ln.Addr().String(), target: target}
+	go p.accept(ln)
 	t.Cleanup(p.Cut)
 	return p
 }
 
 // Addr is host:port to give the sink instead of the broker's.
-func (p *Proxy) Addr() string { return p.ln.Addr().String() }
+func (p *Proxy) Addr() string { return p.addr }
 
-func (p *Proxy) accept() {
+func (p *Proxy) accept(ln net.Listener) {
 	for {
-		c, err := p.ln.Accept()
+		c, err := ln.Accept()
 		if err != nil {
 			return
 		}
@@ -85,11 +88,34 @@ func (p *Proxy) Freeze() {
 
 // Cut closes the listener and every connection.
 func (p *Proxy) Cut() {
-	p.ln.Close()
 	p.mu.Lock()
 	defer p.mu.Unlock()
+	p.ln.Close()
 	for _, c := range p.conns {
 		c.Close()
 	}
 	p.conns = nil
+}
+
+// Restore listens again on the same address and forwards what comes, after
+// a Cut or a Freeze.
+func (p *Proxy) Restore(t testing.TB) {
+	t.Helper()
+	p.Cut()
+	// The port was ours a moment ago; listening again can race the
+	// teardown of its last connections.
+	var ln net.Listener
+	var err error
+	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(10 * time.Millisecond) {
+		if ln, err = net.Listen("tcp", p.addr); err == nil {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("proxy: listening again on %s: %v", p.addr, err)
+		}
+	}
+	p.mu.Lock()
+	p.ln, p.frozen = ln, false
+	p.mu.Unlock()
+	go p.accept(ln)
 }

@@ -11,6 +11,7 @@ import (
 	"fmt"
 	"log/slog"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/twmb/franz-go/pkg/kerr"
@@ -26,6 +27,11 @@ import (
 // maxTopic is Kafka's limit on a topic name's length.
 const maxTopic = 249
 
+// settleWait is how long a publish that gave up waits for the client to
+// fail its record by itself, which it does at once unless the record is
+// on the wire.
+const settleWait = 250 * time.Millisecond
+
 // Sink produces events to Kafka. It is safe for concurrent Publish: each
 // call waits for its own record's ack, and franz-go batches the records in
 // flight per partition.
@@ -35,7 +41,9 @@ type Sink struct {
 	opts  []kgo.Opt
 	log   *slog.Logger
 
+	mu     sync.Mutex // guards the client and its replacement
 	client *kgo.Client
+	closed bool
 }
 
 // Options are what the sink needs beside its configuration section.
@@ -67,7 +75,15 @@ func New(cfg outbox.KafkaConfig, opts Options) (*Sink, error) {
 		// in-sync replica: a record is confirmed once it cannot be lost with
 		// a leader, and retries never duplicate or reorder it.
 		kgo.RequiredAcks(kgo.AllISRAcks()),
-		kgo.RecordDeliveryTimeout(cfg.PublishTimeout),
+		// A record the client could not get acknowledged within the publish
+		// timeout fails; the retries inside it resend the same producer
+		// sequence, which the broker deduplicates, never reorders. It fails
+		// before the publish's own deadline, so that a record waiting for
+		// its topic's metadata fails naming the last error (a missing
+		// topic is the event's failure, not an outage). A record on the
+		// wire is the client's to finish whatever the timeout: Publish
+		// then gives up on the whole client (giveUp).
+		kgo.RecordDeliveryTimeout(max(cfg.PublishTimeout/2, time.Second)),
 		kgo.ProduceRequestTimeout(cfg.PublishTimeout),
 		// No lingering (franz-go's default is 10ms): the relay waits for
 		// each record's ack before it hands over the aggregate's next one,
@@ -142,7 +158,9 @@ func (s *Sink) Connect(ctx context.Context) error {
 		verdict := sink.TLSVerdict("outbox.kafka", err)
 		switch {
 		case err == nil:
+			s.mu.Lock()
 			s.client = client
+			s.mu.Unlock()
 			return nil
 		case verdict != nil:
 			client.Close()
@@ -173,13 +191,11 @@ func (s *Sink) Connect(ctx context.Context) error {
 }
 
 // Publish implements outbox.Sink: one record, acked by all in-sync
-// replicas. A record the broker can never take is permanent: too large,
-// an invalid topic, refused by the broker's validation, or not authorised.
-// Timeouts, lost connections and a topic that does not exist (yet) are
-// transient.
+// replicas. See classify for what is permanent and what Unavailable.
 func (s *Sink) Publish(ctx context.Context, e outbox.Event) error {
-	if s.client == nil {
-		return errors.New("kafka: publish before Connect")
+	client := s.current()
+	if client == nil {
+		return outbox.Unavailable(errors.New("kafka: no client (publish before Connect or after Close)"))
 	}
 	topic := s.topic.Render(e)
 	if len(topic) > maxTopic {
@@ -191,23 +207,103 @@ func (s *Sink) Publish(ctx context.Context, e outbox.Event) error {
 	ctx, cancel := context.WithTimeout(ctx, s.cfg.PublishTimeout)
 	defer cancel()
 	done := make(chan error, 1)
-	s.client.Produce(ctx, rec, func(_ *kgo.Record, err error) { done <- err })
+	client.Produce(ctx, rec, func(_ *kgo.Record, err error) { done <- err })
 	var err error
 	select {
 	case err = <-done:
 	case <-ctx.Done():
-		// franz-go fails the record at once unless it is on the wire; then
-		// it may still land, which a retry makes a duplicate, never a loss.
-		err = ctx.Err()
+		err = s.giveUp(client, done, ctx.Err())
 	}
 	if err == nil {
 		return nil
 	}
-	err = fmt.Errorf("kafka: event %s to %s: %w", e.EventID, topic, err)
-	for _, p := range []error{kerr.MessageTooLarge, kerr.RecordListTooLarge, kerr.InvalidTopicException, kerr.InvalidRecord, kerr.TopicAuthorizationFailed} {
+	return classify(fmt.Errorf("kafka: event %s to %s: %w", e.EventID, topic, err))
+}
+
+// giveUp ends a publish whose context ended before the record's answer.
+// The client fails a record it has not sent as soon as its context ends.
+// One on the wire it keeps, and resends until the broker answers: that
+// record could land after the relay has given up on it and published the
+// aggregate's next event elsewhere. So the client is closed, which fails
+// every record it holds, and a new one takes its place. When giveUp
+// returns, the client will never send the record again.
+func (s *Sink) giveUp(client *kgo.Client, done <-chan error, cause error) error {
+	select {
+	case err := <-done:
+		return err // the client's verdict: it is done with the record
+	case <-time.After(settleWait):
+	}
+	s.abandon(client)
+	select {
+	case err := <-done: // Close fails every record the client held
+		if err == nil {
+			return nil // acknowledged before the close
+		}
+	case <-time.After(settleWait): // closed all the same: it sends nothing more
+	}
+	return fmt.Errorf("%w: no answer from the broker; the outcome is unknown", cause)
+}
+
+// current returns the client publishes go through.
+func (s *Sink) current() *kgo.Client {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.client
+}
+
+// abandon closes c and, unless the sink was closed or c was already
+// replaced, puts a new client with the same options in its place.
+func (s *Sink) abandon(c *kgo.Client) {
+	s.mu.Lock()
+	if s.client == c && !s.closed {
+		fresh, err := kgo.NewClient(s.opts...)
+		if err != nil { // the options were accepted at Connect: not expected
+			s.log.Error("kafka client could not be replaced", "error", err.Error())
+		}
+		s.client = fresh
+		s.log.Debug("kafka client replaced: a record was on the wire when its publish gave up")
+	}
+	s.mu.Unlock()
+	c.Close()
+}
+
+// permanentErrors are the broker's refusals of the record itself.
+var permanentErrors = []error{kerr.MessageTooLarge, kerr.RecordListTooLarge, kerr.InvalidTopicException,
+	kerr.InvalidRecord, kerr.TopicAuthorizationFailed}
+
+// eventErrors are failures about the record's topic or data that other
+// events may not share: they count toward max_attempts.
+var eventErrors = []error{kerr.UnknownTopicOrPartition, kerr.UnknownTopicID, kerr.CorruptMessage}
+
+// unavailableErrors are the client's own ways of saying that the brokers
+// did not answer: the record timed out or ran out of retries, or the
+// client was closed under it (see giveUp).
+var unavailableErrors = []error{kgo.ErrRecordTimeout, kgo.ErrRecordRetries, kgo.ErrClientClosed, kgo.ErrMaxBuffered}
+
+// classify sorts a publish error (see docs/sinks.md): a record the broker
+// can never take is permanent (too large, an invalid topic, refused by the
+// broker's validation, not authorised); a missing topic is this event's
+// failure; a broker unreachable, not enough in-sync replicas, a leader
+// moving, a request timeout, any other error Kafka calls retriable and
+// the client timing out are Unavailable.
+func classify(err error) error {
+	for _, p := range permanentErrors {
 		if errors.Is(err, p) {
 			return outbox.Permanent(err)
 		}
+	}
+	for _, p := range eventErrors {
+		if errors.Is(err, p) {
+			return err
+		}
+	}
+	for _, u := range unavailableErrors {
+		if errors.Is(err, u) {
+			return outbox.Unavailable(err)
+		}
+	}
+	if kerr.IsRetriable(err) || outbox.IsUnavailable(err) {
+		return outbox.Unavailable(err)
 	}
 	return err
 }
@@ -247,16 +343,21 @@ func headers(e outbox.Event) []kgo.RecordHeader {
 
 // Ready reports whether a broker answers, for /readyz.
 func (s *Sink) Ready(ctx context.Context) error {
-	if s.client == nil {
+	client := s.current()
+	if client == nil {
 		return errors.New("kafka: not connected")
 	}
-	return s.client.Ping(ctx)
+	return client.Ping(ctx)
 }
 
 // Close closes the client; the relay has stopped.
 func (s *Sink) Close(context.Context) error {
-	if s.client != nil {
-		s.client.Close()
+	s.mu.Lock()
+	client := s.client
+	s.client, s.closed = nil, true
+	s.mu.Unlock()
+	if client != nil {
+		client.Close()
 	}
 	return nil
 }

@@ -22,7 +22,7 @@ import (
 )
 
 // reconnectWait is the pause between reconnect attempts; the client retries
-// for ever, and publishes in the meantime fail by their timeout.
+// for ever, and publishes in the meantime fail at once (see options).
 const reconnectWait = 500 * time.Millisecond
 
 // Sink publishes events to a JetStream stream. It is safe for concurrent
@@ -79,7 +79,14 @@ func New(cfg outbox.NATSConfig, opts Options) (*Sink, error) {
 		name:     opts.Name,
 		shownURL: sink.RedactURLs(cfg.URL),
 		minDedup: opts.RedeliveryGap,
-		pubOpts:  []jetstream.PublishOpt{jetstream.WithExpectStream(cfg.Stream), jetstream.WithStallWait(cfg.PublishTimeout)},
+		pubOpts: []jetstream.PublishOpt{
+			jetstream.WithExpectStream(cfg.Stream),
+			jetstream.WithStallWait(cfg.PublishTimeout),
+			// The client would resend a message answered "no responders"
+			// from a timer, possibly after Publish returned and the relay
+			// moved on: the relay retries instead, knowing it did.
+			jetstream.WithRetryAttempts(0),
+		},
 	}, nil
 }
 
@@ -173,6 +180,10 @@ func (s *Sink) options() ([]nats.Option, error) {
 		nats.Name(s.name),
 		nats.MaxReconnects(-1),
 		nats.ReconnectWait(reconnectWait),
+		// No reconnect buffer: a publish while the connection is down fails
+		// at once (ErrReconnectBufExceeded) instead of waiting in the
+		// client and going out on reconnect, behind the relay's back.
+		nats.ReconnectBufSize(-1),
 		nats.DisconnectErrHandler(func(_ *nats.Conn, err error) {
 			if err != nil {
 				log.Warn("nats disconnected", "error", err.Error())
@@ -291,7 +302,7 @@ func (s *Sink) streamSubjects() string {
 // A duplicate ack (the stream already holds this Nats-Msg-Id) is success.
 func (s *Sink) Publish(ctx context.Context, e outbox.Event) error {
 	if s.js == nil {
-		return errors.New("nats: publish before Connect")
+		return outbox.Unavailable(errors.New("nats: publish before Connect"))
 	}
 	msg := &nats.Msg{Subject: s.subject.Render(e), Data: e.Payload, Header: headers(e)}
 	ack, err := s.js.PublishMsgAsync(msg, s.pubOpts...)
@@ -304,13 +315,20 @@ func (s *Sink) Publish(ctx context.Context, e outbox.Event) error {
 	case err := <-ack.Err():
 		return s.failure(e, err)
 	case <-ctx.Done():
-		return fmt.Errorf("nats: event %s: waiting for the ack: %w", e.EventID, ctx.Err())
+		// Sent, not acknowledged: the outcome is unknown. The stream
+		// deduplicates the retry on Nats-Msg-Id.
+		return outbox.Unavailable(fmt.Errorf("nats: event %s: waiting for the ack: %w", e.EventID, ctx.Err()))
 	}
 }
 
-// failure classifies a publish error: a message the stream can never take
-// is permanent; timeouts, lost connections, a stalled producer, no
-// responders (the stream's leader moving) are transient.
+// failure classifies a publish error (see docs/sinks.md):
+//   - permanent: what the server refuses about the message itself, its
+//     size, its headers' size, its subject;
+//   - unavailable: the connection down or reconnecting, no responders (no
+//     stream leader), no ack within the publish timeout (the outcome is
+//     unknown), a stalled producer, a stream that cannot store (full,
+//     offline, out of resources);
+//   - otherwise a failure of this event, counted toward max_attempts.
 func (s *Sink) failure(e outbox.Event, err error) error {
 	err = fmt.Errorf("nats: event %s to %s: %w", e.EventID, s.cfg.Stream, err)
 	var api *jetstream.APIError
@@ -319,14 +337,48 @@ func (s *Sink) failure(e outbox.Event, err error) error {
 		return outbox.Permanent(err)
 	case errors.As(err, &api) && permanentCodes[api.ErrorCode]:
 		return outbox.Permanent(err)
+	case errors.As(err, &api) && (api.Code >= 500 || unavailableCodes[api.ErrorCode]):
+		return outbox.Unavailable(err)
+	case errors.As(err, &api):
+		return err
+	case unavailable(err):
+		return outbox.Unavailable(err)
 	}
 	return err
 }
 
-// permanentCodes are JetStream refusals that no retry can change.
+// unavailable reports whether a client error says the server, not the
+// message, is the problem.
+func unavailable(err error) bool {
+	for _, u := range []error{
+		nats.ErrReconnectBufExceeded, // disconnected, and the reconnect buffer is off
+		nats.ErrDisconnected, nats.ErrConnectionClosed, nats.ErrConnectionReconnecting,
+		nats.ErrConnectionDraining, nats.ErrStaleConnection, nats.ErrNoServers,
+		nats.ErrNoResponders, jetstream.ErrNoStreamResponse, // no stream leader
+		nats.ErrTimeout, jetstream.ErrAsyncPublishTimeout, // sent, outcome unknown
+		jetstream.ErrTooManyStalledMsgs, // the acks before it did not come
+	} {
+		if errors.Is(err, u) {
+			return true
+		}
+	}
+	return outbox.IsUnavailable(err)
+}
+
+// permanentCodes are JetStream refusals of the message itself: no retry
+// can change them.
 var permanentCodes = map[jetstream.ErrorCode]bool{
 	jetstream.JSErrCodeStreamMessageExceedsMaximum: true,
+	10097: true, // header size exceeds maximum allowed
 	10060: true, // expected stream does not match: the subject belongs to another stream
+}
+
+// unavailableCodes are JetStream refusals about the stream's capacity that
+// the server answers without a 5xx code.
+var unavailableCodes = map[jetstream.ErrorCode]bool{
+	10002: true, // resource limits exceeded for account
+	10047: true, // insufficient storage resources available
+	10028: true, // insufficient memory resources available
 }
 
 // ceHeaders are the ce- header names of the CloudEvents attributes.

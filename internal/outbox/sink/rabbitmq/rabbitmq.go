@@ -11,8 +11,11 @@ import (
 	"fmt"
 	"log/slog"
 	"net"
+	"regexp"
+	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
@@ -37,21 +40,47 @@ type Sink struct {
 	amqpCfg  amqp.Config
 	slots    chan struct{} // one per publish awaiting its confirm
 
+	// maxMessage is the broker's max_message_size once a refusal named it
+	// (0 until then): a larger message is refused before it is sent.
+	maxMessage atomic.Int64
+
 	mu   sync.Mutex // guards the connection below and its replacement
 	conn *amqp.Connection
 	ch   *amqp.Channel
 	link *link
 }
 
-// link is the state of one connection: returned message ids and whether the
-// broker has blocked it.
+// link is the state of one connection: returned message ids, whether the
+// broker has blocked it, and why the broker closed its channel.
 type link struct {
 	returns chan amqp.Return
+	closes  chan *amqp.Error
 
 	mu         sync.Mutex
 	returned   map[string]amqp.Return
 	isBlocked  bool
 	blockCause string
+	closeErr   *amqp.Error // why the broker closed the channel, once read
+}
+
+// closedBy returns the error the channel was closed with, or nil while it
+// is open or after a clean close. The client sends it before it fails the
+// confirms in flight, so a publish that was not confirmed finds it here.
+func (l *link) closedBy() *amqp.Error {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.closeErr == nil && l.closes != nil {
+		select {
+		case err, open := <-l.closes:
+			if open {
+				l.closeErr = err
+			} else {
+				l.closes = nil
+			}
+		default:
+		}
+	}
+	return l.closeErr
 }
 
 // Options are what the sink needs beside its configuration section.
@@ -184,6 +213,7 @@ func (s *Sink) channel(ctx context.Context) (*amqp.Channel, error) {
 	}
 	l := &link{
 		returns:  ch.NotifyReturn(make(chan amqp.Return, s.cfg.MaxPending)),
+		closes:   ch.NotifyClose(make(chan *amqp.Error, 1)),
 		returned: map[string]amqp.Return{},
 	}
 	go l.followBlocking(conn.NotifyBlocked(make(chan amqp.Blocking, 1)), s.log)
@@ -222,43 +252,120 @@ func (s *Sink) setup(conn *amqp.Connection) (*amqp.Channel, error) {
 // confirmed by the broker. An ack after the broker returned the message
 // (no queue bound for its routing key) is a permanent failure: it reached
 // nobody, and retrying will not change that until someone binds a queue.
+//
+// What says the broker, not the event, failed is Unavailable (see
+// docs/sinks.md): no connection, a blocked connection, no confirm (a nack,
+// a lost connection or publish_timeout: the outcome is unknown). Nothing is
+// ever resent by the client: amqp091-go's recovery stays off (amqp.Config
+// without Recovery), and a lost connection is replaced only by the next
+// Publish, which sends its own event once.
 func (s *Sink) Publish(ctx context.Context, e outbox.Event) error {
 	ctx, cancel := context.WithTimeout(ctx, s.cfg.PublishTimeout)
 	defer cancel()
+	key := s.key.Render(e)
+	if err := s.refusedAtOnce(e, key); err != nil {
+		return outbox.Permanent(err)
+	}
 	select {
 	case s.slots <- struct{}{}:
 		defer func() { <-s.slots }()
 	case <-ctx.Done():
-		return fmt.Errorf("rabbitmq: event %s: waiting for a publish slot: %w", e.EventID, ctx.Err())
+		// Every slot waits for a confirm: the broker is not confirming.
+		return outbox.Unavailable(fmt.Errorf("rabbitmq: event %s: waiting for a publish slot: %w", e.EventID, ctx.Err()))
 	}
 	ch, err := s.channel(ctx)
 	if err != nil {
-		return fmt.Errorf("rabbitmq: event %s: %w", e.EventID, err)
+		return outbox.Unavailable(fmt.Errorf("rabbitmq: event %s: %w", e.EventID, err))
 	}
 	l := s.linkOf(ch)
 	if cause, blocked := l.blockedNow(); blocked {
-		return &outbox.RetryAfterError{Err: fmt.Errorf("rabbitmq: event %s: the broker blocked the connection: %s", e.EventID, cause), After: blockedRetry}
+		return outbox.Unavailable(&outbox.RetryAfterError{
+			Err:   fmt.Errorf("rabbitmq: event %s: the broker blocked the connection: %s", e.EventID, cause),
+			After: blockedRetry,
+		})
 	}
-	key := s.key.Render(e)
-	if len(key) > 255 {
-		return outbox.Permanent(fmt.Errorf("rabbitmq: event %s: routing key is %d bytes, the limit is 255", e.EventID, len(key)))
+	msg := s.message(e)
+	if size := headerSize(msg); size > s.frameLimit() {
+		return outbox.Permanent(fmt.Errorf("rabbitmq: event %s: its headers take about %d bytes, more than the broker's frame_max allows (%d)",
+			e.EventID, size, s.frameLimit()))
 	}
-	dc, err := ch.PublishWithDeferredConfirmWithContext(ctx, s.cfg.Exchange, key, true, false, s.message(e))
+	dc, err := ch.PublishWithDeferredConfirmWithContext(ctx, s.cfg.Exchange, key, true, false, msg)
 	if err != nil {
-		return fmt.Errorf("rabbitmq: event %s: publish: %w", e.EventID, err)
+		return outbox.Unavailable(fmt.Errorf("rabbitmq: event %s: publish: %w", e.EventID, err))
 	}
 	acked, err := dc.WaitContext(ctx)
 	switch {
 	case err != nil:
-		return fmt.Errorf("rabbitmq: event %s: waiting for the confirm: %w", e.EventID, err)
+		return outbox.Unavailable(fmt.Errorf("rabbitmq: event %s: waiting for the confirm: %w", e.EventID, err))
 	case !acked:
-		return fmt.Errorf("rabbitmq: event %s: the broker did not confirm it (nack or connection lost)", e.EventID)
+		return s.notConfirmed(e, l)
 	}
 	if r, ok := l.takeReturn(e.EventID); ok {
 		return outbox.Permanent(fmt.Errorf("rabbitmq: event %s: returned unroutable by exchange %q with routing key %q: %d %s; bind a queue for it",
 			e.EventID, s.cfg.Exchange, key, r.ReplyCode, r.ReplyText))
 	}
 	return nil
+}
+
+// refusedAtOnce says why the broker would refuse e whatever its state: a
+// routing key over 255 bytes, or a body over the max_message_size a
+// refusal named earlier.
+func (s *Sink) refusedAtOnce(e outbox.Event, key string) error {
+	if len(key) > 255 {
+		return fmt.Errorf("rabbitmq: event %s: routing key is %d bytes, the limit is 255", e.EventID, len(key))
+	}
+	if limit := s.maxMessage.Load(); limit > 0 && int64(len(e.Payload)) > limit {
+		return fmt.Errorf("rabbitmq: event %s: message size %d is larger than the broker's max_message_size %d", e.EventID, len(e.Payload), limit)
+	}
+	return nil
+}
+
+// tooLarge is how RabbitMQ words the channel error for a message over its
+// max_message_size.
+var tooLarge = regexp.MustCompile(`message size (\d+) is larger than configured max size (\d+)`)
+
+// notConfirmed classifies a publish the broker did not confirm. The broker
+// closes the channel for a message over its max_message_size, which fails
+// every publish in flight on it: the refusal names the size, so only the
+// event of that size is permanent. Every other case (a nack, a lost
+// connection) leaves the outcome unknown: Unavailable.
+func (s *Sink) notConfirmed(e outbox.Event, l *link) error {
+	if closed := l.closedBy(); closed != nil {
+		if m := tooLarge.FindStringSubmatch(closed.Reason); m != nil {
+			limit, _ := strconv.ParseInt(m[2], 10, 64)
+			s.maxMessage.Store(limit)
+			if m[1] == strconv.Itoa(len(e.Payload)) {
+				return outbox.Permanent(fmt.Errorf("rabbitmq: event %s: the broker refused it: %s", e.EventID, closed.Reason))
+			}
+		}
+		return outbox.Unavailable(fmt.Errorf("rabbitmq: event %s: not confirmed, the broker closed the channel: %s", e.EventID, closed.Reason))
+	}
+	return outbox.Unavailable(fmt.Errorf("rabbitmq: event %s: the broker did not confirm it (nack or connection lost)", e.EventID))
+}
+
+// headerSize estimates the bytes of msg's content header frame, from
+// above: per header its name, type, length and value, plus the short
+// string properties and room for the fixed ones.
+func headerSize(msg amqp.Publishing) int {
+	n := 256 + len(msg.ContentType) + len(msg.MessageId) + len(msg.Type) + len(msg.AppId)
+	for k, v := range msg.Headers {
+		s, _ := v.(string) // message sets strings only
+		n += 1 + len(k) + 1 + 4 + len(s)
+	}
+	return n
+}
+
+// frameLimit is the largest content header the connection's negotiated
+// frame_max carries: the broker closes the whole connection for a larger
+// frame, failing every publish on it.
+func (s *Sink) frameLimit() int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	size := 131072 // RabbitMQ's default frame_max
+	if s.conn != nil && s.conn.Config.FrameSize > 0 {
+		size = s.conn.Config.FrameSize
+	}
+	return size - 8 // the frame's own header and end octet
 }
 
 func (s *Sink) linkOf(ch *amqp.Channel) *link {
