@@ -69,10 +69,10 @@ func (b *breaker) admit(ctx context.Context) (probe, ok bool) {
 			return true, true
 		}
 		changed := b.changed
-		b.mu.Unlock()
 		if b.probing {
 			wait = time.Hour // until the probe ends
 		}
+		b.mu.Unlock()
 		t := time.NewTimer(wait)
 		select {
 		case <-ctx.Done():

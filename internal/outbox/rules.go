@@ -6,6 +6,7 @@ import (
 	"strings"
 	"time"
 	"unicode"
+	"unicode/utf8"
 
 	"github.com/jackc/pgx/v5/pgconn"
 )
@@ -20,6 +21,10 @@ const (
 	MaxAggregateTypeBytes = 255
 	MaxAggregateIDBytes   = 512
 	MaxEventTypeBytes     = 255
+	// MaxHeadersBytes bounds the headers object as jsonb prints it
+	// ({"k": "v", ...}): what every sink can carry beside its own headers
+	// (migrations/00082_outbox_headers_size_occurred_at.sql says why).
+	MaxHeadersBytes = 16384
 )
 
 // rule is one producer rule: its constraint and what breaking it means.
@@ -51,6 +56,10 @@ var rules = []rule{
 	{"outbox_event_occurred_at_range", "occurred_at is not within years 0001-9999 (UTC)",
 		func(e NewEvent) bool { return !e.OccurredAt.IsZero() && !inRFC3339Range(e.OccurredAt) }},
 	{"outbox_event_headers_strings", "a header value is not a string", nil},
+	{"outbox_event_headers_size", fmt.Sprintf("headers are longer than %d bytes as JSON", MaxHeadersBytes),
+		func(e NewEvent) bool { return headersTextLen(e.Headers) > MaxHeadersBytes }},
+	// Append sends a zero OccurredAt as now(), so only SQL can break it.
+	{"outbox_event_occurred_at_not_zero", "occurred_at is 0001-01-01T00:00:00Z, the zero time of Go and .NET: set the time or leave the column out", nil},
 }
 
 // RuleError is an event that breaks a producer rule. Append returns it
@@ -121,4 +130,41 @@ func rfc3339(t time.Time) (string, error) {
 // (shown as value) no sink can express.
 func occurredAtRangeError(value string) error {
 	return Permanent(fmt.Errorf("occurred_at %s is outside years 0001-9999, which RFC 3339 cannot express (rule outbox_event_occurred_at_range)", value))
+}
+
+// headersTextLen is the length in bytes of h as PostgreSQL prints the
+// jsonb Append stores ({"k": "v", "k2": "v2"}), which the constraint
+// outbox_event_headers_size measures.
+func headersTextLen(h map[string]string) int {
+	if len(h) == 0 {
+		return len("{}")
+	}
+	n := len("{}") + (len(h)-1)*len(", ")
+	for k, v := range h {
+		n += jsonbStringLen(k) + len(": ") + jsonbStringLen(v)
+	}
+	return n
+}
+
+// jsonbStringLen is the length of s as a quoted jsonb string: PostgreSQL
+// escapes '"', '\\' and control characters, and stores the UTF-8 of the
+// rest; encoding/json (which Append encodes with) turns each byte of
+// invalid UTF-8 into U+FFFD, three bytes.
+func jsonbStringLen(s string) int {
+	n := len(`""`)
+	for i := 0; i < len(s); {
+		r, size := utf8.DecodeRuneInString(s[i:])
+		i += size
+		switch {
+		case r == utf8.RuneError && size == 1:
+			n += utf8.RuneLen(utf8.RuneError)
+		case r == '"' || r == '\\' || r == '\b' || r == '\f' || r == '\n' || r == '\r' || r == '\t':
+			n += 2
+		case r < ' ':
+			n += len(`\u0000`)
+		default:
+			n += size
+		}
+	}
+	return n
 }

@@ -28,10 +28,13 @@ type ruleCase struct {
 	e        NewEvent
 	headers  string                  // SQL only: the headers JSON
 	infinity pgtype.InfinityModifier // SQL only: an infinite occurred_at
+	occurred string                  // SQL only: occurred_at as a literal, for what Go's zero time stands for
 	want     string                  // the constraint that refuses it; "" = accepted
 }
 
-func (c ruleCase) sqlOnly() bool { return c.headers != "" || c.infinity != pgtype.Finite }
+func (c ruleCase) sqlOnly() bool {
+	return c.headers != "" || c.infinity != pgtype.Finite || c.occurred != ""
+}
 
 func ruleCases() []ruleCase {
 	ok := func(mod func(e *NewEvent)) NewEvent {
@@ -66,7 +69,11 @@ func ruleCases() []ruleCase {
 		{name: "non-ASCII printable event_type", e: ok(func(e *NewEvent) { e.EventType = "commande.expédiée\u00a0✓" })},
 		{name: "control character in aggregate_id (no rule)", e: ok(func(e *NewEvent) { e.AggregateID = "line\nbreak" })},
 
-		{name: "occurred_at in year 1", e: ok(func(e *NewEvent) { e.OccurredAt = utc(1, 1, 1, 0, 0, 0, 0) })},
+		// 0001-01-01T00:00:00Z is Go's zero time, which Append sends as
+		// now(): only SQL can write it, and the table refuses it.
+		{name: "occurred_at in year 1", e: ok(func(e *NewEvent) { e.OccurredAt = utc(1, 1, 1, 0, 0, 0, 1000) })},
+		{name: "occurred_at the zero time", e: ok(func(*NewEvent) {}), occurred: "0001-01-01T00:00:00Z", want: "outbox_event_occurred_at_not_zero"},
+		{name: "occurred_at the zero time in another zone", e: ok(func(*NewEvent) {}), occurred: "0001-01-01T01:00:00+01:00", want: "outbox_event_occurred_at_not_zero"},
 		{name: "occurred_at at the end of year 9999", e: ok(func(e *NewEvent) { e.OccurredAt = utc(9999, 12, 31, 23, 59, 59, 999999000) })},
 		{name: "occurred_at in year 3000", e: ok(func(e *NewEvent) { e.OccurredAt = utc(3000, 1, 1, 0, 0, 0, 0) })},
 		{name: "occurred_at in year 10000", e: ok(func(e *NewEvent) { e.OccurredAt = utc(10000, 1, 1, 0, 0, 0, 0) }), want: "outbox_event_occurred_at_range"},
@@ -82,6 +89,28 @@ func ruleCases() []ruleCase {
 		{name: "string headers", e: ok(func(*NewEvent) {}), headers: `{"traceparent": "00-x-y-01", "empty": ""}`},
 		{name: "non-string header values", e: ok(func(*NewEvent) {}), headers: `{"x": {"a": "b"}, "n": 5, "z": null}`, want: "outbox_event_headers_strings"},
 		{name: "a boolean header value", e: ok(func(*NewEvent) {}), headers: `{"ok": true}`, want: "outbox_event_headers_strings"},
+
+		// The size counts the object as jsonb prints it: {"x-big": "…"} is
+		// the value's length plus 13 bytes.
+		{name: "headers of 16384 bytes", e: ok(func(e *NewEvent) { e.Headers = map[string]string{"x-big": strings.Repeat("v", 16371)} })},
+		{name: "headers of 16385 bytes", e: ok(func(e *NewEvent) { e.Headers = map[string]string{"x-big": strings.Repeat("v", 16372)} }), want: "outbox_event_headers_size"},
+		{name: "a 100 KB header value", e: ok(func(e *NewEvent) { e.Headers = map[string]string{"x-big": strings.Repeat("v", 100_000)} }), want: "outbox_event_headers_size"},
+		{name: "two headers of 16384 bytes", e: ok(func(e *NewEvent) {
+			e.Headers = map[string]string{"a": strings.Repeat("v", 8000), "b": strings.Repeat("w", 8366)}
+		})},
+		{name: "two headers of 16385 bytes", e: ok(func(e *NewEvent) {
+			e.Headers = map[string]string{"a": strings.Repeat("v", 8000), "b": strings.Repeat("w", 8367)}
+		}), want: "outbox_event_headers_size"},
+		{name: "escaped quotes count twice", e: ok(func(e *NewEvent) { e.Headers = map[string]string{"x-big": strings.Repeat(`"`, 8186)} }), want: "outbox_event_headers_size"},
+		{name: "escaped quotes at the limit", e: ok(func(e *NewEvent) { e.Headers = map[string]string{"x-big": strings.Repeat(`\`, 8185) + "v"} })},
+		{name: "control characters count six times", e: ok(func(e *NewEvent) {
+			e.Headers = map[string]string{"x-big": strings.Repeat("\x01", 2728) + "abc"}
+		})},
+		{name: "control characters past the limit", e: ok(func(e *NewEvent) {
+			e.Headers = map[string]string{"x-big": strings.Repeat("\x01", 2728) + "abcd"}
+		}), want: "outbox_event_headers_size"},
+		{name: "two-byte characters at the limit", e: ok(func(e *NewEvent) { e.Headers = map[string]string{"x-big": strings.Repeat("é", 8185) + "v"} })},
+		{name: "two-byte characters past the limit", e: ok(func(e *NewEvent) { e.Headers = map[string]string{"x-big": strings.Repeat("é", 8186)} }), want: "outbox_event_headers_size"},
 	}
 }
 
@@ -143,12 +172,20 @@ func sqlInsert(t *testing.T, db *pgtest.DB, c ruleCase) string {
 	switch {
 	case c.infinity != pgtype.Finite:
 		occurred = pgtype.Timestamptz{InfinityModifier: c.infinity, Valid: true}
+	case c.occurred != "":
+		occurred = c.occurred
 	case !c.e.OccurredAt.IsZero():
 		occurred = c.e.OccurredAt
 	}
 	headers := c.headers
-	if headers == "" {
+	if headers == "" && len(c.e.Headers) == 0 {
 		headers = "{}"
+	} else if headers == "" {
+		b, err := json.Marshal(c.e.Headers) // as Append sends them
+		if err != nil {
+			t.Fatal(err)
+		}
+		headers = string(b)
 	}
 	var constraint string
 	err := pgx.BeginFunc(context.Background(), db.Pool, func(tx pgx.Tx) error {
@@ -316,5 +353,21 @@ func TestSinksWriteRFC3339(t *testing.T) {
 		if err := json.Unmarshal([]byte(out.String()), &line); err != nil || line.OccurredAt != c.want {
 			t.Errorf("log sink occurred_at %q (%v), want %q", line.OccurredAt, err, c.want)
 		}
+	}
+}
+
+// TestRelayDeadLettersZeroOccurredAt: a row written before the rules with
+// occurred_at 0001-01-01T00:00:00Z cannot be told from no time at all, so
+// the relay dead-letters it naming the rule instead of publishing it
+// without ce-time; a year-1 instant that is not the zero time is read.
+func TestRelayDeadLettersZeroOccurredAt(t *testing.T) {
+	t.Parallel()
+	zero := pgtype.Timestamptz{Time: time.Date(1, 1, 1, 0, 0, 0, 0, time.UTC), Valid: true}
+	if _, err := occurredAt(zero); !IsPermanent(err) || !strings.Contains(err.Error(), "outbox_event_occurred_at_not_zero") {
+		t.Errorf("occurredAt(zero) = %v, want a permanent error naming the rule", err)
+	}
+	noon := time.Date(1, 1, 1, 12, 0, 0, 0, time.UTC)
+	if got, err := occurredAt(pgtype.Timestamptz{Time: noon, Valid: true}); err != nil || !got.Equal(noon) {
+		t.Errorf("occurredAt(year 1 noon) = %v, %v", got, err)
 	}
 }

@@ -11,6 +11,7 @@ import (
 	"io"
 	"net/http"
 	"net/url"
+	"regexp"
 	"strconv"
 	"strings"
 	"time"
@@ -124,6 +125,13 @@ func parseWebhookURL(raw string) (*url.URL, error) {
 		// MaskDSN: the value may carry basic-auth credentials.
 		return nil, fmt.Errorf("%s %q: want an absolute http:// or https:// URL, such as https://hooks.example.com/outbox", key, obs.MaskDSN(raw))
 	}
+	// url.Parse takes any digits as a port; a dial would fail on every
+	// event instead of once, at start.
+	if p := u.Port(); p != "" {
+		if n, err := strconv.Atoi(p); err != nil || n < 1 || n > 65535 {
+			return nil, fmt.Errorf("%s %q: port %s: want a port from 1 to 65535", key, shownURL(u), p)
+		}
+	}
 	return u, nil
 }
 
@@ -163,9 +171,13 @@ func (s *WebhookSink) Name() string { return "webhook" }
 // String keeps the key out of anything that formats the sink.
 func (s *WebhookSink) String() string { return "webhook(" + s.shown + ")" }
 
-// Publish implements Sink: one POST per event. A 2xx answer is success;
-// 408, 429, 5xx and network errors are transient (with the receiver's
-// Retry-After when it gives one); any other answer is permanent.
+// Publish implements Sink: one POST per event. A 2xx answer is success.
+// A network error, a timeout and 408, 429, 502, 503 and 504 say the
+// receiver is down or overloaded: Unavailable, so the event keeps its
+// attempts while the relay waits for the receiver. A 500 or another 5xx is
+// this event's failure (it counts toward max_attempts): the receiver
+// answered and may take other events. Both carry the receiver's
+// Retry-After when it gives one. Any other answer is permanent.
 func (s *WebhookSink) Publish(ctx context.Context, e Event) error {
 	if e.EventID == "" || e.EventType == "" || e.AggregateType == "" {
 		// ce-id, ce-type and ce-source are required CloudEvents attributes.
@@ -189,7 +201,7 @@ func (s *WebhookSink) Publish(ctx context.Context, e Event) error {
 	resp, err := s.transport.RoundTrip(s.request(ctx, s.headers(e, ceTime, body), body))
 	if err != nil {
 		// Refused, reset, DNS, TLS, timeout: the receiver may be back later.
-		return fmt.Errorf("webhook: event %s: %w", e.EventID, &url.Error{Op: "Post", URL: s.shown, Err: err})
+		return Unavailable(fmt.Errorf("webhook: event %s: %w", e.EventID, &url.Error{Op: "Post", URL: s.shown, Err: err}))
 	}
 	defer func() {
 		// Drain a little so the keep-alive connection can be reused. An
@@ -206,11 +218,13 @@ func (s *WebhookSink) Publish(ctx context.Context, e Event) error {
 	}
 	snippet, _ := io.ReadAll(io.LimitReader(resp.Body, maxErrorBody))
 	err = fmt.Errorf("webhook: event %s: POST %s: %s: %s", e.EventID, s.shown, resp.Status, s.mask(snippet))
+	if d, ok := retryAfter(resp.Header.Get("Retry-After"), s.now()); ok && (UnavailableStatus(code) || code >= 500) {
+		err = &RetryAfterError{Err: err, After: d}
+	}
 	switch {
-	case code == http.StatusRequestTimeout, code == http.StatusTooManyRequests, code >= 500:
-		if d, ok := retryAfter(resp.Header.Get("Retry-After"), s.now()); ok {
-			return &RetryAfterError{Err: err, After: d}
-		}
+	case UnavailableStatus(code):
+		return Unavailable(err)
+	case code >= 500:
 		return err
 	case code >= 300 && code < 400:
 		return Permanent(fmt.Errorf("%w (redirect to %q is not followed; configure the final URL)", err, resp.Header.Get("Location")))
@@ -260,8 +274,8 @@ func (s *WebhookSink) headers(e Event, ceTime string, body []byte) http.Header {
 			set(http.CanonicalHeaderKey(k), v)
 		}
 	}
-	if s.auth != nil && h["Authorization"] == nil {
-		h["Authorization"] = s.auth // as http.Client does: a stored Authorization header wins
+	if s.auth != nil {
+		h["Authorization"] = s.auth // passThrough dropped any stored one
 	}
 	h["Content-Type"] = jsonContentType
 	h["User-Agent"] = webhookAgent
@@ -296,21 +310,38 @@ func sign(key []byte, id, ts string, body []byte) string {
 	return base64.StdEncoding.EncodeToString(m.Sum(nil))
 }
 
-// passThrough reports whether a stored event header may be sent. Headers
-// the protocol owns are reserved, framing headers would corrupt the
-// request, and a name or value HTTP cannot carry would fail every attempt
-// and turn a good event DEAD, so those are dropped.
+// passThrough reports whether a stored event header may be sent. It is
+// false for the headers in droppedHeaders and for the ce-, webhook- and
+// proxy- prefixes, and for a name or value HTTP cannot carry, which would
+// fail every attempt and turn a good event DEAD. Such headers are dropped
+// rather than refused: the same event may go to a broker sink that
+// carries them as plain metadata, and the sink's own headers must win
+// whatever a producer stored.
 func passThrough(name, value string) bool {
 	n := strings.ToLower(name)
 	if strings.HasPrefix(n, "ce-") || strings.HasPrefix(n, "webhook-") || strings.HasPrefix(n, "proxy-") {
 		return false
 	}
-	switch n {
-	case "content-type", "content-length", "content-encoding", "transfer-encoding",
-		"host", "connection", "keep-alive", "te", "trailer", "upgrade", "user-agent":
+	if _, dropped := droppedHeaders[n]; dropped {
 		return false
 	}
 	return validHeaderName(name) && validHeaderValue(value)
+}
+
+// droppedHeaders are the stored event headers the webhook never sends (in
+// lower case; docs/sinks.md lists them). Credentials: the receiver's
+// credentials are the configured URL's, never a producer's. Hop-by-hop
+// and framing headers (RFC 9110 7.6.1, Expect's 100-continue): they
+// belong to one connection and would corrupt or stall the request.
+// The sink's own: what the request and the CloudEvents binding set.
+var droppedHeaders = map[string]struct{}{
+	// credentials
+	"authorization": {}, "cookie": {},
+	// hop-by-hop and framing
+	"connection": {}, "keep-alive": {}, "te": {}, "trailer": {}, "transfer-encoding": {},
+	"upgrade": {}, "expect": {},
+	// the sink's own
+	"host": {}, "content-length": {}, "content-type": {}, "content-encoding": {}, "user-agent": {},
 }
 
 // validHeaderName reports whether s is an RFC 9110 token.
@@ -402,7 +433,9 @@ func retryAfter(v string, now time.Time) (time.Duration, bool) {
 }
 
 // mask quotes a response snippet for an error message, without the secret
-// (a receiver that knows it could echo it back).
+// (a receiver that knows it could echo it back) and without credentials a
+// receiver echoes from the request or its own configuration: the snippet
+// reaches last_error, the log and `outbox dead list`.
 func (s *WebhookSink) mask(b []byte) string {
 	t := string(b)
 	for _, sec := range s.secrets {
@@ -410,5 +443,26 @@ func (s *WebhookSink) mask(b []byte) string {
 			t = strings.ReplaceAll(t, sec, "xxxxx")
 		}
 	}
-	return strconv.Quote(t)
+	return strconv.Quote(maskCredentials(t))
+}
+
+// Credentials as receivers echo them: an Authorization header's value
+// (whatever its scheme), a bearer or basic token on its own, a parameter
+// whose name says it is a credential (token=, access_token=, password=,
+// client_secret=, api_key=, and the JSON "name": "value" form), and the
+// user info of a URL.
+var (
+	authHeaderValue = regexp.MustCompile(`(?i)((?:proxy-)?authorization"?\s*[:=]\s*"?)[^"\r\n,;}]*`)
+	schemeToken     = regexp.MustCompile(`(?i)\b(bearer|basic|token)(\s+)[A-Za-z0-9._~+/=-]+`)
+	credentialParam = regexp.MustCompile(`(?i)([\w.-]*(?:token|passw(?:or)?d|pwd|secret|api[_-]?key|apikey|signature|credential|session)[\w.-]*(?:"\s*:\s*"|=))[^"&\s,;}]*`)
+	urlUserInfo     = regexp.MustCompile(`([a-zA-Z][a-zA-Z0-9+.-]*://)[^/?#@\s]+@`)
+)
+
+// maskCredentials replaces every credential maskCredentials recognises in
+// t with xxxxx, keeping the name so the text still says what was there.
+func maskCredentials(t string) string {
+	t = authHeaderValue.ReplaceAllString(t, "${1}xxxxx")
+	t = schemeToken.ReplaceAllString(t, "${1}${2}xxxxx")
+	t = credentialParam.ReplaceAllString(t, "${1}xxxxx")
+	return urlUserInfo.ReplaceAllString(t, "${1}xxxxx@")
 }

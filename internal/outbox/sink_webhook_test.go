@@ -13,6 +13,8 @@ import (
 	"net"
 	"net/http"
 	"net/http/httptest"
+	"os"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -272,28 +274,31 @@ func TestWebhookSinkStatusClassification(t *testing.T) {
 	cases := []struct {
 		status     int
 		retryAfter string
-		want       string        // ok | transient | permanent
+		want       string        // ok | unavailable | transient | permanent
 		after      time.Duration // for transient with a usable Retry-After; -1 = none
 	}{
 		{200, "", "ok", -1},
 		{201, "", "ok", -1},
 		{202, "", "ok", -1},
 		{204, "", "ok", -1},
-		{408, "", "transient", -1},
-		{429, "", "transient", -1},
+		{408, "", "unavailable", -1},
+		{429, "", "unavailable", -1},
 		{500, "", "transient", -1},
-		{502, "", "transient", -1},
-		{503, "", "transient", -1},
-		{504, "", "transient", -1},
-		{429, "7", "transient", 7 * time.Second},
-		{503, "0", "transient", 0},
-		{408, "30", "transient", 30 * time.Second},
-		{503, now.Add(120 * time.Second).Format(http.TimeFormat), "transient", 120 * time.Second},
-		{429, now.Add(-time.Minute).Format(http.TimeFormat), "transient", 0},                // date in the past: retry now
+		{501, "", "transient", -1},
+		{502, "", "unavailable", -1},
+		{503, "", "unavailable", -1},
+		{504, "", "unavailable", -1},
+		{505, "", "transient", -1},
+		{429, "7", "unavailable", 7 * time.Second},
+		{503, "0", "unavailable", 0},
+		{408, "30", "unavailable", 30 * time.Second},
+		{500, "15", "transient", 15 * time.Second},
+		{503, now.Add(120 * time.Second).Format(http.TimeFormat), "unavailable", 120 * time.Second},
+		{429, now.Add(-time.Minute).Format(http.TimeFormat), "unavailable", 0},              // date in the past: retry now
 		{500, now.Add(90 * time.Second).Format(time.RFC850), "transient", 90 * time.Second}, // obsolete date form
-		{503, "99999999999", "transient", time.Hour},                                        // capped
-		{503, "soon", "transient", -1},                                                      // unparseable: plain backoff
-		{503, "-5", "transient", -1},                                                        // negative: plain backoff
+		{503, "99999999999", "unavailable", time.Hour},                                      // capped
+		{503, "soon", "unavailable", -1},                                                    // unparseable: plain backoff
+		{503, "-5", "unavailable", -1},                                                      // negative: plain backoff
 		{400, "", "permanent", -1},
 		{401, "", "permanent", -1},
 		{403, "", "permanent", -1},
@@ -328,15 +333,20 @@ func TestWebhookSinkStatusClassification(t *testing.T) {
 					t.Fatalf("err = %v, want success", err)
 				}
 			case "permanent":
-				if !IsPermanent(err) {
+				if !IsPermanent(err) || IsUnavailable(err) {
 					t.Fatalf("err = %v, want permanent", err)
 				}
 				if errors.As(err, &ra) {
 					t.Fatalf("permanent error must not carry Retry-After: %v", err)
 				}
-			case "transient":
+			case "transient", "unavailable":
 				if err == nil || IsPermanent(err) {
 					t.Fatalf("err = %v, want transient", err)
+				}
+				// Unavailable: the receiver is down, the event keeps its
+				// attempts; transient: this event failed, it spends one.
+				if got := IsUnavailable(err); got != (tc.want == "unavailable") {
+					t.Fatalf("IsUnavailable(%v) = %v, want %v", err, got, !got)
 				}
 				if tc.after < 0 {
 					if errors.As(err, &ra) {
@@ -367,8 +377,12 @@ func TestWebhookSinkConnectionRefusedIsTransient(t *testing.T) {
 	ln.Close() // nothing listens there now
 	s := newTestWebhookSink(t, "http://"+addr+"/hook", "")
 	err = s.Publish(context.Background(), whEvent())
-	if err == nil || IsPermanent(err) {
-		t.Fatalf("err = %v, want transient", err)
+	if !IsUnavailable(err) {
+		t.Fatalf("err = %v, want the receiver unavailable", err)
+	}
+	var u *UnavailableError
+	if !errors.As(err, &u) {
+		t.Errorf("err = %v, want it wrapped as an UnavailableError", err)
 	}
 	var ra *RetryAfterError
 	if errors.As(err, &ra) {
@@ -390,8 +404,8 @@ func TestWebhookSinkTimeoutIsTransient(t *testing.T) {
 		t.Fatal(err)
 	}
 	err = s.Publish(context.Background(), whEvent())
-	if err == nil || IsPermanent(err) {
-		t.Fatalf("err = %v, want transient", err)
+	if !IsUnavailable(err) {
+		t.Fatalf("err = %v, want the receiver unavailable", err)
 	}
 	if !errors.Is(err, context.DeadlineExceeded) {
 		t.Errorf("err = %v, want it to wrap context.DeadlineExceeded", err)
@@ -514,6 +528,11 @@ func TestNewWebhookSinkValidatesConfig(t *testing.T) {
 		{URL: "https://user:hunter2@ho st/x", Timeout: time.Second},
 		{URL: "ftp://user:hunter2@hooks.example.com", Timeout: time.Second},
 		{URL: "://bad", Timeout: time.Second},
+		{URL: "http://hooks.example.com:99999/outbox", Timeout: time.Second},
+		{URL: "http://hooks.example.com:65536/outbox", Timeout: time.Second},
+		{URL: "https://user:hunter2@hooks.example.com:0/outbox", Timeout: time.Second},
+		{URL: "http://hooks.example.com:http/outbox", Timeout: time.Second},
+		{URL: "http://[::1]:123456/outbox", Timeout: time.Second},
 	}
 	for _, cfg := range bad {
 		_, err := NewWebhookSink(cfg, nil)
@@ -536,7 +555,8 @@ func TestNewWebhookSinkValidatesConfig(t *testing.T) {
 		}
 	}
 
-	for _, u := range []string{"http://127.0.0.1:8080/hook", "https://hooks.example.com/a/b?tenant=7"} {
+	for _, u := range []string{"http://127.0.0.1:8080/hook", "https://hooks.example.com/a/b?tenant=7",
+		"http://hooks.example.com:1/x", "https://hooks.example.com:65535/x", "http://[::1]:8080/x", "http://hooks.example.com:/x"} {
 		if _, err := NewWebhookSink(WebhookConfig{URL: u, Timeout: time.Second}, nil); err != nil {
 			t.Errorf("URL %q rejected: %v", u, err)
 		}
@@ -544,7 +564,7 @@ func TestNewWebhookSinkValidatesConfig(t *testing.T) {
 }
 
 // User info in the URL is sent as Basic auth, as http.Client would send
-// it; an Authorization header stored with the event takes its place.
+// it; an Authorization header stored with the event never replaces it.
 func TestWebhookSinkSendsURLUserInfoAsBasicAuth(t *testing.T) {
 	rcv := newWHReceiver(t, nil)
 	u := strings.Replace(rcv.URL, "http://", "http://hookuser:pw%40in-url@", 1)
@@ -553,7 +573,7 @@ func TestWebhookSinkSendsURLUserInfoAsBasicAuth(t *testing.T) {
 		t.Fatal(err)
 	}
 	e := whEvent()
-	e.Headers = map[string]string{"authorization": "Bearer from-the-event"}
+	e.Headers = map[string]string{"AUTHORIZATION": "Bearer from-the-event"}
 	if err := s.Publish(context.Background(), e); err != nil {
 		t.Fatal(err)
 	}
@@ -561,12 +581,11 @@ func TestWebhookSinkSendsURLUserInfoAsBasicAuth(t *testing.T) {
 	if len(reqs) != 2 {
 		t.Fatalf("receiver got %d requests, want 2", len(reqs))
 	}
-	r := http.Request{Header: reqs[0].Header}
-	if user, pass, ok := r.BasicAuth(); !ok || user != "hookuser" || pass != "pw@in-url" {
-		t.Errorf("Basic auth = %q, %q, %v; want hookuser, pw@in-url", user, pass, ok)
-	}
-	if got := reqs[1].Header.Values("Authorization"); len(got) != 1 || got[0] != "Bearer from-the-event" {
-		t.Errorf("Authorization = %q, want only the event's", got)
+	for i, req := range reqs {
+		r := http.Request{Header: req.Header}
+		if user, pass, ok := r.BasicAuth(); !ok || user != "hookuser" || pass != "pw@in-url" || len(req.Header.Values("Authorization")) != 1 {
+			t.Errorf("request %d: Basic auth = %q, %q, %v (Authorization %q); want only hookuser, pw@in-url", i, user, pass, ok, req.Header.Values("Authorization"))
+		}
 	}
 }
 
@@ -781,5 +800,100 @@ func TestWebhookSinkReusesConnectionsOfConcurrentPublishes(t *testing.T) {
 	if n := dialed.Load(); n != inFlight {
 		t.Errorf("%d bursts of %d concurrent publishes opened %d connections, want %d (one per publish in flight, then reused)",
 			bursts, inFlight, n, inFlight)
+	}
+}
+
+// Credentials, hop-by-hop and framing headers and the sink's own are
+// dropped from the stored headers, in any case, and docs/sinks.md lists
+// every one of them; other headers pass through.
+func TestWebhookSinkDropsCredentialHopByHopAndOwnHeaders(t *testing.T) {
+	rcv := newWHReceiver(t, nil)
+	s := newTestWebhookSink(t, strings.Replace(rcv.URL, "http://", "http://hookuser:pw@", 1), "whsec_"+base64.StdEncoding.EncodeToString([]byte("k")))
+	e := whEvent()
+	e.Headers = map[string]string{"X-Tenant": "acme", "traceparent": e.Headers["traceparent"]}
+	var names []string
+	for n := range droppedHeaders {
+		names = append(names, n)
+	}
+	names = append(names, "proxy-authorization", "proxy-connection", "ce-id", "webhook-signature")
+	for _, n := range names {
+		for _, variant := range []string{n, strings.ToUpper(n), http.CanonicalHeaderKey(n)} {
+			e.Headers[variant] = "from-the-producer"
+		}
+	}
+	if err := s.Publish(context.Background(), e); err != nil {
+		t.Fatal(err)
+	}
+	got := rcv.only(t)
+	if got.Header.Get("X-Tenant") != "acme" || got.Header.Get("Traceparent") == "" {
+		t.Errorf("other headers must pass through: %v", got.Header)
+	}
+	// What the sink built, before net/http or the receiver touch it.
+	built := s.headers(e, "2024-01-01T00:00:00Z", e.Payload)
+	for k, vals := range built {
+		for _, v := range vals {
+			if v == "from-the-producer" {
+				t.Errorf("header %s from the producer was sent", k)
+			}
+		}
+	}
+	for k, vals := range got.Header {
+		if slices.Contains(vals, "from-the-producer") {
+			t.Errorf("receiver got the producer's %s", k)
+		}
+	}
+	if r := (http.Request{Header: got.Header}); func() bool { u, p, ok := r.BasicAuth(); return !ok || u != "hookuser" || p != "pw" }() {
+		t.Errorf("Authorization = %q, want the URL's credentials", got.Header.Values("Authorization"))
+	}
+
+	doc, err := os.ReadFile("../../docs/sinks.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for n := range droppedHeaders {
+		if !strings.Contains(strings.ToLower(string(doc)), "`"+n+"`") {
+			t.Errorf("docs/sinks.md does not list the dropped header `%s`", n)
+		}
+	}
+}
+
+// A receiver's error answer reaches last_error, the log and `outbox dead
+// list` bounded and with the credentials it echoes masked.
+func TestWebhookSinkMasksCredentialsInErrorAnswers(t *testing.T) {
+	leaks := []string{"tok-abc123", "pw-in-query", "sec-xyz", "dXNlcjpwYXNz", "eyJhbGciOi.payload.sig", "url-pass", "url-user", "key-987"}
+	answers := []string{
+		`{"error":"unauthorized","headers":{"Authorization":"Bearer eyJhbGciOi.payload.sig"}}`,
+		"Authorization: Basic dXNlcjpwYXNz\r\nbad request",
+		`rejected GET /hook?token=tok-abc123&password=pw-in-query&client_secret=sec-xyz&page=2`,
+		`{"api_key": "key-987", "message": "bad"}`,
+		`upstream https://url-user:url-pass@internal.example/x failed`,
+		`bearer tok-abc123 expired`,
+	}
+	for _, answer := range answers {
+		rcv := newWHReceiver(t, func(w http.ResponseWriter, _ *http.Request) {
+			w.WriteHeader(http.StatusBadRequest)
+			_, _ = io.WriteString(w, answer)
+		})
+		err := newTestWebhookSink(t, rcv.URL, "").Publish(context.Background(), whEvent())
+		if !IsPermanent(err) {
+			t.Fatalf("err = %v, want permanent", err)
+		}
+		for _, l := range leaks {
+			if strings.Contains(err.Error(), l) {
+				t.Errorf("answer %q: error quotes the credential %q: %v", answer, l, err)
+			}
+		}
+		if !strings.Contains(err.Error(), "xxxxx") {
+			t.Errorf("answer %q: want the masked credential marked: %v", answer, err)
+		}
+	}
+	// What is not a credential stays readable.
+	rcv := newWHReceiver(t, func(w http.ResponseWriter, _ *http.Request) {
+		w.WriteHeader(http.StatusBadRequest)
+		_, _ = io.WriteString(w, `{"error":"field order_id missing","page":2}`)
+	})
+	err := newTestWebhookSink(t, rcv.URL, "").Publish(context.Background(), whEvent())
+	if err == nil || !strings.Contains(err.Error(), "field order_id missing") {
+		t.Errorf("err = %v, want the answer quoted", err)
 	}
 }

@@ -2,6 +2,7 @@ package outbox
 
 import (
 	"encoding/json"
+	"errors"
 	"fmt"
 	"time"
 
@@ -346,6 +347,10 @@ func occurredAt(ts pgtype.Timestamptz) (time.Time, error) {
 		return time.Time{}, occurredAtRangeError(ts.InfinityModifier.String())
 	case !inRFC3339Range(ts.Time):
 		return time.Time{}, occurredAtRangeError(ts.Time.UTC().String())
+	case ts.Time.IsZero():
+		// Sinks take the zero time for "no time" and would leave ce-time
+		// out; since 00082 the INSERT refuses it.
+		return time.Time{}, Permanent(errors.New("occurred_at is 0001-01-01T00:00:00Z, the zero time, which sinks cannot tell from no time (rule outbox_event_occurred_at_not_zero)"))
 	}
 	return ts.Time, nil
 }

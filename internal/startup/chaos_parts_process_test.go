@@ -32,7 +32,8 @@ import (
 // it records each event's first delivery and, per aggregate, the order of
 // first deliveries; other events are recorded by ce-id.
 type receiver struct {
-	url string
+	url  string
+	down atomic.Bool // answer 503 to everything: the sink is unavailable
 
 	mu              sync.Mutex
 	eventID         map[int]string    // by event number (see producer)
@@ -57,6 +58,10 @@ func newReceiver(t *testing.T) *receiver {
 const receiverLatency = 10 * time.Millisecond
 
 func (r *receiver) ServeHTTP(w http.ResponseWriter, req *http.Request) {
+	if r.down.Load() {
+		http.Error(w, "receiver down for maintenance", http.StatusServiceUnavailable)
+		return
+	}
 	arrived := time.Now()
 	time.Sleep(receiverLatency)
 	body, err := io.ReadAll(req.Body)

@@ -21,7 +21,8 @@ import (
 // injects faults in rounds until the producer is done: SIGKILL and restart
 // of a replica; SIGSTOP of the replica running the job, for longer than
 // outbox.in_flight_timeout and the job's lease_ttl, then SIGCONT;
-// pg_terminate_backend of every worker session of this test's database.
+// pg_terminate_backend of every worker session of this test's database;
+// the receiver answering 503 to everything for a while.
 //
 // It asserts that
 //   - every event arrives, first deliveries come in per-aggregate order, and
@@ -66,6 +67,7 @@ func TestChaos(t *testing.T) {
 		// A producer event must never go DEAD: retry a transient failure (a
 		// replica stopped mid-publish) soon, and as often as it takes.
 		"APP_OUTBOX_MAX_ATTEMPTS=100", "APP_OUTBOX_BACKOFF_BASE=100ms", "APP_OUTBOX_BACKOFF_MAX=1s",
+		"APP_OUTBOX_PROBE_BACKOFF_MAX=200ms",
 	}
 	for i := range chaosReplicas {
 		c.start(i)
@@ -89,12 +91,21 @@ func TestChaos(t *testing.T) {
 		c.awaitProgress("pg_terminate_backend")
 		pauses = append(pauses, c.pauseJobRunner())
 		c.awaitProgress("SIGSTOP")
+		c.sinkOutage()
+		c.awaitProgress("sink outage")
 	}
 	c.eventually(90*time.Second, "every event to reach the receiver", func() bool { return c.recv.firstCount() == total })
 	c.eventually(30*time.Second, "every producer event to be marked PUBLISHED", atMostEvery(100*time.Millisecond, func() bool {
 		return c.count(`SELECT count(*) FROM outbox_event WHERE aggregate_type = 'chaos' AND status <> 'PUBLISHED'`) == 0
 	}))
 	c.checkHealthy()
+	opened := 0
+	for _, p := range c.replicas {
+		opened += strings.Count(p.out.String(), `"msg":"outbox sink unavailable;`)
+	}
+	if opened == 0 {
+		t.Error("no replica logged its sink unavailable during the receiver's outages")
+	}
 
 	d := c.checkDeliveries(total)
 	j := c.checkJobRuns()
@@ -106,8 +117,8 @@ func TestChaos(t *testing.T) {
 		d.dups, c.dupBound(), chaosRelays, chaosBatch, c.faults.kills, c.faults.pauses, c.faults.sweeps, chaosReplicas)
 	t.Logf("  longest time without a first delivery: %s; longest from producer commit to first delivery: %s",
 		d.maxGap.Round(time.Millisecond), d.maxLatency.Round(time.Millisecond))
-	t.Logf("  faults: %d SIGKILL+restart, %d SIGSTOP past in_flight_timeout %s and lease_ttl %s, %d pg_terminate_backend sweeps (%d sessions)",
-		c.faults.kills, c.faults.pauses, chaosInFlight, chaosLeaseTTL, c.faults.sweeps, c.faults.terminated)
+	t.Logf("  faults: %d SIGKILL+restart, %d SIGSTOP past in_flight_timeout %s and lease_ttl %s, %d pg_terminate_backend sweeps (%d sessions), %d sink outages of %s",
+		c.faults.kills, c.faults.pauses, chaosInFlight, chaosLeaseTTL, c.faults.sweeps, c.faults.terminated, c.faults.outages, chaosOutage)
 	t.Logf("  sql job: %d committed runs, %d commits after a later token's start, %d outcomes that contradict the commit",
 		len(j.committed), j.late, j.contradicted)
 	var (
@@ -138,6 +149,7 @@ const (
 	chaosRate       = 250             // events the producer inserts per second
 	chaosInFlight   = 5 * time.Second // outbox.in_flight_timeout
 	chaosLeaseTTL   = 2 * time.Second // the job's lease_ttl
+	chaosOutage     = 2 * time.Second // how long the receiver is down in a round
 	chaosJob        = "chaos-fenced"
 	progressStep    = chaosRate // new first deliveries that show the outbox flows after a fault
 )
@@ -179,7 +191,7 @@ type chaosCluster struct {
 	prod     *producer
 	replicas []*proc // the running process of replica-i
 	every    []*proc // every replica process started, for the log checks
-	faults   struct{ kills, pauses, sweeps, terminated int }
+	faults   struct{ kills, pauses, sweeps, terminated, outages int }
 }
 
 func replicaID(i int) string { return fmt.Sprintf("replica-%d", i) }
@@ -317,6 +329,18 @@ func (c *chaosCluster) terminateBackends() {
 	}
 	c.faults.sweeps++
 	c.faults.terminated += n
+}
+
+// sinkOutage has the receiver answer 503 to everything for longer than
+// max_attempts quick retries would take, while the producer goes on: the
+// replicas must hold the events, not spend their attempts.
+func (c *chaosCluster) sinkOutage() {
+	c.recv.down.Store(true)
+	defer c.recv.down.Store(false)
+	t := time.NewTimer(chaosOutage)
+	defer t.Stop()
+	<-t.C
+	c.faults.outages++
 }
 
 // dupBound is the most duplicate deliveries the faults injected may cause

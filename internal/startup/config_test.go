@@ -305,6 +305,8 @@ func TestConfigErrorsNameTheEnvironmentVariable(t *testing.T) {
 		{"outbox:\n  batch_size: -1\n", nil, "outbox.batch_size=-1"},
 		{"{}", []string{"APP_OUTBOX_BACKOFF_BASE=2s", "APP_OUTBOX_BACKOFF_MAX=1s"}, "APP_OUTBOX_BACKOFF_MAX=1s: want at least APP_OUTBOX_BACKOFF_BASE (2s)"},
 		{"{}", []string{"APP_OUTBOX_SINK=webhook", "APP_OUTBOX_WEBHOOK_URL=ftp://h/x"}, `APP_OUTBOX_WEBHOOK_URL "ftp://h/x"`},
+		{"{}", []string{"APP_OUTBOX_SINK=webhook", "APP_OUTBOX_WEBHOOK_URL=http://h:99999/x"}, `APP_OUTBOX_WEBHOOK_URL "http://h:99999/x": port 99999: want a port from 1 to 65535`},
+		{"{}", []string{"APP_TASKS_PROBE_BACKOFF_MAX=0s"}, "APP_TASKS_PROBE_BACKOFF_MAX=0s must be positive"},
 	}
 	for _, c := range cases {
 		_, err := LoadConfig(writeFile(t, c.file), c.env)

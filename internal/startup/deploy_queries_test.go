@@ -23,9 +23,10 @@ import (
 
 const deployDir = "../../deploy"
 
-// targetLabels are set by Prometheus on every scraped series; queries may
-// use them on any metric.
-var targetLabels = []string{"job", "instance"}
+// targetLabels are set by Prometheus on every scraped series (namespace by
+// the Prometheus Operator's ServiceMonitor); queries may use them on any
+// metric.
+var targetLabels = []string{"job", "instance", "namespace"}
 
 // A query on a metric or label the worker does not export shows an empty
 // panel, or an alert that can never fire: both read as "all is well". A
@@ -42,6 +43,7 @@ func TestDeployQueriesNameOnlyExportedMetrics(t *testing.T) {
 tasks:
   kinds:
     - {name: ping, type: sql, sql: "SELECT $1"}
+    - {name: hook, type: http, url: "http://127.0.0.1:9/hook"}
 `), 0o600); err != nil {
 		t.Fatal(err)
 	}
@@ -369,7 +371,7 @@ func TestDashboardIsImportable(t *testing.T) {
 		t.Errorf("variables %v; want a datasource variable and label_values queries for instance and job_name", vars)
 	}
 	ids := map[int]bool{}
-	var rows []string
+	var rows, byJobName []string
 	for _, p := range dash.Panels {
 		if ids[p.ID] {
 			t.Errorf("panel id %d is used twice", p.ID)
@@ -389,7 +391,30 @@ func TestDashboardIsImportable(t *testing.T) {
 			if strings.Contains(tg.Expr, "$") && !strings.Contains(tg.Expr, `instance=~"$instance"`) {
 				t.Errorf("panel %q: %s does not filter on the instance variable", p.Title, tg.Expr)
 			}
+			if strings.Contains(tg.Expr, "$job_name") && !slices.Contains(byJobName, p.Title) {
+				byJobName = append(byJobName, p.Title)
+			}
 		}
+		// A job that never succeeded reports 0; dropping it (`> 0` alone)
+		// would hide exactly the job that needs looking at.
+		if p.Title == "Time since last success" && !strings.Contains(p.Targets[0].Expr, "== 0") {
+			t.Errorf("panel %q: %s drops the jobs that never succeeded (job_last_success_timestamp_seconds == 0)", p.Title, p.Targets[0].Expr)
+		}
+	}
+	// The README says which panels the Job variable narrows, by title.
+	readme, err := os.ReadFile("../../README.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, section, _ := strings.Cut(string(readme), "\n### Dashboard\n")
+	section, _, _ = strings.Cut(section, "\n### ")
+	for _, title := range byJobName {
+		if !strings.Contains(section, "*"+title+"*") {
+			t.Errorf("the README's Dashboard section does not name %q among the panels the Job variable narrows", title)
+		}
+	}
+	if len(byJobName) == 0 || strings.Contains(section, "narrow every panel") {
+		t.Errorf("panels %v use $job_name; the README's Dashboard section must say which, not every panel", byJobName)
 	}
 	for _, want := range []string{"Jobs", "Lock", "Outbox", "Process"} {
 		if !slices.Contains(rows, want) {

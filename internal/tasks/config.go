@@ -36,6 +36,10 @@ type Config struct {
 	Timeout         time.Duration `koanf:"timeout"`
 	RescueAfter     time.Duration `koanf:"rescue_after"`
 	MetricsInterval time.Duration `koanf:"metrics_interval"`
+	// ProbeBackoffMax caps the backoff between probes of an http kind's
+	// unavailable endpoint, and the snoozes of its tasks meanwhile: the
+	// longest a task waits after the endpoint is back.
+	ProbeBackoffMax time.Duration `koanf:"probe_backoff_max"`
 	// Queues and Kinds are YAML-only (no APP_* variable).
 	Queues map[string]Queue `koanf:"queues"`
 	Kinds  []Kind           `koanf:"kinds"`
@@ -91,6 +95,7 @@ func DefaultConfig() Config {
 		Timeout:         time.Minute,
 		RescueAfter:     10 * time.Minute,
 		MetricsInterval: 5 * time.Second,
+		ProbeBackoffMax: 5 * time.Second,
 	}
 }
 
@@ -104,7 +109,8 @@ func (c *Config) Validate() error {
 		return fmt.Errorf("tasks.max_attempts=%d must be at least 1", c.MaxAttempts)
 	}
 	for key, d := range map[string]time.Duration{"tasks.backoff_base": c.BackoffBase, "tasks.backoff_max": c.BackoffMax,
-		"tasks.timeout": c.Timeout, "tasks.rescue_after": c.RescueAfter, "tasks.metrics_interval": c.MetricsInterval} {
+		"tasks.timeout": c.Timeout, "tasks.rescue_after": c.RescueAfter, "tasks.metrics_interval": c.MetricsInterval,
+		"tasks.probe_backoff_max": c.ProbeBackoffMax} {
 		if d <= 0 {
 			return fmt.Errorf("%s=%s must be positive", key, d)
 		}
@@ -203,6 +209,17 @@ func (c *Config) QueueNames() []string {
 		names = append(names, n)
 	}
 	sort.Strings(names)
+	return names
+}
+
+// httpKindNames returns the names of the http kinds.
+func (c *Config) httpKindNames() []string {
+	var names []string
+	for _, k := range c.Kinds {
+		if k.Type == TypeHTTP {
+			names = append(names, k.Name)
+		}
+	}
 	return names
 }
 

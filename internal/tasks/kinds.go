@@ -22,6 +22,7 @@ import (
 	"github.com/riverqueue/river/rivertype"
 
 	"worker/internal/obs"
+	"worker/internal/outbox"
 )
 
 // Registry collects the task kinds written in Go. A Go kind is a
@@ -73,21 +74,69 @@ func (p retryPolicy) NextRetry(job *rivertype.JobRow) time.Time {
 }
 
 // httpWorker runs an http kind: POST the args as JSON to the kind's URL.
-// 2xx is success; 408, 429 and 5xx are transient (retried, honouring
+// 2xx is success. An unavailable endpoint (a network error, a timeout,
+// 408, 429, 502, 503, 504: outbox.IsUnavailable, outbox.UnavailableStatus)
+// opens the kind's breaker and the task snoozes without spending an
+// attempt, unless the failure is its own (endpointBreaker.ownFailure).
+// 500 and the other 5xx are the task's failure (retried, honouring
 // Retry-After); any other status is permanent (dead-lettered at once).
 type httpWorker struct {
 	river.WorkerDefaults[rawArgs]
-	kind   Kind
-	client *http.Client
+	kind     Kind
+	client   *http.Client
+	endpoint *endpointBreaker
+	pool     *pgxpool.Pool // River's, to wake the tasks that waited
 	// retryAt holds a Retry-After the endpoint asked for, from Work to
 	// NextRetry, which River calls right after Work returns.
 	retryAt sync.Map // job id -> time.Time
 }
 
 func (w *httpWorker) Work(ctx context.Context, job *river.Job[rawArgs]) error {
+	lastWait := lastWaitOf(job.Metadata)
+	call, probe := w.endpoint.admit()
+	if !call {
+		w.endpoint.waiting(lastWait)
+		return w.snooze(ctx, job, time.Time{})
+	}
+	code, retryAt, err := w.post(ctx, job)
+	switch {
+	case err == nil && code >= 200 && code <= 299:
+		if w.endpoint.succeeded() {
+			w.wakeWaiting(ctx)
+		}
+		return nil
+	case err != nil && ctx.Err() != nil && !errors.Is(ctx.Err(), context.DeadlineExceeded):
+		// Shutdown or an operator's cancel: River decides; says nothing
+		// about the endpoint.
+		w.endpoint.release(probe)
+		return err
+	case err == nil && code >= 300 && !outbox.UnavailableStatus(code) && code < 500:
+		w.endpoint.release(probe)
+		return river.JobCancel(fmt.Errorf("POST %s: status %d %s (permanent)", redact(w.kind.URL), code, http.StatusText(code)))
+	}
+	if err == nil {
+		err = fmt.Errorf("POST %s: status %d %s", redact(w.kind.URL), code, http.StatusText(code))
+	}
+	if (err != nil && outbox.IsUnavailable(err)) || outbox.UnavailableStatus(code) {
+		if !w.endpoint.ownFailure(lastWait) {
+			w.endpoint.unavailable(probe, err, retryAt)
+			w.endpoint.waiting(lastWait)
+			return w.snooze(ctx, job, retryAt)
+		}
+	}
+	w.endpoint.release(probe)
+	if !retryAt.IsZero() && job.Attempt < job.MaxAttempts {
+		w.retryAt.Store(job.ID, retryAt)
+	}
+	return err
+}
+
+// post sends the task and returns the answer's status and Retry-After, or
+// the error that kept it from getting one.
+func (w *httpWorker) post(ctx context.Context, job *river.Job[rawArgs]) (code int, retryAt time.Time, err error) {
 	req, err := http.NewRequestWithContext(ctx, http.MethodPost, w.kind.URL, bytes.NewReader(job.EncodedArgs))
 	if err != nil {
-		return river.JobCancel(fmt.Errorf("POST %s: %w", redact(w.kind.URL), err))
+		return 0, time.Time{}, river.JobCancel(fmt.Errorf("POST %s: %w", redact(w.kind.URL), err))
 	}
 	for k, v := range w.kind.Headers {
 		req.Header.Set(k, v)
@@ -109,22 +158,51 @@ func (w *httpWorker) Work(ctx context.Context, job *river.Job[rawArgs]) error {
 		if errors.As(err, &ue) {
 			err = ue.Err // url.Error repeats the URL, which may carry a token
 		}
-		return fmt.Errorf("POST %s: %w", redact(w.kind.URL), err)
+		return 0, time.Time{}, fmt.Errorf("POST %s: %w", redact(w.kind.URL), err)
 	}
 	_, _ = io.Copy(io.Discard, io.LimitReader(resp.Body, 64<<10))
 	_ = resp.Body.Close()
-	code := resp.StatusCode
-	switch {
-	case code >= 200 && code <= 299:
-		return nil
-	case code == http.StatusRequestTimeout || code == http.StatusTooManyRequests || code >= 500:
-		if at, ok := retryAfter(resp.Header.Get("Retry-After"), time.Now()); ok && job.Attempt < job.MaxAttempts {
-			w.retryAt.Store(job.ID, at)
-		}
-		return fmt.Errorf("POST %s: status %s (transient)", redact(w.kind.URL), resp.Status)
-	}
-	return river.JobCancel(fmt.Errorf("POST %s: status %s (permanent)", redact(w.kind.URL), resp.Status))
+	retryAt, _ = retryAfter(resp.Header.Get("Retry-After"), time.Now())
+	return resp.StatusCode, retryAt, nil
 }
+
+// snooze puts the task back without spending an attempt (River gives the
+// attempt back on a snooze) for a backoff that grows with its snoozes, up
+// to tasks.probe_backoff_max, or until the endpoint's Retry-After if that
+// is later, and records when it waited.
+func (w *httpWorker) snooze(ctx context.Context, job *river.Job[rawArgs], retryAt time.Time) error {
+	now := time.Now()
+	_ = river.MetadataSet(ctx, unavailableAtKey, now.UTC())
+	d := max(backoff(probeBackoffBase, w.endpoint.max, snoozesOf(job.Metadata)+1), retryAt.Sub(now))
+	return &endpointDownError{err: river.JobSnooze(d)}
+}
+
+// wakeWaiting makes the kind's snoozed tasks due now, once the endpoint is
+// back: they would otherwise wait out the rest of their snooze, up to
+// tasks.probe_backoff_max. Only tasks snoozed for their endpoint (with
+// endpoint_unavailable_at) and already available to River (a snooze up to
+// River's scheduler interval, 5s) are woken; a task scheduled for later on
+// purpose is left alone. Best effort: a failure only costs that wait.
+func (w *httpWorker) wakeWaiting(ctx context.Context) {
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 2*time.Second)
+	defer cancel()
+	tag, err := w.pool.Exec(ctx, `UPDATE river_job SET scheduled_at = now()
+		WHERE state = 'available' AND kind = $1 AND scheduled_at > now() AND metadata ? $2`, w.kind.Name, unavailableAtKey)
+	log := w.endpoint.log.With("task_kind", w.kind.Name)
+	if err != nil {
+		log.Warn("could not wake the tasks that waited for the endpoint; they run when their snooze ends", "error", err)
+		return
+	}
+	log.Debug("woke the tasks that waited for the endpoint", "tasks", tag.RowsAffected())
+}
+
+// endpointDownError is the snooze of a task whose endpoint is unavailable.
+// River sees the snooze it wraps; the observer logs it at debug level
+// only, since the breaker logs the outage once.
+type endpointDownError struct{ err error }
+
+func (e *endpointDownError) Error() string { return "endpoint unavailable: " + e.err.Error() }
+func (e *endpointDownError) Unwrap() error { return e.err }
 
 // Timeout is the kind's, for River's rescuer.
 func (w *httpWorker) Timeout(*river.Job[rawArgs]) time.Duration { return w.kind.Timeout }

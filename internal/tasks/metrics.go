@@ -57,9 +57,14 @@ type metrics struct {
 	tasks      *prometheus.GaugeVec     // tasks{queue,state}
 	saturation *prometheus.GaugeVec     // task_executor_saturation{queue}
 	shared     *obs.RetryMetrics        // job_retry_total, job_dlq_total
+
+	endpointUp     *prometheus.GaugeVec   // task_endpoint_up{task_kind}
+	endpointOpened *prometheus.CounterVec // task_endpoint_breaker_opened_total{task_kind}
 }
 
-func newMetrics(reg prometheus.Registerer, kinds, queues []string) (*metrics, error) {
+// newMetrics registers the task metrics, with a series at zero for every
+// kind and queue, and for every http kind in httpKinds its endpoint's.
+func newMetrics(reg prometheus.Registerer, kinds, queues, httpKinds []string) (*metrics, error) {
 	shared, err := obs.NewRetryMetrics(reg)
 	if err != nil {
 		return nil, err
@@ -83,8 +88,14 @@ func newMetrics(reg prometheus.Registerer, kinds, queues []string) (*metrics, er
 		saturation: prometheus.NewGaugeVec(prometheus.GaugeOpts{
 			Name: "task_executor_saturation", Help: "Available (waiting) tasks of a queue divided by its max_backlog; at 1 enqueues are refused (JOB_EXECUTOR_REJECTED). 0 for an unbounded queue.",
 		}, []string{"queue"}),
+		endpointUp: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "task_endpoint_up", Help: "1 while an http task kind's endpoint answers, 0 while its breaker is open (the endpoint is unavailable; tasks wait without spending attempts), as this replica sees it.",
+		}, []string{"task_kind"}),
+		endpointOpened: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "task_endpoint_breaker_opened_total", Help: "Times an http task kind's endpoint was found unavailable and its breaker opened on this replica.",
+		}, []string{"task_kind"}),
 	}
-	for _, c := range []prometheus.Collector{m.runs, m.duration, m.wait, m.tasks, m.saturation} {
+	for _, c := range []prometheus.Collector{m.runs, m.duration, m.wait, m.tasks, m.saturation, m.endpointUp, m.endpointOpened} {
 		if err := reg.Register(c); err != nil {
 			return nil, err
 		}
@@ -96,6 +107,10 @@ func newMetrics(reg prometheus.Registerer, kinds, queues []string) (*metrics, er
 		}
 		m.duration.WithLabelValues(k)
 		shared.Start(k)
+	}
+	for _, k := range httpKinds {
+		m.endpointUp.WithLabelValues(k).Set(1)
+		m.endpointOpened.WithLabelValues(k)
 	}
 	for _, q := range queues {
 		m.wait.WithLabelValues(q)

@@ -92,6 +92,12 @@ func (o *observer) report(ctx, runCtx context.Context, log *slog.Logger, job *ri
 	case OutcomeSuccess:
 		log.Info("task run succeeded")
 	case OutcomeSnoozed:
+		var down *endpointDownError
+		if errors.As(err, &down) {
+			// The breaker logs the outage once; a line per task would flood.
+			log.Debug("task waits for its endpoint", "error", err)
+			return
+		}
 		log.Info("task snoozed", "error", err)
 	case OutcomeCancelled:
 		log.Warn("task cancelled by an operator while it ran")

@@ -60,7 +60,7 @@ func TestSaturationFollowsTheBacklog(t *testing.T) {
 		t.Fatal(err)
 	}
 	reg := prometheus.NewRegistry()
-	m, err := newMetrics(reg, nil, cfg.QueueNames())
+	m, err := newMetrics(reg, nil, cfg.QueueNames(), nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -116,7 +116,7 @@ func TestSaturationReachesOneAboveTheCountCap(t *testing.T) {
 	bound := countCap + 10
 	cfg := testConfig(t, map[string]Queue{"bulk": queue(1, bound)})
 	reg := prometheus.NewRegistry()
-	m, err := newMetrics(reg, nil, cfg.QueueNames())
+	m, err := newMetrics(reg, nil, cfg.QueueNames(), nil)
 	if err != nil {
 		t.Fatal(err)
 	}

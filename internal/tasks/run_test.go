@@ -123,7 +123,7 @@ func TestFailingTaskIsRetriedThenDeadLettered(t *testing.T) {
 	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		calls.Add(1)
 		last.Store(r.Header.Clone())
-		w.WriteHeader(http.StatusBadGateway)
+		w.WriteHeader(http.StatusInternalServerError) // the task's own failure, unlike 502 or 503
 	}))
 	t.Cleanup(srv.Close)
 	h := start(t, db, testConfig(t, nil, Kind{Name: "notify", Type: TypeHTTP, URL: srv.URL}), nil)
@@ -176,8 +176,9 @@ func TestPermanentErrorDeadLettersAtOnce(t *testing.T) {
 	}
 }
 
-// 429 with Retry-After is transient, and the retry waits as asked rather
-// than the (here much shorter) backoff.
+// 429 with Retry-After says the endpoint is unavailable: the task snoozes
+// without spending an attempt, for as long as asked rather than the (here
+// much shorter) probe backoff, and then runs.
 func TestRetryAfterIsHonoured(t *testing.T) {
 	t.Parallel()
 	db := pgtest.New(t)
@@ -191,21 +192,23 @@ func TestRetryAfterIsHonoured(t *testing.T) {
 		w.WriteHeader(http.StatusNoContent)
 	}))
 	t.Cleanup(srv.Close)
-	start(t, db, testConfig(t, nil, Kind{Name: "notify", Type: TypeHTTP, URL: srv.URL}), nil)
+	cfg := testConfig(t, nil, Kind{Name: "notify", Type: TypeHTTP, URL: srv.URL})
+	cfg.ProbeBackoffMax = 100 * time.Millisecond
+	start(t, db, cfg, nil)
 	id := enqueueSQL(t, db.Pool, "notify", `{}`, `{}`)
-	var r taskRow
-	testkit.Eventually(t, 10*time.Second, "the retry scheduled", func() bool {
-		r = rowOf(t, db.Pool, id)
-		return r.Errors == 1
-	})
 	var wait time.Duration
-	if err := db.Pool.QueryRow(t.Context(), "SELECT extract(epoch FROM scheduled_at - attempted_at) * interval '1s' FROM river_job WHERE id = $1", id).Scan(&wait); err != nil {
-		t.Fatal(err)
-	}
+	testkit.Eventually(t, 10*time.Second, "the task snoozed", func() bool {
+		err := db.Pool.QueryRow(t.Context(), `SELECT extract(epoch FROM scheduled_at - attempted_at) * interval '1s' FROM river_job
+			WHERE id = $1 AND (metadata->>'snoozes')::int = 1`, id).Scan(&wait)
+		return err == nil
+	})
 	if wait < 1500*time.Millisecond {
-		t.Fatalf("retry scheduled %s after the attempt, want about 2s (Retry-After)", wait)
+		t.Fatalf("snoozed %s after the attempt, want about 2s (Retry-After)", wait)
 	}
-	waitState(t, db.Pool, id, "completed", 10*time.Second)
+	r := waitState(t, db.Pool, id, "completed", 10*time.Second)
+	if r.Errors != 0 || r.Attempt != 1 || calls.Load() != 2 {
+		t.Fatalf("%d errors, attempt %d, %d calls; want 0, 1 and 2: a snooze spends no attempt", r.Errors, r.Attempt, calls.Load())
+	}
 }
 
 // A run past its kind's timeout is cancelled, logged with JOB_TIMEOUT and

@@ -47,6 +47,11 @@ type Broker struct {
 	// Secret is a credential the sinks above were configured with: no error
 	// may quote it.
 	Secret string
+	// ClassifiesUnavailable says the sink reports a broker that is down or
+	// silent as unavailable (outbox.IsUnavailable), so the relay holds
+	// events instead of spending their attempts. The suite then requires
+	// it; without it, only that such failures are not permanent.
+	ClassifiesUnavailable bool
 }
 
 // Event returns a test event of aggregate agg, number n of it.
@@ -65,8 +70,9 @@ func Event(agg string, n int) outbox.Event {
 
 // Exercise runs the conformance suite: nil only after the broker holds the
 // event, its message id and CloudEvents attributes, per-aggregate order
-// under concurrent Publish, permanent and transient failures, cancellation
-// through ctx, RetryAfterError, and no secret in any error.
+// under concurrent Publish, permanent failures, an unreachable or silent
+// broker reported as unavailable, cancellation through ctx,
+// RetryAfterError, and no secret in any error.
 func Exercise(t *testing.T, b Broker) {
 	var (
 		mu   sync.Mutex
@@ -133,27 +139,33 @@ func Exercise(t *testing.T, b Broker) {
 	t.Run("a message the broker can never take is permanent", func(t *testing.T) {
 		s := b.New(t)
 		err := seen(s.Publish(t.Context(), b.Refused(t)))
-		if !outbox.IsPermanent(err) {
+		if !outbox.IsPermanent(err) || outbox.IsUnavailable(err) {
 			t.Errorf("got %v, want a permanent error", err)
 		}
 		closeSink(t, s)
 	})
 
-	t.Run("an unreachable broker is transient", func(t *testing.T) {
-		s := b.Unreachable(t, 200*time.Millisecond)
-		err := seen(s.Publish(t.Context(), Event("down", 0)))
-		if err == nil || outbox.IsPermanent(err) {
+	// The sink, not the event, failed: the relay holds every event, their
+	// attempts untouched, until the broker is back (outbox.IsUnavailable).
+	unavailable := func(t *testing.T, err error) {
+		t.Helper()
+		switch {
+		case err == nil || outbox.IsPermanent(err):
 			t.Errorf("got %v, want a transient error", err)
+		case b.ClassifiesUnavailable && !outbox.IsUnavailable(err):
+			t.Errorf("got %v, want an error outbox.IsUnavailable reports", err)
 		}
+	}
+	t.Run("an unreachable broker is unavailable", func(t *testing.T) {
+		s := b.Unreachable(t, 200*time.Millisecond)
+		unavailable(t, seen(s.Publish(t.Context(), Event("down", 0))))
 		closeSink(t, s)
 	})
 
-	t.Run("no confirmation within the publish timeout is transient", func(t *testing.T) {
+	// An unknown outcome is not the event's failure either.
+	t.Run("no confirmation within the publish timeout is unavailable", func(t *testing.T) {
 		s := b.Silent(t, 200*time.Millisecond)
-		err := seen(s.Publish(t.Context(), Event("silent", 0)))
-		if err == nil || outbox.IsPermanent(err) {
-			t.Errorf("got %v, want a transient error", err)
-		}
+		unavailable(t, seen(s.Publish(t.Context(), Event("silent", 0))))
 		closeSink(t, s)
 	})
 
@@ -166,6 +178,7 @@ func Exercise(t *testing.T, b Broker) {
 		if !errors.Is(err, context.Canceled) || outbox.IsPermanent(err) {
 			t.Errorf("got %v, want a transient error wrapping context.Canceled", err)
 		}
+		unavailable(t, err)
 		closeSink(t, s)
 	})
 
