@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"net"
+	"os"
 	"strconv"
 	"strings"
 	"sync"
@@ -23,17 +24,33 @@ import (
 	"worker/internal/testkit"
 )
 
-// How the broker outage tests run: events arrive at outageRate over
+// How the broker outage tests run: events arrive every outageInterval over
 // outageAggregates aggregates, the broker is away for outageDown, and
 // everything must be published within catchUpLimit of its return.
 const (
 	outageAggregates = 6
 	outageInterval   = 100 * time.Millisecond // one event per interval: 10/s
 	outageUp         = 1500 * time.Millisecond
-	outageDown       = 4 * time.Second
 	outageAfter      = time.Second
 	catchUpLimit     = 10 * time.Second
 )
+
+// outageEnv sets how long the broker is away instead of the tests' 4s,
+// for measuring longer outages (`WORKER_TEST_SINK_OUTAGE=120s go test -v
+// -run Outage ./internal/startup`).
+const outageEnv = "WORKER_TEST_SINK_OUTAGE"
+
+func outageDown(t *testing.T) time.Duration {
+	v := os.Getenv(outageEnv)
+	if v == "" {
+		return 4 * time.Second
+	}
+	d, err := time.ParseDuration(v)
+	if err != nil || d <= 0 {
+		t.Fatalf("%s=%q: want a duration", outageEnv, v)
+	}
+	return d
+}
 
 // delivered is one message as the broker holds it.
 type delivered struct{ eventID, aggregateID string }
@@ -81,7 +98,7 @@ func runOutage(t *testing.T, b brokerOutage) {
 	}
 	b.down(t)
 	testkit.Eventually(t, 20*time.Second, upLine+"0 during the outage", func() bool { return metricLine(p, upLine) == "0" })
-	time.Sleep(outageDown) // the outage lasts while events keep arriving
+	time.Sleep(outageDown(t)) // the outage lasts while events keep arriving
 	b.up(t)
 	back := time.Now()
 	var backDB time.Time // the same instant on the database's clock, which stamps published_at
@@ -102,7 +119,7 @@ func runOutage(t *testing.T, b brokerOutage) {
 			t.Fatal(err)
 		}
 		if dead > 0 {
-			t.Fatalf("%d events DEAD after a %s outage of %s", dead, outageDown, b.sink)
+			t.Fatalf("%d events DEAD after a %s outage of %s", dead, outageDown(t), b.sink)
 		}
 		if published == total {
 			break

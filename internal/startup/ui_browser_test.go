@@ -36,7 +36,7 @@ func TestRiverUIInABrowserShowsDeadLetters(t *testing.T) {
 	}
 	db := pgtest.New(t)
 	failing := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		w.WriteHeader(http.StatusServiceUnavailable)
+		w.WriteHeader(http.StatusInternalServerError) // the task's own failure; a 503 would hold it as an outage
 	}))
 	t.Cleanup(failing.Close)
 	const user, password = "ops", "browser-secret"
