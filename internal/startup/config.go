@@ -119,6 +119,7 @@ func settings() []setting {
 		{"log.format", "json"},
 		{"async_executor.max_size", 10},
 		{"ui.enabled", false},
+		{"ui.addr", ""},
 		{"ui.username", "admin"},
 		{"ui.password", ""},
 	}
@@ -413,10 +414,16 @@ func (c *Config) validate(source func(string) string) error {
 	if _, err := pgxpool.ParseConfig(c.Database.URL); err != nil {
 		return configErrorf("%s is not a PostgreSQL URL: %s", source("database.url"), obs.MaskDSN(err.Error()))
 	}
-	if _, port, err := net.SplitHostPort(c.HTTP.Addr); err != nil {
-		return configErrorf("%s=%q; want host:port or :port", source("http.addr"), c.HTTP.Addr)
-	} else if _, err := net.LookupPort("tcp", port); err != nil {
-		return configErrorf("%s=%q: %q is not a port; want host:port or :port", source("http.addr"), c.HTTP.Addr, port)
+	if err := validateListenAddr(source("http.addr"), c.HTTP.Addr); err != nil {
+		return err
+	}
+	if c.UI.Addr != "" {
+		if err := validateListenAddr(source("ui.addr"), c.UI.Addr); err != nil {
+			return err
+		}
+		if c.UI.Addr == c.HTTP.Addr {
+			return configErrorf("%s=%q is http.addr too; want another address, or empty to serve River UI on http.addr", source("ui.addr"), c.UI.Addr)
+		}
 	}
 	if err := c.Outbox.Validate(); err != nil {
 		return configErrorf("%w", err)
@@ -550,4 +557,15 @@ func joinRouteKeys(_, to reflect.Type, data any) (any, error) {
 	}
 	walk("", m)
 	return flat, nil
+}
+
+// validateListenAddr checks an address to listen on; name is the key as
+// the operator set it.
+func validateListenAddr(name, addr string) error {
+	if _, port, err := net.SplitHostPort(addr); err != nil {
+		return configErrorf("%s=%q; want host:port or :port", name, addr)
+	} else if _, err := net.LookupPort("tcp", port); err != nil {
+		return configErrorf("%s=%q: %q is not a port; want host:port or :port", name, addr, port)
+	}
+	return nil
 }

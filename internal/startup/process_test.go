@@ -65,12 +65,18 @@ func freeAddr(t *testing.T) string {
 // file is an empty one unless env names APP_CONFIG_FILE.
 func startWorker(t *testing.T, env []string, args ...string) *proc {
 	t.Helper()
+	return startBinary(t, workerBin, env, args...)
+}
+
+// startBinary is startWorker with another build of the worker.
+func startBinary(t *testing.T, bin string, env []string, args ...string) *proc {
+	t.Helper()
 	empty := filepath.Join(t.TempDir(), "empty.yaml")
 	if err := os.WriteFile(empty, []byte("{}\n"), 0o600); err != nil {
 		t.Fatal(err)
 	}
 	p := &proc{addr: freeAddr(t), done: make(chan struct{})}
-	p.cmd = exec.Command(workerBin, args...)
+	p.cmd = exec.Command(bin, args...)
 	p.cmd.Env = append([]string{
 		"PATH=" + os.Getenv("PATH"),
 		"APP_CONFIG_FILE=" + empty,

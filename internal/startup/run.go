@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"net"
 	"net/http"
 	"net/url"
 	"os"
@@ -17,6 +18,7 @@ import (
 
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/prometheus/client_golang/prometheus"
 
 	"worker/internal/lock"
 	"worker/internal/migrate"
@@ -84,32 +86,25 @@ func (runCmd) Run(e *cmdEnv) error {
 
 	reg := obs.NewRegistry()
 	ready := &readiness{}
-	var ui *uiMount
-	var uiHandler http.Handler
-	if cfg.UI.Enabled {
-		ui = &uiMount{}
-		uiHandler = basicAuth(cfg.UI.Username, cfg.UI.Password, ui)
-	}
 	registerOpsMetrics(reg, ready)
-	srv := newOpsServer(cfg.HTTP.Addr, reg, ready, uiHandler)
-	ln, err := listen(srv)
+	ui, servers, err := newServers(cfg, reg, ready, log)
 	if err != nil {
 		warnMisspeltEnv(log, cfg)
-		return &exitError{code: ExitOSError, err: err, msg: fmt.Sprintf("ops HTTP server on %s (APP_HTTP_ADDR): %v", cfg.HTTP.Addr, err)}
+		return err
 	}
 	// After the checks that fail at once, which log their one fatal line
 	// alone.
 	logStartup(log, cfg, configFile(e.ConfigPath))
 	warnMisspeltEnv(log, cfg)
-	go func() {
-		if err := srv.Serve(ln); err != nil && !errors.Is(err, http.ErrServerClosed) {
-			log.Error("ops HTTP server stopped", "error", err)
-		}
-	}()
+	for _, s := range servers {
+		go s.serve(log)
+	}
 	defer func() {
 		sctx, cancel := context.WithTimeout(context.Background(), 500*time.Millisecond)
 		defer cancel()
-		_ = srv.Shutdown(sctx)
+		for _, s := range servers {
+			_ = s.srv.Shutdown(sctx)
+		}
 	}()
 
 	pool, err := connectDB(ctx, cfg, log)
@@ -120,7 +115,12 @@ func (runCmd) Run(e *cmdEnv) error {
 		return err
 	}
 	defer closeBounded(pool, time.Second, log)
-	ready.pool.Store(pool)
+	probePool, err := newProbePool(pool, cfg.Instance.ID)
+	if err != nil {
+		return err
+	}
+	defer closeBounded(probePool, time.Second, log)
+	ready.db.Store(probePool)
 
 	if cfg.Database.MigrateOnStart {
 		if err := migrate.Up(ctx, pool, log); err != nil {
@@ -147,11 +147,6 @@ func (runCmd) Run(e *cmdEnv) error {
 			return nil // asked to stop while connecting to the broker
 		}
 		return err
-	}
-	for _, p := range parts {
-		if r, ok := p.(readyChecker); ok {
-			ready.broker = r.Ready
-		}
 	}
 	if ui != nil {
 		part, err := ui.attach(pool, log)
@@ -185,6 +180,51 @@ func (runCmd) Run(e *cmdEnv) error {
 	shutdownAll(parts, cfg.Shutdown.Timeout-time.Second, log)
 	log.Info("worker stopped")
 	return nil
+}
+
+// listening is a server with its bound listener.
+type listening struct {
+	srv  *http.Server
+	ln   net.Listener
+	name string
+}
+
+func (l listening) serve(log *slog.Logger) {
+	if err := l.srv.Serve(l.ln); err != nil && !errors.Is(err, http.ErrServerClosed) {
+		log.Error(l.name+" HTTP server stopped", "error", err)
+	}
+}
+
+// newServers binds the ops server and, with ui.addr set, River UI's own
+// server; the UI is then not on the ops server. ui is nil when the UI is
+// off.
+func newServers(cfg *Config, reg *prometheus.Registry, ready *readiness, log *slog.Logger) (*uiMount, []listening, error) {
+	var ui *uiMount
+	var guarded http.Handler
+	if cfg.UI.Enabled {
+		ui = &uiMount{}
+		guarded = guardUI(cfg.UI, ui, log)
+	}
+	opsUI := guarded
+	if cfg.UI.Addr != "" {
+		opsUI = nil
+	}
+	srv := newOpsServer(cfg.HTTP.Addr, reg, ready, opsUI)
+	ln, err := listen(srv)
+	if err != nil {
+		return nil, nil, &exitError{code: ExitOSError, err: err, msg: fmt.Sprintf("ops HTTP server on %s (APP_HTTP_ADDR): %v", cfg.HTTP.Addr, err)}
+	}
+	servers := []listening{{srv: srv, ln: ln, name: "ops"}}
+	if guarded != nil && cfg.UI.Addr != "" {
+		uiSrv := newUIServer(cfg.UI.Addr, guarded)
+		uiLn, err := listen(uiSrv)
+		if err != nil {
+			_ = ln.Close()
+			return nil, nil, &exitError{code: ExitOSError, err: err, msg: fmt.Sprintf("River UI server on %s (APP_UI_ADDR): %v", cfg.UI.Addr, err)}
+		}
+		servers = append(servers, listening{srv: uiSrv, ln: uiLn, name: "River UI"})
+	}
+	return ui, servers, nil
 }
 
 // shutdownAll stops the components in parallel within budget.

@@ -15,18 +15,26 @@ import (
 	"worker/internal/migrate"
 )
 
-// readiness decides /readyz: ready only when the database (and a broker
-// sink's broker) answers, the migrations are current and the scheduler has
-// started, and not while draining.
+// readyCheckEvery is how long one database check answers /readyz: a probe
+// flood costs the database at most one ping a second.
+const readyCheckEvery = time.Second
+
+// readiness decides /readyz from the worker's own state only: started, not
+// draining, the database reachable and the migrations current. A sink's
+// broker is not part of it: a broker outage would turn every replica
+// NotReady at once and let Kubernetes drain healthy ones, while the relay
+// holds the events until the broker returns; outbox_sink_up reports it.
 type readiness struct {
 	started  atomic.Bool
 	draining atomic.Bool
-	pool     atomic.Pointer[pgxpool.Pool]
-	// broker reports a broker sink's connection; set before started.
-	broker func(context.Context) error
+	// db is the probe's own one-connection pool, so a probe never waits
+	// for (or takes) a connection the relay and jobs need.
+	db atomic.Pointer[pgxpool.Pool]
 
-	mu       sync.Mutex
-	migrated bool // sticky once seen current: migrations never go back
+	mu        sync.Mutex
+	checkedAt time.Time
+	dbState   string // "ok", or why the database is not ready; cached for readyCheckEvery
+	migrated  bool   // sticky once seen current: migrations never go back
 }
 
 func (r *readiness) check(ctx context.Context) (bool, string) {
@@ -36,28 +44,68 @@ func (r *readiness) check(ctx context.Context) (bool, string) {
 	case !r.started.Load():
 		return false, "starting"
 	}
-	pool := r.pool.Load()
-	ctx, cancel := context.WithTimeout(ctx, time.Second)
-	defer cancel()
-	if err := pool.Ping(ctx); err != nil {
-		return false, "database unreachable"
-	}
-	if r.broker != nil {
-		if err := r.broker(ctx); err != nil {
-			return false, "broker unreachable: " + err.Error()
-		}
-	}
+	state := r.database(ctx)
+	return state == "ok", state
+}
+
+// database answers from the last check while it is fresh; concurrent
+// callers wait for the one check in progress rather than start their own.
+func (r *readiness) database(ctx context.Context) string {
 	r.mu.Lock()
 	defer r.mu.Unlock()
+	if !r.checkedAt.IsZero() && time.Since(r.checkedAt) < readyCheckEvery {
+		return r.dbState
+	}
+	// Not the caller's context: a probe that gives up early must not leave
+	// "database unreachable" cached for everyone else.
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), time.Second)
+	defer cancel()
+	r.dbState = r.checkDatabase(ctx)
+	r.checkedAt = time.Now()
+	return r.dbState
+}
+
+func (r *readiness) checkDatabase(ctx context.Context) string {
+	pool := r.db.Load()
+	if err := pool.Ping(ctx); err != nil {
+		return "database unreachable"
+	}
 	if !r.migrated {
 		pending, err := migrate.Pending(ctx, pool)
 		if err != nil || pending {
-			return false, "migrations pending"
+			return "migrations pending"
 		}
 		r.migrated = true
 	}
-	return true, "ok"
+	return "ok"
 }
+
+// newProbePool is the readiness check's pool: one connection, opened on
+// first use, beside the worker's pool.
+func newProbePool(pool *pgxpool.Pool, instanceID string) (*pgxpool.Pool, error) {
+	cfg := pool.Config()
+	cfg.MaxConns = 1
+	cfg.MinConns, cfg.MinIdleConns = 0, 0
+	cfg.ConnConfig.RuntimeParams["application_name"] = "worker " + instanceID + " probes"
+	return pgxpool.NewWithConfig(context.Background(), cfg)
+}
+
+// Ops server limits. An ops request is a probe, a scrape or a River UI
+// call: small heads, small bodies, quick answers, except a large scrape
+// on a slow network.
+const (
+	opsReadHeaderTimeout = 5 * time.Second
+	opsReadTimeout       = 10 * time.Second
+	opsWriteTimeout      = 30 * time.Second
+	opsIdleTimeout       = 60 * time.Second // above Prometheus' usual 30s interval, so scrapes reuse their connection
+	opsMaxHeaderBytes    = 16 << 10
+	// opsMaxScrapes bounds concurrent /metrics answers: each one gathers
+	// every series, and thousands at once took the heap to hundreds of
+	// megabytes. Beyond it a scrape answers 503 at once.
+	opsMaxScrapes = 4
+	// opsMaxConns bounds open connections (see connLimiter).
+	opsMaxConns = 4096
+)
 
 // newOpsServer serves metrics and probes, and River UI when ui is not nil.
 func newOpsServer(addr string, reg *prometheus.Registry, ready *readiness, ui http.Handler) *http.Server {
@@ -65,7 +113,7 @@ func newOpsServer(addr string, reg *prometheus.Registry, ready *readiness, ui ht
 	if ui != nil {
 		mux.Handle(uiPrefix+"/", ui)
 	}
-	mux.Handle("GET /metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{Registry: reg}))
+	mux.Handle("GET /metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{Registry: reg, MaxRequestsInFlight: opsMaxScrapes}))
 	mux.HandleFunc("GET /livez", func(w http.ResponseWriter, _ *http.Request) {
 		_, _ = w.Write([]byte("ok\n"))
 	})
@@ -76,7 +124,23 @@ func newOpsServer(addr string, reg *prometheus.Registry, ready *readiness, ui ht
 		}
 		_, _ = w.Write([]byte(why + "\n"))
 	})
-	return &http.Server{Addr: addr, Handler: mux, ReadHeaderTimeout: 5 * time.Second}
+	return newBoundedServer(addr, mux)
+}
+
+// newBoundedServer is an http.Server with the ops limits: every phase of a
+// connection has a timeout and the open connections are capped.
+func newBoundedServer(addr string, h http.Handler) *http.Server {
+	limit := newConnLimiter(opsMaxConns)
+	return &http.Server{
+		Addr:              addr,
+		Handler:           h,
+		ReadHeaderTimeout: opsReadHeaderTimeout,
+		ReadTimeout:       opsReadTimeout,
+		WriteTimeout:      opsWriteTimeout,
+		IdleTimeout:       opsIdleTimeout,
+		MaxHeaderBytes:    opsMaxHeaderBytes,
+		ConnState:         limit.track,
+	}
 }
 
 // listen binds before anything else starts, so a taken port fails fast and

@@ -216,13 +216,9 @@ type closer interface {
 	Close(ctx context.Context) error
 }
 
-// readyChecker is a sink whose connection /readyz reports.
-type readyChecker interface {
-	Ready(ctx context.Context) error
-}
-
 // sinkRelay is the relay component with its sink's lifecycle: the sink is
-// closed after the relay stopped, and /readyz asks it about its broker.
+// closed after the relay stopped. /readyz does not ask the sink: see
+// readiness.
 type sinkRelay struct {
 	*outbox.Relay
 	sink outbox.Sink
@@ -234,12 +230,4 @@ func (r sinkRelay) Shutdown(ctx context.Context) error {
 		err = errors.Join(err, c.Close(ctx))
 	}
 	return err
-}
-
-// Ready reports the broker connection of a broker sink; nil for the others.
-func (r sinkRelay) Ready(ctx context.Context) error {
-	if c, ok := r.sink.(readyChecker); ok {
-		return c.Ready(ctx)
-	}
-	return nil
 }

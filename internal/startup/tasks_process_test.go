@@ -248,6 +248,8 @@ func TestTasksAndUIConfigErrorsExit78(t *testing.T) {
 		msg  string
 	}{
 		{"ui without password", []string{"APP_UI_ENABLED=true"}, "APP_UI_PASSWORD"},
+		{"ui.addr not an address", []string{"APP_UI_ADDR=9091"}, `APP_UI_ADDR=\"9091\"; want host:port or :port`},
+		{"ui.addr is http.addr", []string{"APP_UI_ADDR=127.0.0.1:0"}, `is APP_HTTP_ADDR too`},
 		{"queue without workers", []string{writeConfig(t, "tasks:\n  queues:\n    mail: {max_workers: 0}\n")}, "tasks.queues.mail.max_workers"},
 		{"unknown queue key", []string{writeConfig(t, "tasks:\n  queues:\n    mail: {workers: 3}\n")}, `tasks.queues.mail: unknown key`},
 		{"kind of unknown type", []string{writeConfig(t, "tasks:\n  kinds:\n    - {name: export, type: ftp}\n")}, `tasks.kinds[0]`},

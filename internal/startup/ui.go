@@ -2,8 +2,6 @@ package startup
 
 import (
 	"context"
-	"crypto/sha256"
-	"crypto/subtle"
 	"log/slog"
 	"net/http"
 	"sync/atomic"
@@ -14,9 +12,14 @@ import (
 	"worker/internal/tasks"
 )
 
-// UIConfig is the `ui:` section: River UI on the ops server.
+// UIConfig is the `ui:` section: River UI, on the ops server or on its own
+// address.
 type UIConfig struct {
-	Enabled  bool   `koanf:"enabled"`
+	Enabled bool `koanf:"enabled"`
+	// Addr, when set, serves the UI there and not on http.addr, so that
+	// /metrics can be open to Prometheus while the UI is reachable only
+	// by operators.
+	Addr     string `koanf:"addr"`
 	Username string `koanf:"username"`
 	Password string `koanf:"password" secret:"password"`
 }
@@ -25,8 +28,8 @@ type UIConfig struct {
 // outside it and open: Prometheus and probes do not authenticate.
 const uiPrefix = "/riverui"
 
-// uiMount is River UI behind basic auth, mounted on the ops server before
-// the database is connected; until then it answers 503 (after auth).
+// uiMount is River UI, mounted before the database is connected; until
+// then it answers 503 (after auth).
 type uiMount struct {
 	handler atomic.Pointer[riverui.Handler]
 	cancel  context.CancelFunc
@@ -64,21 +67,21 @@ func (u *uiMount) Shutdown(context.Context) error {
 	return nil
 }
 
-// basicAuth admits requests carrying the configured user name and password.
-// Both are compared in constant time, through their hashes so that even
-// their lengths do not leak.
-func basicAuth(username, password string, next http.Handler) http.Handler {
-	wantUser, wantPass := sha256.Sum256([]byte(username)), sha256.Sum256([]byte(password))
-	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		u, p, ok := r.BasicAuth()
-		gotUser, gotPass := sha256.Sum256([]byte(u)), sha256.Sum256([]byte(p))
-		userOK := subtle.ConstantTimeCompare(gotUser[:], wantUser[:])
-		passOK := subtle.ConstantTimeCompare(gotPass[:], wantPass[:])
-		if !ok || userOK&passOK != 1 {
-			w.Header().Set("WWW-Authenticate", `Basic realm="worker River UI", charset="UTF-8"`)
-			http.Error(w, "unauthorized", http.StatusUnauthorized)
-			return
-		}
-		next.ServeHTTP(w, r)
-	})
+// guardUI is everything between the network and River UI, outermost
+// first: failed logins slowed per client address, basic auth, an audit
+// line per action, cross-site writes refused, API writes in JSON.
+func guardUI(cfg UIConfig, ui http.Handler, log *slog.Logger) http.Handler {
+	log = log.With("component", "riverui")
+	h := requireJSONWrites(ui)
+	h = http.NewCrossOriginProtection().Handler(h)
+	h = auditActions(h, log)
+	return newLoginGuard(cfg.Username, cfg.Password, log).wrap(h)
+}
+
+// newUIServer is the UI's own server, on ui.addr, with the ops server's
+// limits.
+func newUIServer(addr string, ui http.Handler) *http.Server {
+	mux := http.NewServeMux()
+	mux.Handle(uiPrefix+"/", ui)
+	return newBoundedServer(addr, mux)
 }

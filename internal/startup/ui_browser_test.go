@@ -7,6 +7,7 @@ import (
 	"net/http/httptest"
 	"os"
 	"path/filepath"
+	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -24,7 +25,9 @@ const screenshotEnv = "WORKER_UPDATE_SCREENSHOTS"
 
 // A real browser (headless Chromium) logs in to River UI through the basic
 // auth challenge, opens the job list and finds a dead-lettered task by its
-// kind.
+// kind, retries it from the UI itself, and then, logged in, opens a page
+// on another site whose form posts itself to the UI's cancel API: the
+// worker refuses it and the task stays as it was.
 func TestRiverUIInABrowserShowsDeadLetters(t *testing.T) {
 	t.Parallel()
 	chromium := "/usr/bin/chromium" // Debian's chromium package; .ci/run installs it
@@ -33,7 +36,7 @@ func TestRiverUIInABrowserShowsDeadLetters(t *testing.T) {
 	}
 	db := pgtest.New(t)
 	failing := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		w.WriteHeader(http.StatusServiceUnavailable)
+		w.WriteHeader(http.StatusInternalServerError) // the task's own failure; a 503 would hold it as an outage
 	}))
 	t.Cleanup(failing.Close)
 	const user, password = "ops", "browser-secret"
@@ -127,4 +130,69 @@ func TestRiverUIInABrowserShowsDeadLetters(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Logf("screenshot: %s", path)
+
+	// The UI's own write: Retry on the task's page. River gives a task
+	// without attempts left one more, so max_attempts shows the retry
+	// whatever the run does next.
+	var deadID int64
+	if err := db.Pool.QueryRow(context.Background(), "SELECT id FROM river_job WHERE kind = 'sync-invoices'").Scan(&deadID); err != nil {
+		t.Fatal(err)
+	}
+	err = chromedp.Do(ctx,
+		chromedp.Navigate(fmt.Sprintf("http://%s/riverui/jobs/%d", w.addr, deadID)),
+		chromedp.Click(`//button[contains(., "Retry")]`, chromedp.NodeEnabled),
+	)
+	if err != nil {
+		t.Fatalf("retry from the UI: %v\nworker output:\n%s", err, w.out.String())
+	}
+	testkit.Eventually(t, 15*time.Second, "the retry from the UI to reach the task", func() bool {
+		var maxAttempts int
+		_ = db.Pool.QueryRow(context.Background(), "SELECT max_attempts FROM river_job WHERE id = $1", deadID).Scan(&maxAttempts)
+		return maxAttempts == 2
+	})
+	testkit.Eventually(t, 5*time.Second, "the audit line of the UI's retry", func() bool {
+		return hasAuditLine(w.out.String(), "jobs/retry", http.StatusOK)
+	})
+
+	// Another site's page posts a form to the cancel API while the browser
+	// holds the UI's credentials. text/plain lets a form send JSON.
+	var scheduledID int64
+	if err := db.Pool.QueryRow(context.Background(), `INSERT INTO river_job (args, kind, max_attempts, queue, state, scheduled_at)
+		VALUES ('{}', 'sync-invoices', 1, 'default', 'scheduled', now() + interval '1 day') RETURNING id`).Scan(&scheduledID); err != nil {
+		t.Fatal(err)
+	}
+	evil := httptest.NewServer(http.HandlerFunc(func(rw http.ResponseWriter, _ *http.Request) {
+		rw.Header().Set("Content-Type", "text/html; charset=utf-8")
+		fmt.Fprintf(rw, `<form method="POST" action="http://%s/riverui/api/jobs/cancel" enctype="text/plain">
+<input type="hidden" name='{"ids":["%d"],"x":"' value='"}'></form><script>document.forms[0].submit()</script>`, w.addr, scheduledID)
+	}))
+	t.Cleanup(evil.Close)
+	// localhost against the worker's 127.0.0.1: another site, not just
+	// another origin.
+	evilURL := strings.Replace(evil.URL, "127.0.0.1", "localhost", 1)
+	if err := chromedp.Do(ctx, chromedp.Navigate(evilURL)); err != nil {
+		t.Fatal(err)
+	}
+	testkit.Eventually(t, 15*time.Second, "the cross-site post to reach the worker and be refused", func() bool {
+		return hasAuditLine(w.out.String(), "jobs/cancel", http.StatusForbidden)
+	})
+	var state string
+	if err := db.Pool.QueryRow(context.Background(), "SELECT state FROM river_job WHERE id = $1", scheduledID).Scan(&state); err != nil || state != "scheduled" {
+		t.Errorf("after the cross-site post the task is %q (%v), want scheduled", state, err)
+	}
+	if hasAuditLine(w.out.String(), "jobs/cancel", http.StatusOK) {
+		t.Error("a cross-site cancel was carried out")
+	}
+}
+
+// hasAuditLine reports whether the worker logged River UI's action with
+// this HTTP status.
+func hasAuditLine(out, action string, status int) bool {
+	for line := range strings.SplitSeq(out, "\n") {
+		if strings.Contains(line, `"msg":"river UI action"`) && strings.Contains(line, `"action":"`+action+`"`) &&
+			strings.Contains(line, fmt.Sprintf(`"status":%d`, status)) {
+			return true
+		}
+	}
+	return false
 }
