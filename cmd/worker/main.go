@@ -1,12 +1,11 @@
-// Command worker runs fixed-delay jobs and a transactional-outbox relay.
+// Command worker runs fixed-delay jobs, the transactional-outbox relay and
+// background tasks beside PostgreSQL.
 package main
 
 import (
 	"os"
 
-	"worker/internal/startup"
+	"worker"
 )
 
-func main() {
-	os.Exit(startup.Main(os.Args[1:], os.Stdout, os.Stderr, os.Environ()))
-}
+func main() { os.Exit(worker.Run(os.Args[1:])) }

@@ -2,6 +2,7 @@ package outbox
 
 import (
 	"context"
+	"database/sql"
 	"encoding/json"
 	"errors"
 	"time"
@@ -38,6 +39,20 @@ RETURNING event_id::text`
 // the transaction short after appending, and append to several aggregates in
 // a consistent order.
 func Append(ctx context.Context, tx pgx.Tx, e NewEvent) (eventID string, err error) {
+	return appendWith(e, func(args ...any) scanner { return tx.QueryRow(ctx, appendSQL, args...) })
+}
+
+// AppendStd is Append for a database/sql transaction (through pgx's
+// stdlib driver or any other PostgreSQL driver), with the same rules.
+func AppendStd(ctx context.Context, tx *sql.Tx, e NewEvent) (eventID string, err error) {
+	return appendWith(e, func(args ...any) scanner { return tx.QueryRowContext(ctx, appendSQL, args...) })
+}
+
+// scanner is the row that pgx and database/sql both return.
+type scanner interface{ Scan(dest ...any) error }
+
+// appendWith checks e and runs appendSQL through query.
+func appendWith(e NewEvent, query func(args ...any) scanner) (eventID string, err error) {
 	if err := e.validate(); err != nil {
 		return "", err
 	}
@@ -55,7 +70,7 @@ func Append(ctx context.Context, tx pgx.Tx, e NewEvent) (eventID string, err err
 	if !e.OccurredAt.IsZero() {
 		occurred = e.OccurredAt
 	}
-	err = tx.QueryRow(ctx, appendSQL, e.AggregateType, e.AggregateID, e.EventType,
+	err = query(e.AggregateType, e.AggregateID, e.EventType,
 		string(e.Payload), id, headers, occurred).Scan(&eventID)
 	return eventID, asRuleError(err)
 }

@@ -34,6 +34,8 @@ type cmdEnv struct {
 	Stderr     io.Writer
 	Environ    []string
 
+	ext Extensions // what an embedding program adds
+
 	log *slog.Logger // set once the command has built its logger
 	cfg *Config      // set once an operator command has loaded its configuration
 }
@@ -65,6 +67,10 @@ type cli struct {
 
 // Main parses args, runs the chosen command and returns the exit code.
 func Main(args []string, stdout, stderr io.Writer, environ []string) int {
+	return run(Extensions{}, args, stdout, stderr, environ)
+}
+
+func run(ext Extensions, args []string, stdout, stderr io.Writer, environ []string) int {
 	var c cli
 	exited := -1
 	parser, err := kong.New(&c,
@@ -83,7 +89,7 @@ func Main(args []string, stdout, stderr io.Writer, environ []string) int {
 	if exited >= 0 {
 		return exited
 	}
-	e := &cmdEnv{ConfigPath: c.Config, Stdout: stdout, Stderr: stderr, Environ: environ}
+	e := &cmdEnv{ConfigPath: c.Config, Stdout: stdout, Stderr: stderr, Environ: environ, ext: ext}
 	if err != nil {
 		// One log line like every other failure, so it carries instance_id
 		// and reaches a log pipeline in the configured format. kong may
@@ -155,7 +161,7 @@ func (versionCmd) Run(e *cmdEnv) error {
 type configPrintCmd struct{}
 
 func (configPrintCmd) Run(e *cmdEnv) error {
-	cfg, err := LoadConfig(e.ConfigPath, e.Environ)
+	cfg, err := e.loadConfig()
 	if err != nil {
 		return err
 	}
@@ -375,4 +381,9 @@ func checkJSONArg(flag, value string, object bool) error {
 func isDataException(err error) bool {
 	var pgErr *pgconn.PgError
 	return errors.As(err, &pgErr) && strings.HasPrefix(pgErr.Code, "22")
+}
+
+// loadConfig is LoadConfig with the command's extensions.
+func (e *cmdEnv) loadConfig() (*Config, error) {
+	return loadConfig(e.ConfigPath, e.Environ, e.ext)
 }

@@ -70,6 +70,8 @@ type Config struct {
 	// derived one, so `config print` can say how rather than show a value
 	// that changes on every call.
 	instanceIDDerived bool
+	// ext is what an embedding program adds (jobs, task kinds, sinks).
+	ext Extensions
 	// misspeltEnv names APP_* variables that are no setting but nearly
 	// one: the logger warns about each, since the setting meant was not
 	// applied.
@@ -163,6 +165,12 @@ func configFile(path string) string {
 // --config or APP_CONFIG_FILE ("" means DefaultConfigFile if it exists);
 // environ is os.Environ() in production.
 func LoadConfig(path string, environ []string) (*Config, error) {
+	return loadConfig(path, environ, Extensions{})
+}
+
+// loadConfig is LoadConfig for a program that adds ext: its sinks are
+// values of outbox.sink, and its job names are taken.
+func loadConfig(path string, environ []string, ext Extensions) (*Config, error) {
 	all := settings()
 	defaults := make(map[string]any, len(all))
 	envToKey := make(map[string]string, len(all))
@@ -237,6 +245,7 @@ func LoadConfig(path string, environ []string) (*Config, error) {
 	if err := k.UnmarshalWithConf("", &cfg, koanf.UnmarshalConf{DecoderConfig: dec}); err != nil {
 		return nil, configErrorf("%w", err)
 	}
+	cfg.ext = ext
 	if cfg.Instance.ID == "" {
 		cfg.Instance.ID = defaultInstanceID()
 		cfg.instanceIDDerived = true
@@ -434,7 +443,7 @@ func (c *Config) validate(source func(string) string) error {
 		return configErrorf("%s=%d must exceed %s=%d: each relay loop holds a connection while there is backlog, and jobs and leases need one too",
 			source("database.max_conns"), c.Database.MaxConns, source("outbox.relays"), c.Outbox.Relays)
 	}
-	if err := validateSink(c.Outbox); err != nil {
+	if err := validateSink(c.Outbox, c.ext); err != nil {
 		return err
 	}
 	if err := c.Tasks.Validate(); err != nil {
@@ -457,6 +466,7 @@ func (c *Config) validateJobs(source func(string) string) error {
 	for _, sp := range jobs.Builtin(nil) {
 		reserved = append(reserved, sp.Job.Name())
 	}
+	reserved = append(reserved, c.ext.jobNames()...)
 	for i, d := range c.Jobs {
 		if slices.Contains(reserved, d.Name) {
 			errs = append(errs, fmt.Errorf("jobs[%d] %q: name is taken by a job built into the worker (%s); choose another",

@@ -37,7 +37,7 @@ func (c healthcheckCmd) Run(e *cmdEnv) error {
 }
 
 func (c healthcheckCmd) check(e *cmdEnv) error {
-	cfg, err := LoadConfig(e.ConfigPath, e.Environ)
+	cfg, err := e.loadConfig()
 	if err != nil {
 		return err
 	}

@@ -52,7 +52,7 @@ func tuneGC() {
 
 func (runCmd) Run(e *cmdEnv) error {
 	tuneGC()
-	cfg, err := LoadConfig(e.ConfigPath, e.Environ)
+	cfg, err := e.loadConfig()
 	if err != nil {
 		return err
 	}
@@ -298,7 +298,7 @@ func (migrateCmd) Run(e *cmdEnv) error {
 // withPool runs an operator command that needs only the database: load the
 // configuration, connect (bounded, like run), call f, close.
 func withPool(e *cmdEnv, f func(ctx context.Context, pool *pgxpool.Pool, log *slog.Logger) error) error {
-	cfg, err := LoadConfig(e.ConfigPath, e.Environ)
+	cfg, err := e.loadConfig()
 	if err != nil {
 		return err
 	}

@@ -126,10 +126,16 @@ var sinkKinds = map[string]sinkKind{
 // validateSink checks outbox.sink and its section. A claim transaction
 // starts publishes only in the first 45% of in_flight_timeout and cancels
 // them at 90%, so every sink's publish must fit in it.
-func validateSink(c outbox.Config) error {
+// A custom sink (ext) has no section of its own; it must honour the
+// publish context's deadline.
+func validateSink(c outbox.Config, ext Extensions) error {
+	if _, ok := ext.Sinks[c.Sink]; ok {
+		return nil
+	}
 	kind, ok := sinkKinds[c.Sink]
 	if !ok {
-		return configErrorf("outbox.sink=%q: want one of %s", c.Sink, strings.Join(slices.Sorted(maps.Keys(sinkKinds)), ", "))
+		names := slices.Concat(slices.Collect(maps.Keys(sinkKinds)), slices.Collect(maps.Keys(ext.Sinks)))
+		return configErrorf("outbox.sink=%q: want one of %s", c.Sink, strings.Join(slices.Sorted(slices.Values(names)), ", "))
 	}
 	if err := kind.validate(c); err != nil {
 		var ce *ConfigError
@@ -147,6 +153,9 @@ func validateSink(c outbox.Config) error {
 
 // newSink builds the configured sink (connected, for a broker).
 func newSink(ctx context.Context, cfg *Config, stdout io.Writer, log *slog.Logger) (outbox.Sink, error) {
+	if custom, ok := cfg.ext.Sinks[cfg.Outbox.Sink]; ok {
+		return custom(ctx)
+	}
 	return sinkKinds[cfg.Outbox.Sink].new(ctx, sinkEnv{cfg: cfg, stdout: stdout, log: log})
 }
 

@@ -35,7 +35,12 @@ func newTaskRuntime(cfg *Config, pool *pgxpool.Pool, log *slog.Logger, reg prome
 		InstanceID: cfg.Instance.ID,
 		Logger:     log,
 		Registerer: reg,
-		Register:   registerGoTasks,
+		Register: func(r *tasks.Registry) error {
+			if err := registerGoTasks(r); err != nil || cfg.ext.Tasks == nil {
+				return err
+			}
+			return cfg.ext.Tasks(r)
+		},
 	})
 	var ce *tasks.ConfigError
 	if errors.As(err, &ce) {

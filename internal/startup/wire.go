@@ -32,6 +32,9 @@ func wire(ctx context.Context, cfg *Config, pool *pgxpool.Pool, log *slog.Logger
 		locker lock.Locker
 		specs  = jobs.Builtin(pool)
 	)
+	if cfg.ext.Jobs != nil {
+		specs = append(specs, cfg.ext.Jobs(pool)...)
+	}
 	switch cfg.Lock.Provider {
 	case ProviderPostgres:
 		// Leases get a pool of their own: a renewal must never wait for a

@@ -1,0 +1,63 @@
+package startup
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"maps"
+	"slices"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"worker/internal/jobs"
+	"worker/internal/outbox"
+	"worker/internal/tasks"
+)
+
+// Extensions are what a program that embeds the worker adds in Go: jobs,
+// task kinds and outbox sinks. The zero value adds nothing, which is what
+// the stock binary runs.
+type Extensions struct {
+	// Jobs returns the program's Go jobs, beside jobs.Builtin. It is called
+	// with nil to learn their names while the configuration is checked.
+	Jobs func(pool *pgxpool.Pool) []jobs.Spec
+	// Tasks registers the program's Go task kinds.
+	Tasks func(*tasks.Registry) error
+	// Sinks are outbox sinks by the outbox.sink name that selects them.
+	// new is called once, when the relay starts.
+	Sinks map[string]func(ctx context.Context) (outbox.Sink, error)
+}
+
+// check refuses extensions that clash with what the worker has built in,
+// before any configuration is read: a programming mistake, not an
+// operator's, but reported like a configuration error (exit 78).
+func (x Extensions) check() error {
+	for _, name := range slices.Sorted(maps.Keys(x.Sinks)) {
+		if _, ok := sinkKinds[name]; ok {
+			return configErrorf("sink %q is built into the worker; give the custom sink another name", name)
+		}
+	}
+	return nil
+}
+
+// jobNames are the names of the program's Go jobs.
+func (x Extensions) jobNames() []string {
+	if x.Jobs == nil {
+		return nil
+	}
+	var names []string
+	for _, sp := range x.Jobs(nil) {
+		names = append(names, sp.Job.Name())
+	}
+	return names
+}
+
+// MainWith is Main for a program that embeds the worker: the same
+// commands, configuration, exit codes and signals, plus ext.
+func MainWith(ext Extensions, args []string, stdout, stderr io.Writer, environ []string) int {
+	if err := ext.check(); err != nil {
+		fmt.Fprintln(stderr, "worker:", err)
+		return ExitConfig
+	}
+	return run(ext, args, stdout, stderr, environ)
+}

@@ -1,0 +1,39 @@
+// Package tasks enqueues the worker's background tasks from Go, in the
+// caller's own transaction.
+//
+// Tasks are River jobs: a Go task kind is a river.Worker[T] added to an
+// embedding program with worker.WithTaskKind, and its args type T is what
+// Enqueue takes. Configured kinds (http, sql) and other languages enqueue
+// through SQL (docs/tasks.md).
+package tasks
+
+import (
+	"context"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/riverqueue/river"
+	"github.com/riverqueue/river/rivertype"
+
+	itasks "worker/internal/tasks"
+)
+
+// Enqueue inserts a task in tx through River's InsertTx: it becomes
+// visible, and runs, once tx commits, and never if tx rolls back.
+//
+// The queue and max_attempts default to the kind's configuration
+// (tasks.kinds); opts and the args' own InsertOpts win. When the queue's
+// backlog is at its max_backlog the task is refused with a
+// *RejectedError, and a kind name River cannot run is a *KindNameError.
+// opts may be nil.
+func Enqueue(ctx context.Context, tx pgx.Tx, args river.JobArgs, opts *river.InsertOpts) (*rivertype.JobInsertResult, error) {
+	return itasks.Enqueue(ctx, tx, args, opts)
+}
+
+// RejectedError is an enqueue refused because the queue's backlog is at
+// its max_backlog (error code JOB_EXECUTOR_REJECTED). The statement failed,
+// so tx is aborted: roll it back and retry later.
+type RejectedError = itasks.RejectedError
+
+// KindNameError is a task kind name River refuses (the args' Kind()): a kind
+// River could never run or store.
+type KindNameError = itasks.KindNameError

@@ -1,0 +1,155 @@
+// Package worker embeds the worker daemon in a Go program: the same
+// daemon as the stock binary (scheduled jobs with distributed leases, the
+// transactional-outbox relay, River background tasks), plus Go jobs, Go
+// task kinds and custom outbox sinks.
+//
+// A program's main is
+//
+//	func main() {
+//		os.Exit(worker.Run(os.Args[1:],
+//			worker.WithJob(worker.Job{Name: "refresh-report", Delay: time.Minute, Run: refresh}),
+//			worker.WithTaskKind(&SendReceiptWorker{}),
+//			worker.WithSink("audit", newAuditSink),
+//		))
+//	}
+//
+// Everything else (configuration, exit codes, signals, the ops HTTP
+// server, the operator commands) is the stock binary's: docs/embedding.md
+// says when to embed and when to run the stock binary. Producers write
+// events and tasks with the outbox and tasks packages.
+package worker
+
+import (
+	"context"
+	"os"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/riverqueue/river"
+
+	ijobs "worker/internal/jobs"
+	ioutbox "worker/internal/outbox"
+	"worker/internal/startup"
+	itasks "worker/internal/tasks"
+	"worker/outbox"
+)
+
+// Run runs the worker with the command line args (os.Args[1:] in a main)
+// exactly as cmd/worker does: the same commands, configuration
+// (configs/worker.yaml and APP_* variables), SIGTERM and SIGINT handling,
+// and logs. It returns the process's exit code (0 for a clean shutdown,
+// 78 for invalid configuration, and so on; see the README), for os.Exit.
+// opts add Go jobs, Go task kinds and outbox sinks.
+func Run(args []string, opts ...Option) int {
+	var ext startup.Extensions
+	for _, o := range opts {
+		o.apply(&ext)
+	}
+	return startup.MainWith(ext, args, os.Stdout, os.Stderr, os.Environ())
+}
+
+// Option adds a Go job, a Go task kind or an outbox sink to Run.
+type Option struct {
+	apply func(*startup.Extensions)
+}
+
+// Job is a scheduled job written in Go. It runs like a configured job: on a
+// fixed delay, never overlapping itself, and, with
+// APP_MULTI_INSTANCE_ENABLED=true, under the lease job:<Name>, so that one
+// replica at a time runs it cluster-wide.
+type Job struct {
+	// Name identifies the job in logs, metrics and its lease. Required,
+	// unique among all jobs.
+	Name string
+	// Delay is the rest between the end of one run and the start of the
+	// next, cluster-wide. Required.
+	Delay time.Duration
+	// InitialDelay holds this replica's first run back after start.
+	InitialDelay time.Duration
+	// Timeout bounds one run; 0 means 5 minutes.
+	Timeout time.Duration
+	// LeaseTTL is the ttl of the job's lease; 0 means lock.lease_ttl.
+	LeaseTTL time.Duration
+	// Run does one run. ctx is cancelled when the run times out, when its
+	// lease is lost, and at the end of the shutdown budget. A job that
+	// writes to the worker's database does so through InTx.
+	Run func(ctx context.Context) error
+}
+
+// WithJob adds a Go job.
+func WithJob(j Job) Option {
+	return Option{func(x *startup.Extensions) {
+		prev := x.Jobs
+		x.Jobs = func(pool *pgxpool.Pool) []ijobs.Spec {
+			var specs []ijobs.Spec
+			if prev != nil {
+				specs = prev(pool)
+			}
+			run := func(ctx context.Context) error { return j.Run(context.WithValue(ctx, poolKey{}, pool)) }
+			return append(specs, ijobs.Spec{
+				Job:   ijobs.Func(j.Name, run),
+				Delay: j.Delay, InitialDelay: j.InitialDelay, Timeout: j.Timeout, LeaseTTL: j.LeaseTTL,
+			})
+		}
+	}}
+}
+
+type poolKey struct{}
+
+// InTx runs fn in a transaction on the worker's database, fenced by the
+// current run's lease, and commits it: a run that lost its lease (a pause,
+// a network cut) never commits after another replica took the job over.
+// ctx must be the context Job.Run received (or derived from it); fn must
+// use ctx for its statements and must not commit or roll back tx itself.
+// Inside tx, current_setting('worker.fencing_token') is the lease's
+// fencing token, greater than that of any earlier run of the job.
+//
+// A COMMIT that got no answer returns an error wrapping ErrCommitUnknown.
+func InTx(ctx context.Context, fn func(tx pgx.Tx) error) error {
+	pool, _ := ctx.Value(poolKey{}).(*pgxpool.Pool)
+	if pool == nil {
+		return errNoJobRun
+	}
+	return ijobs.InTx(ctx, pool, fn)
+}
+
+// ErrCommitUnknown is wrapped by InTx's error when the COMMIT was sent but
+// no answer came back: the writes may or may not be in.
+var ErrCommitUnknown = ijobs.ErrCommitUnknown
+
+// WithTaskKind adds a Go task kind: River runs w for tasks whose args are
+// a T, enqueued with tasks.Enqueue. Its retries, dead letters, queue and
+// concurrency follow the kind's entry in tasks.kinds, or the defaults.
+func WithTaskKind[T river.JobArgs](w river.Worker[T]) Option {
+	return Option{func(x *startup.Extensions) {
+		prev := x.Tasks
+		x.Tasks = func(r *itasks.Registry) error {
+			if prev != nil {
+				if err := prev(r); err != nil {
+					return err
+				}
+			}
+			return itasks.AddWorker(r, w)
+		}
+	}}
+}
+
+// WithSink adds an outbox sink, selected with outbox.sink=name
+// (APP_OUTBOX_SINK). newSink is called once, when the relay starts; an
+// error stops the worker. name must not be a built-in sink's (log,
+// webhook, nats, rabbitmq, kafka, river).
+func WithSink(name string, newSink func(ctx context.Context) (outbox.Sink, error)) Option {
+	return Option{func(x *startup.Extensions) {
+		if x.Sinks == nil {
+			x.Sinks = map[string]func(context.Context) (ioutbox.Sink, error){}
+		}
+		x.Sinks[name] = func(ctx context.Context) (ioutbox.Sink, error) {
+			s, err := newSink(ctx)
+			if err != nil {
+				return nil, err
+			}
+			return portSink{s}, nil
+		}
+	}}
+}
