@@ -44,8 +44,8 @@ func TestPublicAPI(t *testing.T) {
 		t.Fatal(err)
 	}
 	if added, removed := diffLines(strings.Split(string(want), "\n"), got); len(added)+len(removed) > 0 {
-		t.Errorf("the public API changed; if that is intended, run `go test -run TestPublicAPI . -update-api` and commit api.txt\nadded:\n\t%s\nremoved:\n\t%s",
-			strings.Join(added, "\n\t"), strings.Join(removed, "\n\t"))
+		t.Errorf("the public API changed; if that is intended, run `go test -run TestPublicAPI . -update-api` and commit api.txt\nadded:%s\nremoved:%s",
+			listed(added), listed(removed))
 	}
 }
 
@@ -238,6 +238,14 @@ func stripComments(d *ast.GenDecl) *ast.GenDecl {
 		return true
 	})
 	return d
+}
+
+// listed is lines as an indented list, or " none".
+func listed(lines []string) string {
+	if len(lines) == 0 {
+		return " none"
+	}
+	return "\n\t" + strings.Join(lines, "\n\t")
 }
 
 // diffLines returns the lines only in got (added) and only in want

@@ -1,0 +1,61 @@
+package startup
+
+import (
+	"bytes"
+	"context"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"worker/internal/jobs"
+	"worker/internal/outbox"
+)
+
+func testExtensions() Extensions {
+	return Extensions{
+		Jobs: func(*pgxpool.Pool) []jobs.Spec {
+			return []jobs.Spec{{Job: jobs.Func("refresh-cache", func(context.Context) error { return nil }), Delay: time.Minute}}
+		},
+		Sinks: map[string]func(context.Context) (outbox.Sink, error){
+			"audit": func(context.Context) (outbox.Sink, error) { return outbox.NewLogSink(&bytes.Buffer{}), nil },
+		},
+	}
+}
+
+// A program's sink is a value of outbox.sink, and only in that program.
+func TestExtensionSinkIsAnOutboxSink(t *testing.T) {
+	env := []string{"APP_OUTBOX_SINK=audit"}
+	cfg, err := loadConfig(writeFile(t, "{}\n"), env, testExtensions())
+	if err != nil {
+		t.Fatal(err)
+	}
+	s, err := newSink(context.Background(), cfg, nil, nil)
+	if err != nil || s == nil {
+		t.Fatalf("newSink = %v, %v; want the program's sink", s, err)
+	}
+	_, err = LoadConfig(writeFile(t, "{}\n"), env)
+	if ExitCode(err) != ExitConfig || !strings.Contains(err.Error(), `"audit"`) {
+		t.Fatalf("stock worker with outbox.sink=audit: %v, want exit 78 naming it", err)
+	}
+}
+
+// A program's job names are taken, like the built-in ones: the name is
+// the lease key.
+func TestExtensionJobNameIsTaken(t *testing.T) {
+	path := writeFile(t, "jobs:\n  - name: refresh-cache\n    kind: sql\n    delay: 1m\n    sql: SELECT 1\n")
+	_, err := loadConfig(path, nil, testExtensions())
+	if ExitCode(err) != ExitConfig || !strings.Contains(err.Error(), "refresh-cache") {
+		t.Fatalf("configured job named like a Go job: %v, want exit 78 naming it", err)
+	}
+}
+
+// A program cannot replace a built-in sink.
+func TestExtensionSinkCannotShadowABuiltIn(t *testing.T) {
+	var stderr bytes.Buffer
+	ext := Extensions{Sinks: map[string]func(context.Context) (outbox.Sink, error){outbox.SinkWebhook: nil}}
+	if code := MainWith(ext, []string{"version"}, &bytes.Buffer{}, &stderr, nil); code != ExitConfig || !strings.Contains(stderr.String(), `"webhook"`) {
+		t.Fatalf("exit %d, stderr %q; want 78 naming the sink", code, stderr.String())
+	}
+}
