@@ -19,7 +19,7 @@ COPY . .
 ARG VERSION=dev
 ARG REVISION=
 RUN CGO_ENABLED=0 go build -trimpath \
-    -ldflags "-s -w -X worker/internal/startup.Version=${VERSION} -X worker/internal/startup.Revision=${REVISION}" \
+    -ldflags "-s -w -X github.com/worker-dev/worker/internal/startup.Version=${VERSION} -X github.com/worker-dev/worker/internal/startup.Revision=${REVISION}" \
     -o /out/worker ./cmd/worker
 
 FROM gcr.io/distroless/static-debian12:nonroot

@@ -10,8 +10,8 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/riverqueue/river"
 
-	"worker"
-	"worker/outbox"
+	"github.com/worker-dev/worker"
+	"github.com/worker-dev/worker/outbox"
 )
 
 // A program that embeds the worker: the stock daemon plus one Go job, one

@@ -1,4 +1,4 @@
-module worker
+module github.com/worker-dev/worker
 
 go 1.26.8
 

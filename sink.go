@@ -4,8 +4,8 @@ import (
 	"context"
 	"errors"
 
-	ioutbox "worker/internal/outbox"
-	"worker/outbox"
+	ioutbox "github.com/worker-dev/worker/internal/outbox"
+	"github.com/worker-dev/worker/outbox"
 )
 
 var errNoJobRun = errors.New("worker: InTx needs the context of a Go job's run, whose lease fences the transaction")

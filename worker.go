@@ -28,11 +28,11 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/riverqueue/river"
 
-	ijobs "worker/internal/jobs"
-	ioutbox "worker/internal/outbox"
-	"worker/internal/startup"
-	itasks "worker/internal/tasks"
-	"worker/outbox"
+	ijobs "github.com/worker-dev/worker/internal/jobs"
+	ioutbox "github.com/worker-dev/worker/internal/outbox"
+	"github.com/worker-dev/worker/internal/startup"
+	itasks "github.com/worker-dev/worker/internal/tasks"
+	"github.com/worker-dev/worker/outbox"
 )
 
 // Run runs the worker with the command line args (os.Args[1:] in a main)

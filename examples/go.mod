@@ -5,7 +5,7 @@ go 1.26.8
 require (
 	github.com/jackc/pgx/v5 v5.12.0
 	github.com/riverqueue/river v0.51.2
-	worker v0.0.0
+	github.com/worker-dev/worker v0.0.0
 )
 
 require (
@@ -75,4 +75,4 @@ require (
 
 // The worker from this repository. A team using a published version
 // requires its module path and version instead and drops the replace.
-replace worker => ../
+replace github.com/worker-dev/worker => ../

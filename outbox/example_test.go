@@ -10,7 +10,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 
-	"worker/outbox"
+	"github.com/worker-dev/worker/outbox"
 )
 
 // An order and its event, in one transaction: the event exists exactly

@@ -22,7 +22,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 
-	ioutbox "worker/internal/outbox"
+	ioutbox "github.com/worker-dev/worker/internal/outbox"
 )
 
 // Event is what a producer appends. The first four fields are required;

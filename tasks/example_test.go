@@ -8,7 +8,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/riverqueue/river"
 
-	"worker/tasks"
+	"github.com/worker-dev/worker/tasks"
 )
 
 type ReceiptArgs struct {

@@ -14,7 +14,7 @@ import (
 	"github.com/riverqueue/river"
 	"github.com/riverqueue/river/rivertype"
 
-	itasks "worker/internal/tasks"
+	itasks "github.com/worker-dev/worker/internal/tasks"
 )
 
 // Enqueue inserts a task in tx through River's InsertTx: it becomes

@@ -5,7 +5,7 @@ package main
 import (
 	"os"
 
-	"worker"
+	"github.com/worker-dev/worker"
 )
 
 func main() { os.Exit(worker.Run(os.Args[1:])) }

@@ -17,8 +17,8 @@ import (
 
 	"github.com/jackc/pgx/v5/pgxpool"
 
-	"worker"
-	"worker/outbox"
+	"github.com/worker-dev/worker"
+	"github.com/worker-dev/worker/outbox"
 )
 
 func main() { os.Exit(run()) }

@@ -11,9 +11,9 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/riverqueue/river"
 
-	"worker"
-	"worker/outbox"
-	"worker/tasks"
+	"github.com/worker-dev/worker"
+	"github.com/worker-dev/worker/outbox"
+	"github.com/worker-dev/worker/tasks"
 )
 
 // api is the shop's HTTP API:

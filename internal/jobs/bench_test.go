@@ -7,8 +7,8 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus/testutil"
 
-	"worker/internal/lock"
-	"worker/internal/pgtest"
+	"github.com/worker-dev/worker/internal/lock"
+	"github.com/worker-dev/worker/internal/pgtest"
 )
 
 // BenchmarkRunOverhead measures what the scheduler adds around one run of a

@@ -5,7 +5,7 @@ import (
 	"sync/atomic"
 	"time"
 
-	"worker/internal/lock"
+	"github.com/worker-dev/worker/internal/lock"
 )
 
 // Job is one unit of scheduled work. Run must honour ctx: it is cancelled

@@ -11,7 +11,7 @@ import (
 	"testing"
 	"time"
 
-	"worker/internal/pgtest"
+	"github.com/worker-dev/worker/internal/pgtest"
 )
 
 func TestHTTPJob(t *testing.T) {

@@ -11,8 +11,8 @@ import (
 	"github.com/go-co-op/gocron/v2"
 	"github.com/google/uuid"
 
-	"worker/internal/lock"
-	"worker/internal/obs"
+	"github.com/worker-dev/worker/internal/lock"
+	"github.com/worker-dev/worker/internal/obs"
 )
 
 // How one attempt runs. gocron drives it; the lease is gocron's

@@ -14,7 +14,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/prometheus/client_golang/prometheus"
 
-	"worker/internal/lock"
+	"github.com/worker-dev/worker/internal/lock"
 )
 
 // Options configures a Scheduler.

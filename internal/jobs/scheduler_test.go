@@ -12,10 +12,10 @@ import (
 	"github.com/google/uuid"
 	"github.com/prometheus/client_golang/prometheus"
 
-	"worker/internal/lock"
-	"worker/internal/obs"
-	"worker/internal/pgtest"
-	"worker/internal/testkit"
+	"github.com/worker-dev/worker/internal/lock"
+	"github.com/worker-dev/worker/internal/obs"
+	"github.com/worker-dev/worker/internal/pgtest"
+	"github.com/worker-dev/worker/internal/testkit"
 )
 
 func TestFixedDelayNoOverlap(t *testing.T) {

@@ -15,7 +15,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
-	"worker/internal/pgtest"
+	"github.com/worker-dev/worker/internal/pgtest"
 )
 
 // A COMMIT that never gets an answer is reported as such: the run cannot

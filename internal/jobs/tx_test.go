@@ -9,10 +9,10 @@ import (
 
 	"github.com/jackc/pgx/v5"
 
-	"worker/internal/lock"
-	"worker/internal/obs"
-	"worker/internal/pgtest"
-	"worker/internal/testkit"
+	"github.com/worker-dev/worker/internal/lock"
+	"github.com/worker-dev/worker/internal/obs"
+	"github.com/worker-dev/worker/internal/pgtest"
+	"github.com/worker-dev/worker/internal/testkit"
 )
 
 func createTable(t *testing.T, db *pgtest.DB, ddl string) {

@@ -8,7 +8,7 @@ import (
 
 	"github.com/jackc/pgx/v5/pgxpool"
 
-	"worker/internal/pgtest"
+	"github.com/worker-dev/worker/internal/pgtest"
 )
 
 // Run with

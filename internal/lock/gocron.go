@@ -10,7 +10,7 @@ import (
 	"github.com/go-co-op/gocron/v2"
 	"github.com/prometheus/client_golang/prometheus"
 
-	"worker/internal/obs"
+	"github.com/worker-dev/worker/internal/obs"
 )
 
 // unlockTimeout bounds the release gocron asks for after a run. It runs on

@@ -10,8 +10,8 @@ import (
 	"github.com/go-co-op/gocron/v2"
 	"github.com/prometheus/client_golang/prometheus"
 
-	"worker/internal/pgtest"
-	"worker/internal/testkit"
+	"github.com/worker-dev/worker/internal/pgtest"
+	"github.com/worker-dev/worker/internal/testkit"
 )
 
 func newAdapter(t *testing.T, l Locker, ttl time.Duration) (*GocronLocker, *prometheus.Registry) {

@@ -5,7 +5,7 @@ import (
 	"testing"
 	"time"
 
-	"worker/internal/testkit"
+	"github.com/worker-dev/worker/internal/testkit"
 
 	"github.com/prometheus/client_golang/prometheus"
 )

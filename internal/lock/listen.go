@@ -3,7 +3,7 @@ package lock
 import (
 	"context"
 
-	"worker/internal/pglisten"
+	"github.com/worker-dev/worker/internal/pglisten"
 )
 
 // listen keeps one dedicated connection LISTENing on notifyChannel and fans

@@ -18,7 +18,7 @@ import (
 	"github.com/riverqueue/river/riverdriver/riverpgxv5"
 	"github.com/riverqueue/river/rivermigrate"
 
-	"worker/migrations"
+	"github.com/worker-dev/worker/migrations"
 )
 
 // Up applies every pending migration: the worker's own (goose), then

@@ -6,8 +6,8 @@ import (
 	"sync"
 	"testing"
 
-	"worker/internal/migrate"
-	"worker/internal/pgtest"
+	"github.com/worker-dev/worker/internal/migrate"
+	"github.com/worker-dev/worker/internal/pgtest"
 )
 
 // Three "replicas" migrate one empty database at once: all succeed, each

@@ -8,7 +8,7 @@ import (
 
 	"github.com/jackc/pgx/v5/stdlib"
 
-	"worker/internal/pgtest"
+	"github.com/worker-dev/worker/internal/pgtest"
 )
 
 // AppendStd writes through database/sql what Append writes through pgx,

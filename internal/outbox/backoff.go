@@ -4,7 +4,7 @@ import (
 	"errors"
 	"time"
 
-	"worker/internal/obs"
+	"github.com/worker-dev/worker/internal/obs"
 )
 
 // backoff is the full-jitter backoff the outbox shares with tasks.

@@ -24,8 +24,8 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/valyala/fasthttp"
 
-	"worker/internal/pgtest"
-	"worker/internal/testkit"
+	"github.com/worker-dev/worker/internal/pgtest"
+	"github.com/worker-dev/worker/internal/testkit"
 )
 
 // The harness of the relay benchmarks: a backlog copied back before every
@@ -214,7 +214,7 @@ func workerBinary(tb testing.TB) string {
 		}
 	}
 	path := filepath.Join(tb.TempDir(), "worker")
-	if out, err := osexec.Command("go", "build", "-o", path, "worker/cmd/worker").CombinedOutput(); err != nil {
+	if out, err := osexec.Command("go", "build", "-o", path, "github.com/worker-dev/worker/cmd/worker").CombinedOutput(); err != nil {
 		tb.Fatalf("build worker: %v\n%s", err, out)
 	}
 	workerBin.path = path

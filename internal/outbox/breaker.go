@@ -7,7 +7,7 @@ import (
 	"sync/atomic"
 	"time"
 
-	"worker/internal/obs"
+	"github.com/worker-dev/worker/internal/obs"
 )
 
 // An outage of the sink is not the events' fault. When a publish says the

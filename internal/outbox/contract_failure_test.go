@@ -10,10 +10,10 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 
-	"worker/internal/obs"
-	"worker/internal/outbox"
-	"worker/internal/pgtest"
-	"worker/internal/testkit"
+	"github.com/worker-dev/worker/internal/obs"
+	"github.com/worker-dev/worker/internal/outbox"
+	"github.com/worker-dev/worker/internal/pgtest"
+	"github.com/worker-dev/worker/internal/testkit"
 )
 
 // Event types the failing sink reacts to.

@@ -18,9 +18,9 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/prometheus/client_golang/prometheus"
 
-	"worker/internal/obs"
-	"worker/internal/outbox"
-	"worker/internal/testkit"
+	"github.com/worker-dev/worker/internal/obs"
+	"github.com/worker-dev/worker/internal/outbox"
+	"github.com/worker-dev/worker/internal/testkit"
 )
 
 // contractAggregateType is the aggregate_type of every event the contract

@@ -18,12 +18,12 @@ import (
 	"github.com/pressly/goose/v3"
 	"github.com/prometheus/client_golang/prometheus"
 
-	"worker/internal/migrate"
-	"worker/internal/obs"
-	"worker/internal/outbox"
-	"worker/internal/pgtest"
-	"worker/internal/testkit"
-	"worker/migrations"
+	"github.com/worker-dev/worker/internal/migrate"
+	"github.com/worker-dev/worker/internal/obs"
+	"github.com/worker-dev/worker/internal/outbox"
+	"github.com/worker-dev/worker/internal/pgtest"
+	"github.com/worker-dev/worker/internal/testkit"
+	"github.com/worker-dev/worker/migrations"
 )
 
 // versionBeforeRules is the last migration without the producer rules.

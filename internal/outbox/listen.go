@@ -7,7 +7,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 
-	"worker/internal/pglisten"
+	"github.com/worker-dev/worker/internal/pglisten"
 )
 
 // listen keeps a dedicated connection LISTENing on NotifyChannel and wakes

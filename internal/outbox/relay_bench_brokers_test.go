@@ -11,7 +11,7 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 	"github.com/twmb/franz-go/pkg/kfake"
 
-	"worker/internal/testkit"
+	"github.com/worker-dev/worker/internal/testkit"
 )
 
 // The brokers of BenchmarkRelayScale's broker phases. Each phase gets a

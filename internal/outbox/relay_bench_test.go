@@ -15,8 +15,8 @@ import (
 	"text/tabwriter"
 	"time"
 
-	"worker/internal/pgtest"
-	"worker/internal/testkit"
+	"github.com/worker-dev/worker/internal/pgtest"
+	"github.com/worker-dev/worker/internal/testkit"
 )
 
 // Benchmarks of the relay, measured on the real worker binary. Run them

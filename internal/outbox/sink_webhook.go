@@ -16,7 +16,7 @@ import (
 	"strings"
 	"time"
 
-	"worker/internal/obs"
+	"github.com/worker-dev/worker/internal/obs"
 )
 
 const (

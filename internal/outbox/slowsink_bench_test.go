@@ -12,7 +12,7 @@ import (
 
 	"github.com/jackc/pgx/v5/pgxpool"
 
-	"worker/internal/pgtest"
+	"github.com/worker-dev/worker/internal/pgtest"
 )
 
 // BenchmarkRelaySlowSink drains backlogs through a sink that answers every

@@ -11,7 +11,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 
-	"worker/internal/pgtest"
+	"github.com/worker-dev/worker/internal/pgtest"
 )
 
 // TestStoreClaimPlansUsePartialIndexes: with 300,000 finished (PUBLISHED and

@@ -19,8 +19,8 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
-	"worker/internal/migrate"
-	"worker/migrations"
+	"github.com/worker-dev/worker/internal/migrate"
+	"github.com/worker-dev/worker/migrations"
 )
 
 // AdminURL is the server the tests use: WORKER_TEST_DATABASE_URL, or the

@@ -10,7 +10,7 @@ import (
 )
 
 // Revision is the source revision the binary was built from. Set it at
-// build time with -ldflags "-X worker/internal/startup.Revision=...", as the
+// build time with -ldflags "-X github.com/worker-dev/worker/internal/startup.Revision=...", as the
 // Dockerfile does (a build context usually has no .git); otherwise it is
 // read from the Go toolchain's vcs.revision stamp, or "unknown".
 var Revision = ""

@@ -19,12 +19,12 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
-	"worker/internal/jobs"
-	"worker/internal/obs"
-	"worker/internal/outbox"
+	"github.com/worker-dev/worker/internal/jobs"
+	"github.com/worker-dev/worker/internal/obs"
+	"github.com/worker-dev/worker/internal/outbox"
 )
 
-// Version is set at build time with -ldflags "-X worker/internal/startup.Version=...".
+// Version is set at build time with -ldflags "-X github.com/worker-dev/worker/internal/startup.Version=...".
 var Version = "dev"
 
 // cmdEnv is what a command needs from the process, injectable for tests.

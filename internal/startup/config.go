@@ -22,10 +22,10 @@ import (
 	"github.com/knadh/koanf/providers/file"
 	"github.com/knadh/koanf/v2"
 
-	"worker/internal/jobs"
-	"worker/internal/obs"
-	"worker/internal/outbox"
-	"worker/internal/tasks"
+	"github.com/worker-dev/worker/internal/jobs"
+	"github.com/worker-dev/worker/internal/obs"
+	"github.com/worker-dev/worker/internal/outbox"
+	"github.com/worker-dev/worker/internal/tasks"
 )
 
 // Config is the effective configuration: built-in defaults, then the YAML

@@ -11,8 +11,8 @@ import (
 	goyamlparser "github.com/goccy/go-yaml/parser"
 	"go.yaml.in/yaml/v3"
 
-	"worker/internal/obs"
-	"worker/internal/outbox"
+	"github.com/worker-dev/worker/internal/obs"
+	"github.com/worker-dev/worker/internal/outbox"
 )
 
 // Helpers that make configuration errors name what the operator wrote: the

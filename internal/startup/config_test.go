@@ -16,7 +16,7 @@ import (
 	"github.com/knadh/koanf/v2"
 	yamlv3 "go.yaml.in/yaml/v3"
 
-	"worker/internal/jobs"
+	"github.com/worker-dev/worker/internal/jobs"
 )
 
 func writeFile(t *testing.T, body string) string {

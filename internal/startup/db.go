@@ -12,7 +12,7 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
-	"worker/internal/obs"
+	"github.com/worker-dev/worker/internal/obs"
 )
 
 // Connect attempts: at most pingTimeout each, and at least lastPing for the

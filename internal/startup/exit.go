@@ -4,7 +4,7 @@ import (
 	"errors"
 	"fmt"
 
-	"worker/internal/obs"
+	"github.com/worker-dev/worker/internal/obs"
 )
 
 // Exit codes (sysexits), as documented in the README.

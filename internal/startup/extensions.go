@@ -9,9 +9,9 @@ import (
 
 	"github.com/jackc/pgx/v5/pgxpool"
 
-	"worker/internal/jobs"
-	"worker/internal/outbox"
-	"worker/internal/tasks"
+	"github.com/worker-dev/worker/internal/jobs"
+	"github.com/worker-dev/worker/internal/outbox"
+	"github.com/worker-dev/worker/internal/tasks"
 )
 
 // Extensions are what a program that embeds the worker adds in Go: jobs,

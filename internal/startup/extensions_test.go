@@ -9,8 +9,8 @@ import (
 
 	"github.com/jackc/pgx/v5/pgxpool"
 
-	"worker/internal/jobs"
-	"worker/internal/outbox"
+	"github.com/worker-dev/worker/internal/jobs"
+	"github.com/worker-dev/worker/internal/outbox"
 )
 
 func testExtensions() Extensions {

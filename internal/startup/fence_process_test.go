@@ -8,8 +8,8 @@ import (
 	"testing"
 	"time"
 
-	"worker/internal/pgtest"
-	"worker/internal/testkit"
+	"github.com/worker-dev/worker/internal/pgtest"
+	"github.com/worker-dev/worker/internal/testkit"
 )
 
 // The reproduction of a paused replica committing after it lost its lease:

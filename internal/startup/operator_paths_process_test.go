@@ -10,8 +10,8 @@ import (
 
 	"go.yaml.in/yaml/v3"
 
-	"worker/internal/pgtest"
-	"worker/internal/tasks"
+	"github.com/worker-dev/worker/internal/pgtest"
+	"github.com/worker-dev/worker/internal/tasks"
 )
 
 // checkLogLines fails unless every line of out is a JSON log line naming

@@ -18,8 +18,8 @@ import (
 	"testing"
 	"time"
 
-	"worker/internal/pgtest"
-	"worker/internal/testkit"
+	"github.com/worker-dev/worker/internal/pgtest"
+	"github.com/worker-dev/worker/internal/testkit"
 )
 
 // The flood's bounds, from the issue: peak memory, and the number of
@@ -34,7 +34,7 @@ const (
 // more).
 var plainWorkerBin = sync.OnceValues(func() (string, error) {
 	bin := filepath.Join(filepath.Dir(workerBin), "worker-plain")
-	out, err := exec.Command("go", "build", "-o", bin, "worker/cmd/worker").CombinedOutput()
+	out, err := exec.Command("go", "build", "-o", bin, "github.com/worker-dev/worker/cmd/worker").CombinedOutput()
 	if err != nil {
 		return "", fmt.Errorf("building the worker: %v\n%s", err, out)
 	}

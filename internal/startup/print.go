@@ -11,9 +11,9 @@ import (
 
 	"go.yaml.in/yaml/v3"
 
-	"worker/internal/jobs"
-	"worker/internal/obs"
-	"worker/internal/outbox/sink"
+	"github.com/worker-dev/worker/internal/jobs"
+	"github.com/worker-dev/worker/internal/obs"
+	"github.com/worker-dev/worker/internal/outbox/sink"
 )
 
 // PrintConfig writes the configuration the worker will use as YAML: with

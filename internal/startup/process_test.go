@@ -17,9 +17,9 @@ import (
 	"testing"
 	"time"
 
-	"worker/internal/migrate"
-	"worker/internal/pgtest"
-	"worker/internal/testkit"
+	"github.com/worker-dev/worker/internal/migrate"
+	"github.com/worker-dev/worker/internal/pgtest"
+	"github.com/worker-dev/worker/internal/testkit"
 )
 
 // These tests run the real binary, built once for the package.
@@ -31,7 +31,7 @@ func TestMain(m *testing.M) {
 		panic(err)
 	}
 	workerBin = filepath.Join(dir, "worker")
-	build := exec.Command("go", "build", "-race", "-o", workerBin, "worker/cmd/worker")
+	build := exec.Command("go", "build", "-race", "-o", workerBin, "github.com/worker-dev/worker/cmd/worker")
 	build.Stdout, build.Stderr = os.Stderr, os.Stderr
 	if err := build.Run(); err != nil {
 		fmt.Fprintln(os.Stderr, "building worker:", err)

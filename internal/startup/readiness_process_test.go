@@ -6,7 +6,7 @@ import (
 	"testing"
 	"time"
 
-	"worker/internal/testkit"
+	"github.com/worker-dev/worker/internal/testkit"
 )
 
 // assertReadyThroughSinkOutage waits until the worker's metrics show that

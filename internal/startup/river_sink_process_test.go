@@ -9,9 +9,9 @@ import (
 	"testing"
 	"time"
 
-	"worker/internal/pgtest"
-	"worker/internal/startup"
-	"worker/internal/testkit"
+	"github.com/worker-dev/worker/internal/pgtest"
+	"github.com/worker-dev/worker/internal/startup"
+	"github.com/worker-dev/worker/internal/testkit"
 )
 
 const riverSinkTasks = `

@@ -20,9 +20,9 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/prometheus/client_golang/prometheus"
 
-	"worker/internal/lock"
-	"worker/internal/migrate"
-	"worker/internal/obs"
+	"github.com/worker-dev/worker/internal/lock"
+	"github.com/worker-dev/worker/internal/migrate"
+	"github.com/worker-dev/worker/internal/obs"
 )
 
 // component is a long-running part of the worker (the job scheduler, the

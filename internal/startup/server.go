@@ -12,7 +12,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
-	"worker/internal/migrate"
+	"github.com/worker-dev/worker/internal/migrate"
 )
 
 // readyCheckEvery is how long one database check answers /readyz: a probe

@@ -9,7 +9,7 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 
-	"worker/internal/pgtest"
+	"github.com/worker-dev/worker/internal/pgtest"
 )
 
 // A /readyz flood costs the database at most one ping a second, on the

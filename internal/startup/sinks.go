@@ -12,12 +12,12 @@ import (
 	"strings"
 	"time"
 
-	"worker/internal/outbox"
-	"worker/internal/outbox/sink"
-	kafkasink "worker/internal/outbox/sink/kafka"
-	natssink "worker/internal/outbox/sink/nats"
-	rabbitsink "worker/internal/outbox/sink/rabbitmq"
-	"worker/internal/tasks"
+	"github.com/worker-dev/worker/internal/outbox"
+	"github.com/worker-dev/worker/internal/outbox/sink"
+	kafkasink "github.com/worker-dev/worker/internal/outbox/sink/kafka"
+	natssink "github.com/worker-dev/worker/internal/outbox/sink/nats"
+	rabbitsink "github.com/worker-dev/worker/internal/outbox/sink/rabbitmq"
+	"github.com/worker-dev/worker/internal/tasks"
 )
 
 // sinkKind is what startup knows about one value of outbox.sink.

@@ -6,7 +6,7 @@ import (
 	"testing"
 	"time"
 
-	"worker/internal/outbox"
+	"github.com/worker-dev/worker/internal/outbox"
 )
 
 // Every sink goes through the one table: an unknown name, a bad section

@@ -15,7 +15,7 @@ import (
 	"github.com/knadh/koanf/v2"
 	"github.com/prometheus/client_golang/prometheus"
 
-	"worker/internal/tasks"
+	"github.com/worker-dev/worker/internal/tasks"
 )
 
 // registerGoTasks is where task kinds written in Go are added, the way Go

@@ -12,8 +12,8 @@ import (
 	"testing"
 	"time"
 
-	"worker/internal/pgtest"
-	"worker/internal/testkit"
+	"github.com/worker-dev/worker/internal/pgtest"
+	"github.com/worker-dev/worker/internal/testkit"
 )
 
 // endpoint is an http task endpoint that can go down (connection refused,

@@ -16,8 +16,8 @@ import (
 	"testing"
 	"time"
 
-	"worker/internal/pgtest"
-	"worker/internal/testkit"
+	"github.com/worker-dev/worker/internal/pgtest"
+	"github.com/worker-dev/worker/internal/testkit"
 )
 
 // writeConfig writes a YAML config file for a test and returns its env.

@@ -9,7 +9,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"riverqueue.com/riverui"
 
-	"worker/internal/tasks"
+	"github.com/worker-dev/worker/internal/tasks"
 )
 
 // UIConfig is the `ui:` section: River UI, on the ops server or on its own

@@ -10,9 +10,9 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/prometheus/client_golang/prometheus"
 
-	"worker/internal/jobs"
-	"worker/internal/lock"
-	"worker/internal/outbox"
+	"github.com/worker-dev/worker/internal/jobs"
+	"github.com/worker-dev/worker/internal/lock"
+	"github.com/worker-dev/worker/internal/outbox"
 )
 
 // Housekeeping cadence. Both jobs delete in bounded chunks.

@@ -8,8 +8,8 @@ import (
 	"strings"
 	"testing"
 
-	"worker/internal/pgtest"
-	"worker/internal/testkit"
+	"github.com/worker-dev/worker/internal/pgtest"
+	"github.com/worker-dev/worker/internal/testkit"
 )
 
 // The audit lines of cancel and retry say what River did, which is nothing

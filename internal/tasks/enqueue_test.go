@@ -14,8 +14,8 @@ import (
 	"github.com/riverqueue/river"
 	"github.com/riverqueue/river/riverdriver/riverpgxv5"
 
-	"worker/internal/obs"
-	"worker/internal/pgtest"
+	"github.com/worker-dev/worker/internal/obs"
+	"github.com/worker-dev/worker/internal/pgtest"
 )
 
 // worker_enqueue must insert the row and send the notification River's own

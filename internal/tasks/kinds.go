@@ -21,8 +21,8 @@ import (
 	"github.com/riverqueue/river/riverdriver/riverpgxv5"
 	"github.com/riverqueue/river/rivertype"
 
-	"worker/internal/obs"
-	"worker/internal/outbox"
+	"github.com/worker-dev/worker/internal/obs"
+	"github.com/worker-dev/worker/internal/outbox"
 )
 
 // Registry collects the task kinds written in Go. A Go kind is a

@@ -9,7 +9,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/riverqueue/river/rivertype"
 
-	"worker/internal/obs"
+	"github.com/worker-dev/worker/internal/obs"
 )
 
 // Outcomes of task_runs_total{outcome}: how one run of a task ended.

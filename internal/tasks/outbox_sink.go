@@ -11,7 +11,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/riverqueue/river"
 
-	"worker/internal/outbox"
+	"github.com/worker-dev/worker/internal/outbox"
 )
 
 // OutboxSink is the outbox's river sink: it turns each event into a task

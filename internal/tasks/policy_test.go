@@ -8,8 +8,8 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/riverqueue/river/rivertype"
 
-	"worker/internal/pgtest"
-	"worker/internal/testkit"
+	"github.com/worker-dev/worker/internal/pgtest"
+	"github.com/worker-dev/worker/internal/testkit"
 )
 
 // The retry delay after the n-th error is a uniform draw from

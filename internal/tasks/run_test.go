@@ -11,9 +11,9 @@ import (
 
 	"github.com/riverqueue/river"
 
-	"worker/internal/obs"
-	"worker/internal/pgtest"
-	"worker/internal/testkit"
+	"github.com/worker-dev/worker/internal/obs"
+	"github.com/worker-dev/worker/internal/pgtest"
+	"github.com/worker-dev/worker/internal/testkit"
 )
 
 // A sql task enqueued with the SQL function runs on River: its statement

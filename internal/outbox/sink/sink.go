@@ -8,7 +8,7 @@ import (
 	"strings"
 	"time"
 
-	"worker/internal/outbox"
+	"github.com/worker-dev/worker/internal/outbox"
 )
 
 // ContentType is the datacontenttype of every event: the payload is jsonb.

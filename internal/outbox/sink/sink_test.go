@@ -4,7 +4,7 @@ import (
 	"testing"
 	"time"
 
-	"worker/internal/outbox"
+	"github.com/worker-dev/worker/internal/outbox"
 )
 
 func TestAttributeKeysNameEveryAttribute(t *testing.T) {

@@ -16,7 +16,7 @@ import (
 
 	"github.com/google/uuid"
 
-	"worker/internal/outbox"
+	"github.com/worker-dev/worker/internal/outbox"
 )
 
 // Message is one message read back from the broker.

@@ -20,8 +20,8 @@ import (
 	"github.com/twmb/franz-go/pkg/sasl/plain"
 	"github.com/twmb/franz-go/pkg/sasl/scram"
 
-	"worker/internal/outbox"
-	"worker/internal/outbox/sink"
+	"github.com/worker-dev/worker/internal/outbox"
+	"github.com/worker-dev/worker/internal/outbox/sink"
 )
 
 // maxTopic is Kafka's limit on a topic name's length.

@@ -4,8 +4,8 @@ import (
 	"fmt"
 	"testing"
 
-	"worker/internal/outbox/sinktest"
-	"worker/internal/testkit"
+	"github.com/worker-dev/worker/internal/outbox/sinktest"
+	"github.com/worker-dev/worker/internal/testkit"
 )
 
 // BenchmarkPublish publishes b.N events through the sink from 256

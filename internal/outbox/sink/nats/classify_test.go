@@ -10,9 +10,9 @@ import (
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
-	"worker/internal/outbox"
-	"worker/internal/outbox/sinktest"
-	"worker/internal/testkit"
+	"github.com/worker-dev/worker/internal/outbox"
+	"github.com/worker-dev/worker/internal/outbox/sinktest"
+	"github.com/worker-dev/worker/internal/testkit"
 )
 
 // streamHolds reports whether the target's stream holds a message with

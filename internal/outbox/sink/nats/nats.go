@@ -17,8 +17,8 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/nats-io/nkeys"
 
-	"worker/internal/outbox"
-	"worker/internal/outbox/sink"
+	"github.com/worker-dev/worker/internal/outbox"
+	"github.com/worker-dev/worker/internal/outbox/sink"
 )
 
 // reconnectWait is the pause between reconnect attempts; the client retries

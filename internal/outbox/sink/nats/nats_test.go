@@ -15,10 +15,10 @@ import (
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
-	"worker/internal/outbox"
-	"worker/internal/outbox/sink"
-	"worker/internal/outbox/sinktest"
-	"worker/internal/testkit"
+	"github.com/worker-dev/worker/internal/outbox"
+	"github.com/worker-dev/worker/internal/outbox/sink"
+	"github.com/worker-dev/worker/internal/outbox/sinktest"
+	"github.com/worker-dev/worker/internal/testkit"
 )
 
 // externalEnv names a NATS server with JetStream to test against instead

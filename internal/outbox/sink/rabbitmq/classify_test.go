@@ -9,9 +9,9 @@ import (
 
 	amqp "github.com/rabbitmq/amqp091-go"
 
-	"worker/internal/outbox"
-	"worker/internal/outbox/sinktest"
-	"worker/internal/testkit"
+	"github.com/worker-dev/worker/internal/outbox"
+	"github.com/worker-dev/worker/internal/outbox/sinktest"
+	"github.com/worker-dev/worker/internal/testkit"
 )
 
 // viaProxy connects a sink to tg through a proxy the test can cut.

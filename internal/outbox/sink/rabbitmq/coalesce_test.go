@@ -11,7 +11,7 @@ import (
 	"testing"
 	"time"
 
-	"worker/internal/testkit"
+	"github.com/worker-dev/worker/internal/testkit"
 )
 
 // countingConn counts the writes that reach it, and holds the first one

@@ -17,7 +17,7 @@ import (
 
 	amqp "github.com/rabbitmq/amqp091-go"
 
-	"worker/internal/testkit"
+	"github.com/worker-dev/worker/internal/testkit"
 )
 
 // The TLS and connection.blocked tests need a broker of their own: a TLS

@@ -20,8 +20,8 @@ import (
 
 	amqp "github.com/rabbitmq/amqp091-go"
 
-	"worker/internal/outbox"
-	"worker/internal/outbox/sink"
+	"github.com/worker-dev/worker/internal/outbox"
+	"github.com/worker-dev/worker/internal/outbox/sink"
 )
 
 // blockedRetry is how long the relay waits before retrying an event while

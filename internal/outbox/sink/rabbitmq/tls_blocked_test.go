@@ -12,11 +12,11 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	amqp "github.com/rabbitmq/amqp091-go"
 
-	"worker/internal/outbox"
-	"worker/internal/outbox/sink"
-	"worker/internal/outbox/sinktest"
-	"worker/internal/pgtest"
-	"worker/internal/testkit"
+	"github.com/worker-dev/worker/internal/outbox"
+	"github.com/worker-dev/worker/internal/outbox/sink"
+	"github.com/worker-dev/worker/internal/outbox/sinktest"
+	"github.com/worker-dev/worker/internal/pgtest"
+	"github.com/worker-dev/worker/internal/testkit"
 )
 
 // target declares a topic exchange and a bound queue on the node.
