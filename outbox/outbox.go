@@ -18,6 +18,8 @@ import (
 	"context"
 	"database/sql"
 	"encoding/json"
+	"errors"
+	"fmt"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -41,8 +43,30 @@ type Event struct {
 // RuleError is an event that breaks a producer rule (an empty key, a key
 // too long, a time out of range, headers too large). Append and AppendStd
 // return it whether their own check or the table's constraint caught the
-// event; Constraint names the table's CHECK constraint.
-type RuleError = ioutbox.RuleError
+// event.
+type RuleError struct {
+	Constraint string // the table's CHECK constraint, e.g. outbox_event_occurred_at_range
+	Problem    string // e.g. "occurred_at is not within years 0001-9999 (UTC)"
+	Err        error  // the database's error when the table refused the row; nil when the check before it did
+}
+
+// Error names the problem and the rule.
+func (e *RuleError) Error() string {
+	return fmt.Sprintf("outbox: %s (rule %s)", e.Problem, e.Constraint)
+}
+
+// Unwrap returns Err.
+func (e *RuleError) Unwrap() error { return e.Err }
+
+// publicError turns the internal producer's *RuleError into this
+// package's, and leaves other errors alone.
+func publicError(err error) error {
+	var re *ioutbox.RuleError
+	if errors.As(err, &re) {
+		return &RuleError{Constraint: re.Constraint, Problem: re.Problem, Err: re.Err}
+	}
+	return err
+}
 
 // Append inserts e into the outbox inside tx and returns its event_id, the
 // id consumers dedupe on. An event that breaks a producer rule is refused
@@ -53,14 +77,16 @@ type RuleError = ioutbox.RuleError
 // short after appending, and append to several aggregates in a consistent
 // order.
 func Append(ctx context.Context, tx pgx.Tx, e Event) (eventID string, err error) {
-	return ioutbox.Append(ctx, tx, ioutbox.NewEvent(e))
+	id, err := ioutbox.Append(ctx, tx, ioutbox.NewEvent(e))
+	return id, publicError(err)
 }
 
 // AppendStd is Append for a database/sql transaction (for example through
 // github.com/jackc/pgx/v5/stdlib), with the same rules and the same
 // *RuleError.
 func AppendStd(ctx context.Context, tx *sql.Tx, e Event) (eventID string, err error) {
-	return ioutbox.AppendStd(ctx, tx, ioutbox.NewEvent(e))
+	id, err := ioutbox.AppendStd(ctx, tx, ioutbox.NewEvent(e))
+	return id, publicError(err)
 }
 
 // Message is one outbox event as a sink receives it.
@@ -104,4 +130,13 @@ func Unavailable(err error) error { return ioutbox.Unavailable(err) }
 // RetryAfterError is a transient failure of one event that names the
 // earliest retry, as an HTTP Retry-After does: the relay waits at least
 // After before the event's next attempt.
-type RetryAfterError = ioutbox.RetryAfterError
+type RetryAfterError struct {
+	Err   error
+	After time.Duration
+}
+
+// Error is Err's message.
+func (e *RetryAfterError) Error() string { return e.Err.Error() }
+
+// Unwrap returns Err.
+func (e *RetryAfterError) Unwrap() error { return e.Err }

@@ -9,6 +9,7 @@ package tasks
 
 import (
 	"context"
+	"errors"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/riverqueue/river"
@@ -26,14 +27,36 @@ import (
 // *RejectedError, and a kind name River cannot run is a *KindNameError.
 // opts may be nil.
 func Enqueue(ctx context.Context, tx pgx.Tx, args river.JobArgs, opts *river.InsertOpts) (*rivertype.JobInsertResult, error) {
-	return itasks.Enqueue(ctx, tx, args, opts)
+	res, err := itasks.Enqueue(ctx, tx, args, opts)
+	var (
+		rejected *itasks.RejectedError
+		badName  *itasks.KindNameError
+	)
+	switch {
+	case errors.As(err, &rejected):
+		return nil, &RejectedError{Msg: rejected.Msg}
+	case errors.As(err, &badName):
+		return nil, &KindNameError{Name: badName.Name, msg: badName.Error()}
+	}
+	return res, err
 }
 
 // RejectedError is an enqueue refused because the queue's backlog is at
 // its max_backlog (error code JOB_EXECUTOR_REJECTED). The statement failed,
 // so tx is aborted: roll it back and retry later.
-type RejectedError = itasks.RejectedError
+type RejectedError struct {
+	Msg string // the database's message, naming the queue and its max_backlog
+}
+
+// Error is Msg.
+func (e *RejectedError) Error() string { return e.Msg }
 
 // KindNameError is a task kind name River refuses (the args' Kind()): a kind
 // River could never run or store.
-type KindNameError = itasks.KindNameError
+type KindNameError struct {
+	Name string // the kind name
+	msg  string
+}
+
+// Error names the kind and River's rule for kind names.
+func (e *KindNameError) Error() string { return e.msg }
