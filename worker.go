@@ -77,7 +77,8 @@ type Job struct {
 	Run func(ctx context.Context) error
 }
 
-// WithJob adds a Go job.
+// WithJob adds a Go job. A job without a Name, Delay or Run stops Run at
+// once with exit code 78, naming the mistake.
 func WithJob(j Job) Option {
 	return Option{func(x *startup.Extensions) {
 		prev := x.Jobs
@@ -86,11 +87,11 @@ func WithJob(j Job) Option {
 			if prev != nil {
 				specs = prev(pool)
 			}
-			run := func(ctx context.Context) error { return j.Run(context.WithValue(ctx, poolKey{}, pool)) }
-			return append(specs, ijobs.Spec{
-				Job:   ijobs.Func(j.Name, run),
-				Delay: j.Delay, InitialDelay: j.InitialDelay, Timeout: j.Timeout, LeaseTTL: j.LeaseTTL,
-			})
+			spec := ijobs.Spec{Delay: j.Delay, InitialDelay: j.InitialDelay, Timeout: j.Timeout, LeaseTTL: j.LeaseTTL}
+			if j.Run != nil { // else refused at start: the spec has no job
+				spec.Job = ijobs.Func(j.Name, func(ctx context.Context) error { return j.Run(context.WithValue(ctx, poolKey{}, pool)) })
+			}
+			return append(specs, spec)
 		}
 	}}
 }

@@ -180,6 +180,14 @@ func New(opts Options, specs ...Spec) (*Scheduler, error) {
 	return s, nil
 }
 
+// CheckSpecs reports every mistake in specs that New would refuse (names,
+// delays), without building anything: for Go jobs, checked before the
+// worker connects to anything.
+func CheckSpecs(specs ...Spec) error {
+	_, err := prepare(Options{}, specs)
+	return err
+}
+
 func prepare(opts Options, specs []Spec) ([]*entry, error) {
 	var errs []error
 	seen := map[string]bool{}

@@ -32,6 +32,11 @@ type Extensions struct {
 // before any configuration is read: a programming mistake, not an
 // operator's, but reported like a configuration error (exit 78).
 func (x Extensions) check() error {
+	if x.Jobs != nil {
+		if err := jobs.CheckSpecs(x.Jobs(nil)...); err != nil {
+			return configErrorf("%w", err)
+		}
+	}
 	for _, name := range slices.Sorted(maps.Keys(x.Sinks)) {
 		if _, ok := sinkKinds[name]; ok {
 			return configErrorf("sink %q is built into the worker; give the custom sink another name", name)
@@ -47,7 +52,9 @@ func (x Extensions) jobNames() []string {
 	}
 	var names []string
 	for _, sp := range x.Jobs(nil) {
-		names = append(names, sp.Job.Name())
+		if sp.Job != nil {
+			names = append(names, sp.Job.Name())
+		}
 	}
 	return names
 }

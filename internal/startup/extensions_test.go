@@ -59,3 +59,16 @@ func TestExtensionSinkCannotShadowABuiltIn(t *testing.T) {
 		t.Fatalf("exit %d, stderr %q; want 78 naming the sink", code, stderr.String())
 	}
 }
+
+// A Go job the scheduler would refuse stops the program before it
+// connects to anything, with exit 78 naming the job and the mistake.
+func TestExtensionJobMistakeIsAConfigError(t *testing.T) {
+	var stderr bytes.Buffer
+	ext := Extensions{Jobs: func(*pgxpool.Pool) []jobs.Spec {
+		return []jobs.Spec{{Job: jobs.Func("no-delay", func(context.Context) error { return nil })}}
+	}}
+	if code := MainWith(ext, []string{"version"}, &bytes.Buffer{}, &stderr, nil); code != ExitConfig ||
+		!strings.Contains(stderr.String(), `"no-delay"`) || !strings.Contains(stderr.String(), "delay") {
+		t.Fatalf("exit %d, stderr %q; want 78 naming the job and its delay", code, stderr.String())
+	}
+}
