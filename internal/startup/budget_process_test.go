@@ -1,0 +1,170 @@
+package startup_test
+
+import (
+	"context"
+	"fmt"
+	"maps"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"worker/internal/pgtest"
+)
+
+// connBudget is what one replica may hold with the default pool sizes,
+// multi-instance, jobs, tasks and the outbox all busy at once: 3 replicas
+// and a rolling-update surge then fit PostgreSQL's default max_connections
+// of 100 (README, "Connections").
+const connBudget = 20
+
+// One replica with the defaults, every part saturated at once, never holds
+// more than connBudget connections. Counted by the server (pg_stat_activity
+// of the replica's database), so listeners and River's hijacked LISTEN
+// connection count too.
+func TestReplicaConnectionsStayWithinBudget(t *testing.T) {
+	t.Parallel()
+	db := pgtest.New(t)
+	ctx := context.Background()
+	slow := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		time.Sleep(100 * time.Millisecond) // an endpoint that takes its time
+	}))
+	t.Cleanup(slow.Close)
+
+	// More sql jobs than executor slots, each holding a connection for its
+	// run; sql tasks that hold one of River's; http tasks that keep River's
+	// completer busy; and an outbox backlog for the relay.
+	var cfg strings.Builder
+	cfg.WriteString("jobs:\n")
+	for i := range 12 {
+		fmt.Fprintf(&cfg, "  - name: busy-%d\n    kind: sql\n    delay: 10ms\n    timeout: 10s\n    sql: SELECT pg_sleep(0.3)\n", i)
+	}
+	fmt.Fprintf(&cfg, `tasks:
+  kinds:
+    - name: hold
+      type: sql
+      sql: SELECT pg_sleep(0.2)
+    - name: call
+      type: http
+      url: %s
+`, slow.URL)
+	p := startWorker(t, []string{
+		"APP_DATABASE_URL=" + db.URL,
+		"APP_INSTANCE_ID=budget",
+		"APP_MULTI_INSTANCE_ENABLED=true",
+		"APP_LOCK_PROVIDER=postgres",
+		"APP_LOG_LEVEL=warn", // the log sink's event lines still go to stdout
+		writeConfig(t, cfg.String()),
+	})
+	p.waitReady(t, 30*time.Second)
+
+	// The load's own connections are told apart by their name.
+	load := db.NewPool(t, 4)
+	probe := newConnProbe(t, db.Name)
+	idle := probe.sample(ctx, t)
+	t.Logf("idle: %d connections %v", total(idle), idle)
+
+	if _, err := load.Exec(ctx, `SELECT worker_enqueue(CASE WHEN i % 2 = 0 THEN 'hold' ELSE 'call' END) FROM generate_series(1, 400) i`); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := load.Exec(ctx, `INSERT INTO outbox_event (aggregate_type, aggregate_id, event_type, payload)
+		SELECT 'order', (i % 200)::text, 'order.paid', '{}' FROM generate_series(1, 5000) i`); err != nil {
+		t.Fatal(err)
+	}
+	peak, seen := map[string]int{}, maps.Clone(idle) // seen: each part's most
+	deadline := time.Now().Add(60 * time.Second)
+	for {
+		now := probe.sample(ctx, t)
+		if total(now) > total(peak) {
+			peak = now
+		}
+		for part, n := range now {
+			seen[part] = max(seen[part], n)
+		}
+		var tasksLeft, eventsLeft int
+		if err := load.QueryRow(ctx, `SELECT (SELECT count(*) FROM river_job WHERE state NOT IN ('completed', 'discarded', 'cancelled')),
+			(SELECT count(*) FROM outbox_event WHERE status <> 'PUBLISHED')`).Scan(&tasksLeft, &eventsLeft); err != nil {
+			t.Fatal(err)
+		}
+		if tasksLeft == 0 && eventsLeft == 0 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("load not drained after 60s: %d tasks, %d events left", tasksLeft, eventsLeft)
+		}
+		time.Sleep(20 * time.Millisecond) // the sampling period, not a synchronization
+	}
+	t.Logf("peak under load: %d connections %v", total(peak), peak)
+	if total(peak) > connBudget {
+		t.Errorf("peak %d connections %v, budget %d", total(peak), peak, connBudget)
+	}
+	// Every part was exercised: a part that held nothing would make the
+	// budget meaningless.
+	t.Logf("most per part: %v", seen)
+	for _, part := range []string{"worker budget", "worker budget leases", "worker budget tasks", "outbox-listener"} {
+		if seen[part] == 0 {
+			t.Errorf("no connection of %q seen: %v", part, seen)
+		}
+	}
+	if code, _ := p.get("/readyz"); code != http.StatusOK {
+		t.Errorf("/readyz = %d after the load", code)
+	}
+}
+
+// connProbe counts a database's connections by application_name from the
+// admin database, leaving out its own and the test's load pool.
+type connProbe struct {
+	pool *pgxpool.Pool
+	db   string
+}
+
+func newConnProbe(t *testing.T, db string) *connProbe {
+	t.Helper()
+	cfg, err := pgxpool.ParseConfig(pgtest.AdminURL())
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg.MaxConns = 1
+	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(pool.Close)
+	return &connProbe{pool: pool, db: db}
+}
+
+// sample returns the connections per application_name now. The test's own
+// pools connect without a name, so an empty name is left out.
+func (c *connProbe) sample(ctx context.Context, t *testing.T) map[string]int {
+	t.Helper()
+	rows, err := c.pool.Query(ctx, `SELECT application_name, count(*) FROM pg_stat_activity
+		WHERE datname = $1 AND application_name <> '' GROUP BY 1`, c.db)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer rows.Close()
+	out := map[string]int{}
+	for rows.Next() {
+		var name string
+		var n int
+		if err := rows.Scan(&name, &n); err != nil {
+			t.Fatal(err)
+		}
+		out[name] = n
+	}
+	if err := rows.Err(); err != nil {
+		t.Fatal(err)
+	}
+	return out
+}
+
+func total(m map[string]int) int {
+	n := 0
+	for _, v := range m {
+		n += v
+	}
+	return n
+}
