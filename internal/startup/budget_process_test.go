@@ -10,8 +10,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/jackc/pgx/v5/pgxpool"
-
 	"worker/internal/pgtest"
 )
 
@@ -51,6 +49,8 @@ func TestReplicaConnectionsStayWithinBudget(t *testing.T) {
       type: http
       url: %s
 `, slow.URL)
+	// The worker may hold the whole budget: count it so in the suite's share.
+	pgtest.Reserve(t, connBudget)
 	p := startWorker(t, []string{
 		"APP_DATABASE_URL=" + db.URL,
 		"APP_INSTANCE_ID=budget",
@@ -61,10 +61,10 @@ func TestReplicaConnectionsStayWithinBudget(t *testing.T) {
 	})
 	p.waitReady(t, 30*time.Second)
 
-	// The load's own connections are told apart by their name.
-	load := db.NewPool(t, 4)
-	probe := newConnProbe(t, db.Name)
-	idle := probe.sample(ctx, t)
+	// The test's own pool connects without an application_name, which
+	// tells its connections apart from the worker's.
+	load := db.Pool
+	idle := sampleConns(ctx, t, db)
 	t.Logf("idle: %d connections %v", total(idle), idle)
 
 	if _, err := load.Exec(ctx, `SELECT worker_enqueue(CASE WHEN i % 2 = 0 THEN 'hold' ELSE 'call' END) FROM generate_series(1, 400) i`); err != nil {
@@ -77,7 +77,7 @@ func TestReplicaConnectionsStayWithinBudget(t *testing.T) {
 	peak, seen := map[string]int{}, maps.Clone(idle) // seen: each part's most
 	deadline := time.Now().Add(60 * time.Second)
 	for {
-		now := probe.sample(ctx, t)
+		now := sampleConns(ctx, t, db)
 		if total(now) > total(peak) {
 			peak = now
 		}
@@ -114,34 +114,12 @@ func TestReplicaConnectionsStayWithinBudget(t *testing.T) {
 	}
 }
 
-// connProbe counts a database's connections by application_name from the
-// admin database, leaving out its own and the test's load pool.
-type connProbe struct {
-	pool *pgxpool.Pool
-	db   string
-}
-
-func newConnProbe(t *testing.T, db string) *connProbe {
+// sampleConns returns the connections to db per application_name now,
+// leaving out the test's own pool, which connects without a name.
+func sampleConns(ctx context.Context, t *testing.T, db *pgtest.DB) map[string]int {
 	t.Helper()
-	cfg, err := pgxpool.ParseConfig(pgtest.AdminURL())
-	if err != nil {
-		t.Fatal(err)
-	}
-	cfg.MaxConns = 1
-	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(pool.Close)
-	return &connProbe{pool: pool, db: db}
-}
-
-// sample returns the connections per application_name now. The test's own
-// pools connect without a name, so an empty name is left out.
-func (c *connProbe) sample(ctx context.Context, t *testing.T) map[string]int {
-	t.Helper()
-	rows, err := c.pool.Query(ctx, `SELECT application_name, count(*) FROM pg_stat_activity
-		WHERE datname = $1 AND application_name <> '' GROUP BY 1`, c.db)
+	rows, err := db.Pool.Query(ctx, `SELECT application_name, count(*) FROM pg_stat_activity
+		WHERE datname = $1 AND application_name <> '' GROUP BY 1`, db.Name)
 	if err != nil {
 		t.Fatal(err)
 	}

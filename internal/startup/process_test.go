@@ -61,6 +61,22 @@ func freeAddr(t *testing.T) string {
 	return l.Addr().String()
 }
 
+// workerTestConns is what a worker process of these tests is counted for in
+// the suite's share of connections: they hold 3 to 9 (idle, one job, a few
+// events); the budget test's worker, which holds 20, is one of a kind.
+const workerTestConns = 6
+
+// usesTestDatabase reports whether env points the worker at a test's own
+// database: the exit-code tests start workers that never connect.
+func usesTestDatabase(env []string) bool {
+	for _, kv := range env {
+		if strings.HasPrefix(kv, "APP_DATABASE_URL=") && strings.Contains(kv, "/worker_test_") {
+			return true
+		}
+	}
+	return false
+}
+
 // startWorker runs the binary with a clean environment plus env. The config
 // file is an empty one unless env names APP_CONFIG_FILE.
 func startWorker(t *testing.T, env []string, args ...string) *proc {
@@ -68,6 +84,9 @@ func startWorker(t *testing.T, env []string, args ...string) *proc {
 	empty := filepath.Join(t.TempDir(), "empty.yaml")
 	if err := os.WriteFile(empty, []byte("{}\n"), 0o600); err != nil {
 		t.Fatal(err)
+	}
+	if usesTestDatabase(env) {
+		pgtest.Reserve(t, workerTestConns)
 	}
 	p := &proc{addr: freeAddr(t), done: make(chan struct{})}
 	p.cmd = exec.Command(workerBin, args...)
