@@ -228,6 +228,7 @@ func contractAssertNoWarnings(t testing.TB, logs *testkit.LogBuffer) {
 // hot aggregate's later events; once the first relay lets go, the hot
 // aggregate drains in order.
 func TestContractNoStarvationBehindHeldAggregate(t *testing.T) {
+	t.Parallel()
 	const (
 		hot    = 2_000 // 20 batches of the hot aggregate before anything else
 		others = 50

@@ -53,6 +53,7 @@ func TestReplicaConnectionsStayWithinBudget(t *testing.T) {
 	pgtest.Reserve(t, connBudget)
 	p := startWorker(t, []string{
 		"APP_DATABASE_URL=" + db.URL,
+		"APP_DATABASE_MAX_CONNS=10", // the default, which startWorker lowers for other tests
 		"APP_INSTANCE_ID=budget",
 		"APP_MULTI_INSTANCE_ENABLED=true",
 		"APP_LOCK_PROVIDER=postgres",

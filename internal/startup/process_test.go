@@ -62,8 +62,9 @@ func freeAddr(t *testing.T) string {
 }
 
 // workerTestConns is what a worker process of these tests is counted for in
-// the suite's share of connections: they hold 3 to 9 (idle, one job, a few
-// events); the budget test's worker, which holds 20, is one of a kind.
+// the suite's share of connections: with the pool of 5 startWorker gives
+// them they hold 3 to 9 (idle, one job, a few events); the budget test's
+// worker, which holds 20, reserves the rest itself.
 const workerTestConns = 6
 
 // usesTestDatabase reports whether env points the worker at a test's own
@@ -87,6 +88,9 @@ func startWorker(t *testing.T, env []string, args ...string) *proc {
 	}
 	if usesTestDatabase(env) {
 		pgtest.Reserve(t, workerTestConns)
+		// A smaller pool than the default 10, so the suite fits its share
+		// of the server; env can still set another.
+		env = append([]string{"APP_DATABASE_MAX_CONNS=5"}, env...)
 	}
 	p := &proc{addr: freeAddr(t), done: make(chan struct{})}
 	p.cmd = exec.Command(workerBin, args...)
@@ -391,6 +395,7 @@ func TestFatalErrorIsOneLogLine(t *testing.T) {
 }
 
 func TestMigrateCommandIsIdempotent(t *testing.T) {
+	t.Parallel()
 	db := pgtest.NewEmpty(t)
 	for i := range 2 {
 		p := startWorker(t, []string{"APP_DATABASE_URL=" + db.URL}, "migrate")
