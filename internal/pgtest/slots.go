@@ -32,10 +32,10 @@ const DefaultMaxConns = 20
 // is given 0: pgxpool's own default grows with the machine's cores.
 const PoolConns = 4
 
-// slotWait bounds the wait for slots. A test that holds slots and asks for
-// more can, in rare interleavings, wait for another that waits for it;
-// after slotWait the test goes on without them and says so.
-const slotWait = 3 * time.Minute
+// slotWait bounds the wait for slots. Two running tests that hold slots
+// and each wait for more than is left would wait for each other; after
+// slotWait a test goes on without its slots and says so.
+const slotWait = 2 * time.Minute
 
 // maxConns is the suite's share: WORKER_TEST_MAX_CONNS or DefaultMaxConns.
 func maxConns(t testing.TB) int {
@@ -64,13 +64,14 @@ func Reserve(t testing.TB, n int) {
 	t.Helper()
 	limit := maxConns(t)
 	heldMu.Lock()
+	first := held[t] == 0
 	n = min(n, limit-held[t])
 	held[t] += max(n, 0)
 	heldMu.Unlock()
 	if n <= 0 {
 		return
 	}
-	files, waited := takeSlots(t, limit, n)
+	files, waited := takeSlots(t, limit, n, first)
 	if waited > time.Second {
 		t.Logf("pgtest: waited %s for %d of the suite's %d connections (WORKER_TEST_MAX_CONNS)", waited.Round(time.Millisecond), n, limit)
 	}
@@ -86,25 +87,29 @@ func Reserve(t testing.TB, n int) {
 	})
 }
 
-// takeSlots locks n of the limit slot files. Whoever holds the gate is the
-// only one taking slots, so a large request is not starved by small ones:
-// the others wait behind it while running tests give slots back.
-func takeSlots(t testing.TB, limit, n int) ([]*os.File, time.Duration) {
+// takeSlots locks n of the limit slot files, all at once or none, so a
+// waiting test holds nothing the others need. A test's first request waits
+// behind the gate, which its holder keeps while it waits: a large request is
+// then not starved by a stream of new tests, and the running ones, which
+// skip the gate when they ask for more, finish and give their slots back.
+func takeSlots(t testing.TB, limit, n int, first bool) ([]*os.File, time.Duration) {
 	t.Helper()
 	dir := slotDir(t)
 	start := time.Now()
 	deadline := start.Add(slotWait)
-	gate := openSlot(t, filepath.Join(dir, "gate"))
-	defer gate.Close()
-	for !tryLock(t, gate) {
-		if time.Now().After(deadline) {
-			t.Logf("pgtest: no connection slot after %s; going on without", slotWait)
-			return nil, time.Since(start)
+	if first {
+		gate := openSlot(t, filepath.Join(dir, "gate"))
+		defer gate.Close()
+		for !tryLock(t, gate) {
+			if time.Now().After(deadline) {
+				t.Logf("pgtest: no connection slot after %s; going on without", slotWait)
+				return nil, time.Since(start)
+			}
+			pause()
 		}
-		pause()
 	}
-	var files []*os.File
-	for len(files) < n {
+	for {
+		var files []*os.File
 		for i := 0; i < limit && len(files) < n; i++ {
 			f := openSlot(t, filepath.Join(dir, fmt.Sprintf("slot-%03d", i)))
 			if tryLock(t, f) {
@@ -114,15 +119,17 @@ func takeSlots(t testing.TB, limit, n int) ([]*os.File, time.Duration) {
 			}
 		}
 		if len(files) == n {
-			break
+			return files, time.Since(start)
+		}
+		for _, f := range files {
+			f.Close()
 		}
 		if time.Now().After(deadline) {
-			t.Logf("pgtest: %d of %d connection slots after %s; going on without the rest", len(files), n, slotWait)
-			break
+			t.Logf("pgtest: %d connection slots not free after %s; going on without", n, slotWait)
+			return nil, time.Since(start)
 		}
 		pause()
 	}
-	return files, time.Since(start)
 }
 
 // slotDir is one directory of slots per server, so suites against

@@ -21,7 +21,7 @@ func TestReserveWaitsForFreeSlots(t *testing.T) {
 	t.Run("holder", func(h *testing.T) {
 		Reserve(h, 3)
 		go func() {
-			files, _ := takeSlots(t, maxConns(t), 3)
+			files, _ := takeSlots(t, maxConns(t), 3, true)
 			for _, f := range files {
 				f.Close()
 			}
