@@ -50,19 +50,25 @@ func New(t testing.TB) *DB { return create(t, templateName(t)) }
 func NewEmpty(t testing.TB) *DB { return create(t, "template0") }
 
 // NewPool opens another pool on db (a second "replica") of maxConns
-// connections (PoolConns when 0), closed when t ends. It waits for that
-// many of the suite's connections (Reserve).
+// connections (PoolConns when 0), closed when t ends, and counts them in
+// the suite's share (Reserve).
 func (db *DB) NewPool(t testing.TB, maxConns int32) *pgxpool.Pool {
+	t.Helper()
+	if maxConns <= 0 {
+		maxConns = PoolConns
+	}
+	Reserve(t, int(maxConns))
+	return db.openPool(t, maxConns)
+}
+
+// openPool opens a pool of maxConns on db, closed when t ends.
+func (db *DB) openPool(t testing.TB, maxConns int32) *pgxpool.Pool {
 	t.Helper()
 	cfg, err := pgxpool.ParseConfig(db.URL)
 	if err != nil {
 		t.Fatalf("pgtest: %v", err)
 	}
-	cfg.MaxConns = PoolConns
-	if maxConns > 0 {
-		cfg.MaxConns = maxConns
-	}
-	Reserve(t, int(cfg.MaxConns))
+	cfg.MaxConns = maxConns
 	p, err := pgxpool.NewWithConfig(context.Background(), cfg)
 	if err != nil {
 		t.Fatalf("pgtest: %v", err)
@@ -73,9 +79,8 @@ func (db *DB) NewPool(t testing.TB, maxConns int32) *pgxpool.Pool {
 
 func create(t testing.TB, template string) *DB {
 	t.Helper()
-	// One connection for creating and dropping the database; the pool
-	// reserves its own.
-	Reserve(t, 1)
+	// One connection for creating and dropping the database, and the pool's.
+	Reserve(t, 1+PoolConns)
 	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
 	defer cancel()
 	admin := connect(t, ctx, AdminURL())
@@ -94,7 +99,7 @@ func create(t testing.TB, template string) *DB {
 			t.Errorf("pgtest: drop database %s: %v", name, err)
 		}
 	})
-	db.Pool = db.NewPool(t, 0)
+	db.Pool = db.openPool(t, PoolConns)
 	return db
 }
 

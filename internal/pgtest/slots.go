@@ -7,6 +7,7 @@ import (
 	"os"
 	"path/filepath"
 	"strconv"
+	"strings"
 	"sync"
 	"syscall"
 	"testing"
@@ -32,10 +33,9 @@ const DefaultMaxConns = 20
 // is given 0: pgxpool's own default grows with the machine's cores.
 const PoolConns = 4
 
-// slotWait bounds the wait for slots. Two running tests that hold slots
-// and each wait for more than is left would wait for each other; after
-// slotWait a test goes on without its slots and says so.
-const slotWait = 2 * time.Minute
+// slotWait bounds a test's wait for admission; after it the test goes on
+// without its slots and says so.
+const slotWait = 5 * time.Minute
 
 // maxConns is the suite's share: WORKER_TEST_MAX_CONNS or DefaultMaxConns.
 func maxConns(t testing.TB) int {
@@ -50,74 +50,81 @@ func maxConns(t testing.TB) int {
 	return n
 }
 
-// held is what each running test reserved in this process.
+// held is what each running test family (a top-level test and its
+// subtests) reserved in this process.
 var (
 	heldMu sync.Mutex
-	held   = map[testing.TB]int{}
+	held   = map[string]int{}
 )
 
-// Reserve waits until n more of the suite's connections are free and keeps
-// them for t until it ends. Call it before opening connections this package
-// does not count, such as a worker process's. A test never holds more than
-// the whole share: beyond it, Reserve returns at once.
+// family is the top-level test t belongs to.
+func family(t testing.TB) string {
+	name, _, _ := strings.Cut(t.Name(), "/")
+	return name
+}
+
+// Reserve keeps n more of the suite's connections for t until it ends. A
+// test family's first reservation waits until they are free: that is its
+// admission, so ask for the most the test will use before its first
+// database when that is more than New's. Later reservations of the family
+// take the slots that are free and never wait: a running test (or a
+// parallel subtest, whose parent holds slots while it waits for it) must
+// be able to finish and give its slots back, or tests would wait for each
+// other. A family never holds more than the whole share.
 func Reserve(t testing.TB, n int) {
 	t.Helper()
 	limit := maxConns(t)
+	fam := family(t)
 	heldMu.Lock()
-	first := held[t] == 0
-	n = min(n, limit-held[t])
-	held[t] += max(n, 0)
+	first := held[fam] == 0
+	n = min(n, limit-held[fam])
+	held[fam] += max(n, 0)
 	heldMu.Unlock()
 	if n <= 0 {
 		return
 	}
-	files, waited := takeSlots(t, limit, n, first)
-	if waited > time.Second {
-		t.Logf("pgtest: waited %s for %d of the suite's %d connections (WORKER_TEST_MAX_CONNS)", waited.Round(time.Millisecond), n, limit)
+	var files []*os.File
+	if first {
+		var waited time.Duration
+		files, waited = admit(t, limit, n)
+		if waited > time.Second {
+			t.Logf("pgtest: waited %s for %d of the suite's %d connections (WORKER_TEST_MAX_CONNS)", waited.Round(time.Millisecond), n, limit)
+		}
+	} else {
+		files = lockFree(t, slotDir(t), limit, n)
 	}
 	t.Cleanup(func() {
 		for _, f := range files {
 			f.Close() // closing the last descriptor releases the flock
 		}
 		heldMu.Lock()
-		if held[t] -= n; held[t] <= 0 {
-			delete(held, t)
+		if held[fam] -= n; held[fam] <= 0 {
+			delete(held, fam)
 		}
 		heldMu.Unlock()
 	})
 }
 
-// takeSlots locks n of the limit slot files, all at once or none, so a
-// waiting test holds nothing the others need. A test's first request waits
-// behind the gate, which its holder keeps while it waits: a large request is
-// then not starved by a stream of new tests, and the running ones, which
-// skip the gate when they ask for more, finish and give their slots back.
-func takeSlots(t testing.TB, limit, n int, first bool) ([]*os.File, time.Duration) {
+// admit locks n of the limit slot files, all at once. Waiting tests hold
+// none, and wait behind the gate, which the first of them keeps while it
+// waits: a large request is not starved by a stream of small ones, and the
+// running tests, which never wait, finish and give their slots back.
+func admit(t testing.TB, limit, n int) ([]*os.File, time.Duration) {
 	t.Helper()
 	dir := slotDir(t)
 	start := time.Now()
 	deadline := start.Add(slotWait)
-	if first {
-		gate := openSlot(t, filepath.Join(dir, "gate"))
-		defer gate.Close()
-		for !tryLock(t, gate) {
-			if time.Now().After(deadline) {
-				t.Logf("pgtest: no connection slot after %s; going on without", slotWait)
-				return nil, time.Since(start)
-			}
-			pause()
+	gate := openSlot(t, filepath.Join(dir, "gate"))
+	defer gate.Close()
+	for !tryLock(t, gate) {
+		if time.Now().After(deadline) {
+			t.Logf("pgtest: no connection slot after %s; going on without", slotWait)
+			return nil, time.Since(start)
 		}
+		pause()
 	}
 	for {
-		var files []*os.File
-		for i := 0; i < limit && len(files) < n; i++ {
-			f := openSlot(t, filepath.Join(dir, fmt.Sprintf("slot-%03d", i)))
-			if tryLock(t, f) {
-				files = append(files, f)
-			} else {
-				f.Close()
-			}
-		}
+		files := lockFree(t, dir, limit, n)
 		if len(files) == n {
 			return files, time.Since(start)
 		}
@@ -130,6 +137,21 @@ func takeSlots(t testing.TB, limit, n int, first bool) ([]*os.File, time.Duratio
 		}
 		pause()
 	}
+}
+
+// lockFree locks up to n of the slot files that are free now.
+func lockFree(t testing.TB, dir string, limit, n int) []*os.File {
+	t.Helper()
+	var files []*os.File
+	for i := 0; i < limit && len(files) < n; i++ {
+		f := openSlot(t, filepath.Join(dir, fmt.Sprintf("slot-%03d", i)))
+		if tryLock(t, f) {
+			files = append(files, f)
+		} else {
+			f.Close()
+		}
+	}
+	return files
 }
 
 // slotDir is one directory of slots per server, so suites against

@@ -21,7 +21,7 @@ func TestReserveWaitsForFreeSlots(t *testing.T) {
 	t.Run("holder", func(h *testing.T) {
 		Reserve(h, 3)
 		go func() {
-			files, _ := takeSlots(t, maxConns(t), 3, true)
+			files, _ := admit(t, maxConns(t), 3)
 			for _, f := range files {
 				f.Close()
 			}
@@ -51,8 +51,8 @@ func TestReserveStopsAtTheShare(t *testing.T) {
 	Reserve(t, 4) // would wait for ever if it asked for 4 more
 	heldMu.Lock()
 	defer heldMu.Unlock()
-	if held[t] != 5 {
-		t.Fatalf("holds %d, want the share of 5", held[t])
+	if held[t.Name()] != 5 {
+		t.Fatalf("holds %d, want the share of 5", held[t.Name()])
 	}
 }
 
