@@ -34,8 +34,10 @@ const DefaultMaxConns = 20
 const PoolConns = 4
 
 // slotWait bounds a test's wait for admission; after it the test goes on
-// without its slots and says so.
-const slotWait = 5 * time.Minute
+// without its slots and says so. Waiting tests take go test's -parallel
+// places, so parents that hold slots while their parallel subtests wait for
+// a place could otherwise keep them waiting for good.
+const slotWait = 30 * time.Second
 
 // maxConns is the suite's share: WORKER_TEST_MAX_CONNS or DefaultMaxConns.
 func maxConns(t testing.TB) int {
@@ -65,8 +67,7 @@ func family(t testing.TB) string {
 
 // Reserve keeps n more of the suite's connections for t until it ends. A
 // test family's first reservation waits until they are free: that is its
-// admission, so ask for the most the test will use before its first
-// database when that is more than New's. Later reservations of the family
+// admission. Later reservations of the family
 // take the slots that are free and never wait: a running test (or a
 // parallel subtest, whose parent holds slots while it waits for it) must
 // be able to finish and give its slots back, or tests would wait for each

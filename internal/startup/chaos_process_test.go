@@ -53,7 +53,6 @@ func TestChaos(t *testing.T) {
 	t.Parallel()
 	began := time.Now()
 	total := max(chaosMinEvents, int(chaosWindow(t).Seconds()*chaosRate))
-	pgtest.Reserve(t, 3*workerTestConns+pgtest.PoolConns+1) // three replicas: wait once, for all
 	db := pgtest.New(t)
 	createJobTables(t, db)
 	preexisting := insertPreexisting(t, db)

@@ -23,7 +23,6 @@ func TestClusterCadenceAcrossThreeProcesses(t *testing.T) {
 		leaseTTL = 3 * time.Second
 		window   = 30 * time.Second
 	)
-	pgtest.Reserve(t, 3*workerTestConns+pgtest.PoolConns+1) // three replicas: wait once, for all
 	db := pgtest.New(t)
 	ctx := context.Background()
 	if _, err := db.Pool.Exec(ctx, `CREATE TABLE tick (started_at timestamptz, finished_at timestamptz, app text)`); err != nil {
