@@ -107,6 +107,7 @@ func TestFixedDelayNoOverlap(t *testing.T) {
 }
 
 func TestTimeoutAndPanic(t *testing.T) {
+	t.Parallel()
 	db := pgtest.New(t)
 	slow := Func("slow", func(ctx context.Context) error { <-ctx.Done(); return ctx.Err() })
 	boom := Func("boom", func(ctx context.Context) error { panic("kaboom") })
@@ -138,6 +139,7 @@ func TestTimeoutAndPanic(t *testing.T) {
 }
 
 func TestRejectedWhenExecutorFull(t *testing.T) {
+	t.Parallel()
 	db := pgtest.New(t)
 	hog := newBlocker("hog")
 	var quickRuns atomic.Int32
@@ -174,6 +176,7 @@ func TestRejectedWhenExecutorFull(t *testing.T) {
 }
 
 func TestLeaseLostCancelsRun(t *testing.T) {
+	t.Parallel()
 	db := pgtest.New(t)
 	pg, err := lock.NewPostgres(db.Pool, "a", nil)
 	if err != nil {
@@ -251,6 +254,7 @@ func TestNotDueCostsNoLockStatement(t *testing.T) {
 }
 
 func TestShutdownWaitsThenCancels(t *testing.T) {
+	t.Parallel()
 	db := pgtest.New(t)
 	locker := inProcess()
 	finishes, cancelled := newBlocker("finishes"), newBlocker("cancelled")
@@ -288,6 +292,7 @@ func TestShutdownWaitsThenCancels(t *testing.T) {
 }
 
 func TestShutdownStopsNewRuns(t *testing.T) {
+	t.Parallel()
 	db := pgtest.New(t)
 	var n atomic.Int32
 	job := Func("often", func(context.Context) error { n.Add(1); return nil })
@@ -425,6 +430,7 @@ func (l *slowAcquire) TryAcquire(ctx context.Context, key string, wait, ttl time
 // docs/jobs.md, Shutdown step 1: "No attempt starts from then on". An
 // attempt whose lease arrives after Shutdown began must not start a run.
 func TestNoRunStartsAfterShutdownBegan(t *testing.T) {
+	t.Parallel()
 	db := pgtest.New(t)
 	l := &slowAcquire{Locker: inProcess(), entered: make(chan struct{}), release: make(chan struct{})}
 	var ran atomic.Int32

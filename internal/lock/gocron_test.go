@@ -42,6 +42,7 @@ func newScheduler(t *testing.T, g *GocronLocker) gocron.Scheduler {
 // the same job; the runs never overlap, each sees its own lease through the
 // adapter, and the fencing tokens grow from run to run.
 func TestGocronTwoSchedulers(t *testing.T) {
+	t.Parallel()
 	db := pgtest.New(t)
 	const job = "tick"
 	var (
@@ -108,6 +109,7 @@ func TestGocronTwoSchedulers(t *testing.T) {
 // A run that outlives its lease gets ErrLeaseExpired from Unlock; gocron
 // drops that error, so the adapter counts it.
 func TestGocronUnlockErrorsCounted(t *testing.T) {
+	t.Parallel()
 	db := pgtest.New(t)
 	g, reg := newAdapter(t, newPostgres(t, db, nil, WithoutHeartbeat()), 300*time.Millisecond)
 	s := newScheduler(t, g)
@@ -142,6 +144,7 @@ func TestGocronUnlockErrorsCounted(t *testing.T) {
 // Shutdown cancels the job's context before gocron unlocks with it; the
 // lease is released anyway.
 func TestGocronUnlockAfterShutdownCancel(t *testing.T) {
+	t.Parallel()
 	db := pgtest.New(t)
 	g, reg := newAdapter(t, newPostgres(t, db, nil), time.Minute)
 	s := newScheduler(t, g)
@@ -211,6 +214,7 @@ func TestGocronLockDirect(t *testing.T) {
 // Wait is asked on every Lock, so a caller can skip the wait on one
 // attempt (a probe) and wait on the next.
 func TestGocronWaitPerAttempt(t *testing.T) {
+	t.Parallel()
 	db := pgtest.New(t)
 	a, _ := newAdapter(t, newPostgres(t, db, nil), time.Minute)
 	parked := make(chan struct{}, 1)

@@ -206,6 +206,7 @@ func terminateBackends(t *testing.T, db *pgtest.DB) {
 // When every renewal fails (here: the pool is gone), the lease is declared
 // lost once the holder's own estimate of its ttl runs out.
 func TestPostgresRenewalFailsUntilTTL(t *testing.T) {
+	t.Parallel()
 	ctx := testCtx(t)
 	db := pgtest.New(t)
 	logs := &testkit.LogBuffer{}
@@ -463,6 +464,7 @@ func TestPostgresWaiterSeesReleaseDuringItsStatement(t *testing.T) {
 // retry) but stops the heartbeat; its Lost channel must still fire when the
 // ttl runs out.
 func TestPostgresFailedReleaseStillReportsLoss(t *testing.T) {
+	t.Parallel()
 	ctx := testCtx(t)
 	db := pgtest.New(t)
 	pool := db.NewPool(t, 0)

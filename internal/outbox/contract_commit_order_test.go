@@ -20,6 +20,7 @@ import (
 // one blocks until the first commits, and k+1 can never become visible (and
 // be published) before k. Other aggregates flow meanwhile.
 func TestContractOutOfOrderCommit(t *testing.T) {
+	t.Parallel()
 	db := pgtest.New(t)
 	ctx := context.Background()
 	rec := newContractRecordingSink(nil)

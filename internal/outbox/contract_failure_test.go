@@ -53,6 +53,7 @@ func contractFailureConfig(blockOnDead bool) outbox.Config {
 // a JOB_DEAD_LETTER log line and job_dlq_total, and healthy aggregates (and
 // the dead event's own successor) keep flowing.
 func TestContractFailureRetryAndDeadLetter(t *testing.T) {
+	t.Parallel()
 	db := pgtest.New(t)
 	rec := newContractRecordingSink(contractFailingBehaviour)
 	log, logs := contractJSONLogger(t)
@@ -179,6 +180,7 @@ func TestContractFailureRetryAndDeadLetter(t *testing.T) {
 // outnumber several batches, so the oldest unfinished rows are all blocked
 // and the relay must look past them.
 func TestContractFailureBlockOnDead(t *testing.T) {
+	t.Parallel()
 	const blockedEvents = 60
 	db := pgtest.New(t)
 	rec := newContractRecordingSink(contractFailingBehaviour)

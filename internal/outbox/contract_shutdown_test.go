@@ -214,6 +214,7 @@ func TestContractShutdownHandsBackClaims(t *testing.T) {
 // publish in progress complete (it is recorded PUBLISHED) and hands back the
 // rest of the batch unattempted.
 func TestContractShutdownLetsPublishFinish(t *testing.T) {
+	t.Parallel()
 	db := pgtest.New(t)
 	ctx := context.Background()
 	var ids []string

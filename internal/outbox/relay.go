@@ -397,9 +397,6 @@ func (r *Relay) claim(ctx context.Context, st *loopState, limit int) ([][]claime
 	if limit > 0 {
 		n = limit
 	}
-	if d := r.runDepth(); d > 0 {
-		n = min(n, r.cfg.MaxInFlight*d)
-	}
 	st.window = max(st.window, r.minWindow())
 	// A share left from a sibling's window needs no window of its own.
 	var cands []*candidate
@@ -565,38 +562,15 @@ func (r *Relay) nextSize(size int, out *outcomes) int {
 }
 
 // depth is the longest run of one aggregate a claim of n events takes: n
-// spread over max_in_flight aggregates once n is below batch_size, and no
-// longer than the sink publishes in half of detach_after (runDepth). An
+// spread over max_in_flight aggregates once n is below batch_size. An
 // aggregate's events are published one after another, so a slow sink gets
 // through a batch faster as many short runs than as a few long ones.
 // Zero: no bound.
 func (r *Relay) depth(n int) int {
-	d := r.runDepth()
-	if n < r.cfg.BatchSize {
-		spread := (n + r.cfg.MaxInFlight - 1) / r.cfg.MaxInFlight
-		if d == 0 || spread < d {
-			d = spread
-		}
-	}
-	return d
-}
-
-// runDepth is how many events of one aggregate the sink publishes, one
-// after another, in half of detach_after at its average latency; 0 when
-// that is more than a batch (a fast sink), or nothing was published yet.
-// A claim takes at most max_in_flight runs of that length: all of them
-// start at once and finish before detach_after, and the next claim
-// follows.
-func (r *Relay) runDepth() int {
-	lat := time.Duration(r.latency.Load())
-	if lat <= 0 {
+	if n >= r.cfg.BatchSize {
 		return 0
 	}
-	d := r.cfg.DetachAfter / (2 * lat)
-	if d >= time.Duration(r.cfg.BatchSize) {
-		return 0
-	}
-	return max(1, int(d))
+	return (n + r.cfg.MaxInFlight - 1) / r.cfg.MaxInFlight
 }
 
 // lockWindow locks heads and their runs, up to n events, in one statement.

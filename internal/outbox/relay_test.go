@@ -20,6 +20,7 @@ import (
 // event_id, payload bytes, headers, occurred_at and the attempts made
 // before.
 func TestRelayEventFields(t *testing.T) {
+	t.Parallel()
 	db := pgtest.New(t)
 	ctx := context.Background()
 	occurred := time.Date(2026, 1, 2, 3, 4, 5, 0, time.UTC)
@@ -53,6 +54,7 @@ RETURNING id`, occurred).Scan(&seq)
 // DEAD event (block_on_dead=false let the later ones go on), so the
 // aggregate reads: due, FAILED until later, due. Only the first may go.
 func TestRelayRunStopsAtEventNotDue(t *testing.T) {
+	t.Parallel()
 	db := pgtest.New(t)
 	first := appendEvent(t, db.Pool, "x", "e1")
 	waiting := appendEvent(t, db.Pool, "x", "e2")
@@ -78,6 +80,7 @@ func TestRelayRunStopsAtEventNotDue(t *testing.T) {
 // another claimer might) holds its aggregate until its visibility deadline
 // (next_attempt_at) passes; then it is reclaimed, and its successor follows.
 func TestRelayInFlightVisibility(t *testing.T) {
+	t.Parallel()
 	db := pgtest.New(t)
 	held := appendEvent(t, db.Pool, "x", "held")
 	next := appendEvent(t, db.Pool, "x", "next")
@@ -109,6 +112,7 @@ func TestRelayInFlightVisibility(t *testing.T) {
 // look behind them and publish the aggregate behind them,
 // and must not publish the blocked aggregates' later events.
 func TestRelayLooksPastRetries(t *testing.T) {
+	t.Parallel()
 	db := pgtest.New(t)
 	ctx := context.Background()
 	// 40 aggregates x 3 events; every head FAILED with a retry in an hour.
@@ -144,6 +148,7 @@ SELECT 'order', 'blocked-' || g % 40, 'blocked', '{}' FROM generate_series(0, 11
 // published promptly both before and after the LISTEN connection is killed,
 // so the listener reconnected.
 func TestRelayListenerReconnects(t *testing.T) {
+	t.Parallel()
 	db := pgtest.New(t)
 	cfg := testConfig()
 	cfg.PollInterval = time.Hour
@@ -184,6 +189,7 @@ func TestRelayListenerReconnects(t *testing.T) {
 // gauges follow the table and the counters and histograms follow the
 // publishes.
 func TestRelayMetrics(t *testing.T) {
+	t.Parallel()
 	db := pgtest.New(t)
 	reg := prometheus.NewRegistry()
 	release := make(chan struct{})
@@ -411,6 +417,7 @@ func TestRelayStoresAnyErrorText(t *testing.T) {
 // delivered again: at least once) and the relay carries on; once the write
 // works again everything is published.
 func TestRelayRecoversWhenOutcomesCannotBeWritten(t *testing.T) {
+	t.Parallel()
 	db := pgtest.New(t)
 	exec(t, db.Pool, `
 CREATE FUNCTION refuse_publish() RETURNS trigger LANGUAGE plpgsql AS $$

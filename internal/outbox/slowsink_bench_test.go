@@ -17,8 +17,8 @@ import (
 
 // BenchmarkRelaySlowSink drains backlogs through a sink that answers every
 // publish after a fixed latency L, with 1 replica of 1 loop and with 3
-// replicas of 2 loops (relays in this process, a pool each), the backlog
-// committed in 1 transaction and in 10. It prints events/s min / median /
+// replicas of 2 loops (relays in this process, a pool each), over 200 and
+// 2,000 aggregates, the backlog committed in 1 transaction and in 10. It prints events/s min / median /
 // max over -rounds and the median ratio to the most any relay could do:
 // min(max_in_flight x replicas, aggregates) / L, since one aggregate's
 // events go one at a time.
@@ -28,34 +28,35 @@ func BenchmarkRelaySlowSink(b *testing.B) {
 	type shape struct {
 		latency         time.Duration
 		replicas, loops int
-		txs             int
+		aggregates, txs int
 	}
 	var shapes []shape
 	for _, l := range []time.Duration{20 * time.Millisecond, 150 * time.Millisecond, 400 * time.Millisecond, time.Second} {
 		for _, rl := range [][2]int{{1, 1}, {3, 2}} {
-			for _, txs := range []int{1, 10} {
-				shapes = append(shapes, shape{l, rl[0], rl[1], txs})
+			for _, aggs := range []int{200, 2000} {
+				for _, txs := range []int{1, 10} {
+					shapes = append(shapes, shape{l, rl[0], rl[1], aggs, txs})
+				}
 			}
 		}
 	}
-	const aggregates = 200
 	w := tabwriter.NewWriter(os.Stdout, 0, 0, 2, ' ', tabwriter.AlignRight)
-	fmt.Fprintln(w, "L\treplicas x loops\ttransactions\tevents\tevents/s min / median / max\tideal\tratio\t")
+	fmt.Fprintln(w, "L\treplicas x loops\taggregates\ttransactions\tevents\tevents/s min / median / max\tideal\tratio\t")
 	for range b.N {
 		for _, s := range shapes {
 			cfg := DefaultConfig()
 			cfg.Relays = s.loops
-			ideal := float64(min(DefaultMaxInFlight(SinkWebhook)*s.replicas, aggregates)) / s.latency.Seconds()
+			ideal := float64(min(DefaultMaxInFlight(SinkWebhook)*s.replicas, s.aggregates)) / s.latency.Seconds()
 			// About 8 s of draining at the ideal rate.
 			events := int(8 * ideal)
 			var rates []float64
 			for range *benchRounds {
-				rates = append(rates, drainSlow(b, cfg, s.latency, s.replicas, events, aggregates, s.txs))
+				rates = append(rates, drainSlow(b, cfg, s.latency, s.replicas, events, s.aggregates, s.txs))
 			}
 			slices.Sort(rates)
 			med := rates[len(rates)/2]
-			fmt.Fprintf(w, "%s\t%d x %d\t%d\t%d\t%.0f / %.0f / %.0f\t%.0f\t%.2f\t\n",
-				s.latency, s.replicas, s.loops, s.txs, events, rates[0], med, rates[len(rates)-1], ideal, med/ideal)
+			fmt.Fprintf(w, "%s\t%d x %d\t%d\t%d\t%d\t%.0f / %.0f / %.0f\t%.0f\t%.2f\t\n",
+				s.latency, s.replicas, s.loops, s.aggregates, s.txs, events, rates[0], med, rates[len(rates)-1], ideal, med/ideal)
 		}
 	}
 	w.Flush()

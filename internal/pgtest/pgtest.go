@@ -1,6 +1,8 @@
 // Package pgtest gives each test its own PostgreSQL database, cloned from a
-// migrated template, so test packages run in parallel without sharing state.
-// There is no skip: a test that needs PostgreSQL fails when it is missing.
+// migrated template, so test packages run in parallel without sharing state,
+// and keeps the suite within its share of the server's connections
+// (slots.go). There is no skip: a test that needs PostgreSQL fails when it
+// is missing.
 package pgtest
 
 import (
@@ -8,6 +10,7 @@ import (
 	"crypto/rand"
 	"crypto/sha256"
 	"encoding/hex"
+	"errors"
 	"fmt"
 	"io/fs"
 	"log/slog"
@@ -17,6 +20,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/worker-dev/worker/internal/migrate"
@@ -45,16 +49,26 @@ func New(t testing.TB) *DB { return create(t, templateName(t)) }
 // NewEmpty returns a fresh database with no migrations applied.
 func NewEmpty(t testing.TB) *DB { return create(t, "template0") }
 
-// NewPool opens another pool on db (a second "replica"), closed when t ends.
+// NewPool opens another pool on db (a second "replica") of maxConns
+// connections (PoolConns when 0), closed when t ends, and counts them in
+// the suite's share (Reserve).
 func (db *DB) NewPool(t testing.TB, maxConns int32) *pgxpool.Pool {
+	t.Helper()
+	if maxConns <= 0 {
+		maxConns = PoolConns
+	}
+	Reserve(t, int(maxConns))
+	return db.openPool(t, maxConns)
+}
+
+// openPool opens a pool of maxConns on db, closed when t ends.
+func (db *DB) openPool(t testing.TB, maxConns int32) *pgxpool.Pool {
 	t.Helper()
 	cfg, err := pgxpool.ParseConfig(db.URL)
 	if err != nil {
 		t.Fatalf("pgtest: %v", err)
 	}
-	if maxConns > 0 {
-		cfg.MaxConns = maxConns
-	}
+	cfg.MaxConns = maxConns
 	p, err := pgxpool.NewWithConfig(context.Background(), cfg)
 	if err != nil {
 		t.Fatalf("pgtest: %v", err)
@@ -65,6 +79,8 @@ func (db *DB) NewPool(t testing.TB, maxConns int32) *pgxpool.Pool {
 
 func create(t testing.TB, template string) *DB {
 	t.Helper()
+	// One connection for creating and dropping the database, and the pool's.
+	Reserve(t, 1+PoolConns)
 	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
 	defer cancel()
 	admin := connect(t, ctx, AdminURL())
@@ -83,7 +99,7 @@ func create(t testing.TB, template string) *DB {
 			t.Errorf("pgtest: drop database %s: %v", name, err)
 		}
 	})
-	db.Pool = db.NewPool(t, 0)
+	db.Pool = db.openPool(t, PoolConns)
 	return db
 }
 
@@ -146,13 +162,38 @@ func templateName(t testing.TB) string {
 	return name
 }
 
+// connect opens an admin connection. A server with no free connection
+// (other clients hold its max_connections) is waited for until ctx ends,
+// and reported as that, not as a server that is not running.
 func connect(t testing.TB, ctx context.Context, u string) *pgx.Conn {
 	t.Helper()
-	c, err := pgx.Connect(ctx, u)
-	if err != nil {
-		t.Fatalf("pgtest: PostgreSQL is required at %s (set WORKER_TEST_DATABASE_URL): %v", u, err)
+	for {
+		c, err := pgx.Connect(ctx, u)
+		switch {
+		case err == nil:
+			return c
+		case !tooManyClients(err) || ctx.Err() != nil:
+			t.Fatal(connectFailure(u, err))
+		}
+		pause()
 	}
-	return c
+}
+
+// connectFailure says why the tests could not connect: a server that has
+// no free connection is not a server that is missing.
+func connectFailure(u string, err error) string {
+	if tooManyClients(err) {
+		return fmt.Sprintf("pgtest: PostgreSQL at %s has no free connection (too many clients, SQLSTATE 53300): other clients hold its max_connections; "+
+			"give the suite a smaller share (WORKER_TEST_MAX_CONNS, go test -p) or raise max_connections: %v", u, err)
+	}
+	return fmt.Sprintf("pgtest: PostgreSQL is required at %s (set WORKER_TEST_DATABASE_URL): %v", u, err)
+}
+
+// tooManyClients is PostgreSQL refusing a connection for want of a free
+// one: max_connections reached (SQLSTATE 53300).
+func tooManyClients(err error) bool {
+	var pgErr *pgconn.PgError
+	return errors.As(err, &pgErr) && pgErr.Code == "53300"
 }
 
 func withDatabase(t testing.TB, dsn, name string) string {

@@ -172,6 +172,7 @@ func runEnd(t *testing.T, p *proc, token int64) map[string]any {
 // (SIGKILL), statement_timeout (the job's timeout plus 1s) ends it. Without either,
 // pg_sleep(60) would run on for a minute.
 func TestSQLJobStopsOnServerWhenWorkerStops(t *testing.T) {
+	t.Parallel()
 	for _, c := range []struct {
 		signal  syscall.Signal
 		timeout string

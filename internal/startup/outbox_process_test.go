@@ -14,6 +14,7 @@ import (
 // `worker outbox emit` inserts, and the operator verbs see, requeue and
 // purge DEAD events.
 func TestOutboxCommandsEndToEnd(t *testing.T) {
+	t.Parallel()
 	db := pgtest.New(t)
 	env := []string{"APP_DATABASE_URL=" + db.URL}
 	cli := func(args ...string) string {

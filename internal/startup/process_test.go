@@ -61,6 +61,23 @@ func freeAddr(t *testing.T) string {
 	return l.Addr().String()
 }
 
+// workerTestConns is what a worker process of these tests is counted for in
+// the suite's share of connections: with the pool of 5 startWorker gives
+// them they hold 3 to 9 (idle, one job, a few events); the budget test's
+// worker, which holds 20, reserves the rest itself.
+const workerTestConns = 6
+
+// usesTestDatabase reports whether env points the worker at a test's own
+// database: the exit-code tests start workers that never connect.
+func usesTestDatabase(env []string) bool {
+	for _, kv := range env {
+		if strings.HasPrefix(kv, "APP_DATABASE_URL=") && strings.Contains(kv, "/worker_test_") {
+			return true
+		}
+	}
+	return false
+}
+
 // startWorker runs the binary with a clean environment plus env. The config
 // file is an empty one unless env names APP_CONFIG_FILE.
 func startWorker(t *testing.T, env []string, args ...string) *proc {
@@ -74,6 +91,12 @@ func startBinary(t *testing.T, bin string, env []string, args ...string) *proc {
 	empty := filepath.Join(t.TempDir(), "empty.yaml")
 	if err := os.WriteFile(empty, []byte("{}\n"), 0o600); err != nil {
 		t.Fatal(err)
+	}
+	if usesTestDatabase(env) {
+		pgtest.Reserve(t, workerTestConns)
+		// A smaller pool than the default 10, so the suite fits its share
+		// of the server; env can still set another.
+		env = append([]string{"APP_DATABASE_MAX_CONNS=5"}, env...)
 	}
 	p := &proc{addr: freeAddr(t), done: make(chan struct{})}
 	p.cmd = exec.Command(bin, args...)
@@ -382,6 +405,7 @@ func TestFatalErrorIsOneLogLine(t *testing.T) {
 }
 
 func TestMigrateCommandIsIdempotent(t *testing.T) {
+	t.Parallel()
 	db := pgtest.NewEmpty(t)
 	for i := range 2 {
 		p := startWorker(t, []string{"APP_DATABASE_URL=" + db.URL}, "migrate")

@@ -38,6 +38,7 @@ func sleeping(t *testing.T, db *pgtest.DB) bool {
 }
 
 func TestShutdownLetsRunningJobFinish(t *testing.T) {
+	t.Parallel()
 	db := pgtest.New(t)
 	if _, err := db.Pool.Exec(context.Background(), "CREATE TABLE probe (what text)"); err != nil {
 		t.Fatal(err)
@@ -115,6 +116,7 @@ jobs:
 }
 
 func TestSecondSignalExitsAtOnce(t *testing.T) {
+	t.Parallel()
 	db := pgtest.New(t)
 	cfg := configFile(t, `
 jobs:
@@ -157,6 +159,7 @@ func TestPostgresProviderWithoutTableExits72(t *testing.T) {
 // finish within APP_SHUTDOWN_TIMEOUT minus 1s. The webhook below takes
 // 1.5s; the budget is 10s, so SIGTERM must not cut it off.
 func TestShutdownLetsInFlightPublishFinish(t *testing.T) {
+	t.Parallel()
 	db := pgtest.New(t)
 	var started, completed, cancelled atomic.Int32
 	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {

@@ -33,11 +33,15 @@ type Options struct {
 	HTTPClient *http.Client
 }
 
-// extraConns is what River's pool holds beyond max_workers: its producers'
-// fetches, the completer, leader election and maintenance. River's LISTEN
-// connection is taken from the pool and hijacked, so the server sees one
-// more connection than the pool's size.
-const extraConns = 4
+// riverPoolConns is the size of River's pool. It serves River's producers'
+// fetches, the completer, leader election and maintenance, and the sql
+// tasks running at the moment: each holds one for its run, and waits for
+// one when all are taken (http and go tasks hold none of these while they
+// run). A fixed size, rather than one connection per worker, keeps a
+// replica within its connection budget whatever max_workers says (README,
+// "Connections"). River's LISTEN connection is taken from the pool and
+// hijacked, so the server sees one more connection than this.
+const riverPoolConns = 5
 
 // fetchCooldown is the shortest time between two fetches of one queue on
 // one replica (River's default is 100ms). A fetch takes at most the
@@ -79,7 +83,7 @@ func New(opts Options) (*Runtime, error) {
 	// River gets a pool of its own, so tasks (a sql task holds a connection
 	// for its whole run) never starve jobs and the relay of connections.
 	pcfg := opts.Pool.Config()
-	pcfg.MaxConns = int32(cfg.TotalWorkers() + extraConns)
+	pcfg.MaxConns = riverPoolConns
 	pcfg.MinConns, pcfg.MinIdleConns = 0, 0
 	pcfg.ConnConfig.RuntimeParams["application_name"] = "worker " + opts.InstanceID + " tasks"
 	pool, err := pgxpool.NewWithConfig(context.Background(), pcfg)

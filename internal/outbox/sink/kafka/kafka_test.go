@@ -236,7 +236,10 @@ func TestMissingTopic(t *testing.T) {
 	t.Parallel()
 	cl := startCluster(t)
 	cfg := config(cl.brokers(), "{aggregate_type}")
-	cfg.PublishTimeout = time.Second
+	// The client gives up on the record after half of this (2s), with the
+	// topic's error, well before the publish's own deadline: at 1s both
+	// end together, and a loaded machine sees the deadline first.
+	cfg.PublishTimeout = 4 * time.Second
 	s := connect(t, cfg)
 	e := sinktest.Event("a", 0)
 	e.AggregateType = "NotYet"
