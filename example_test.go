@@ -88,3 +88,20 @@ func (auditSink) Name() string { return "audit" }
 func (auditSink) Publish(ctx context.Context, m outbox.Message) error {
 	return nil // write m to the audit store
 }
+
+// A Go job runs on a fixed delay, one replica at a time cluster-wide.
+func ExampleWithJob() {
+	_ = worker.WithJob(worker.Job{
+		Name:    "close-stale-carts",
+		Delay:   time.Minute,
+		Timeout: 30 * time.Second,
+		Run:     closeStaleCarts,
+	})
+}
+
+// A custom sink is selected with APP_OUTBOX_SINK=audit.
+func ExampleWithSink() {
+	_ = worker.WithSink("audit", func(ctx context.Context) (outbox.Sink, error) {
+		return auditSink{}, nil // connect to the audit store here
+	})
+}
