@@ -61,6 +61,10 @@ func TestChaos(t *testing.T) {
 	c.env = []string{
 		"APP_DATABASE_URL=" + db.URL, "APP_CONFIG_FILE=" + configFile(t, chaosJobConfig),
 		"APP_MULTI_INSTANCE_ENABLED=true", "APP_LOCK_PROVIDER=postgres", "APP_LOG_LEVEL=info",
+		// Jobs and the outbox only, on the smallest pool two relay loops
+		// allow: three replicas then hold about 21 connections, which fit
+		// beside a busy neighbour on the same server.
+		"APP_TASKS_ENABLED=false", "APP_DATABASE_MAX_CONNS=3",
 		"APP_OUTBOX_SINK=webhook", "APP_OUTBOX_WEBHOOK_URL=" + c.recv.url, "APP_OUTBOX_WEBHOOK_TIMEOUT=2s",
 		"APP_OUTBOX_RELAYS=" + strconv.Itoa(chaosRelays), "APP_OUTBOX_BATCH_SIZE=" + strconv.Itoa(chaosBatch),
 		"APP_OUTBOX_IN_FLIGHT_TIMEOUT=" + chaosInFlight.String(), "APP_OUTBOX_METRICS_INTERVAL=1s",

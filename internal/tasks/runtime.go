@@ -41,7 +41,7 @@ type Options struct {
 // replica within its connection budget whatever max_workers says (README,
 // "Connections"). River's LISTEN connection is taken from the pool and
 // hijacked, so the server sees one more connection than this.
-const riverPoolConns = 5
+const riverPoolConns = 4
 
 // fetchCooldown is the shortest time between two fetches of one queue on
 // one replica (River's default is 100ms). A fetch takes at most the
