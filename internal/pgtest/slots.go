@@ -24,10 +24,10 @@ import (
 
 // DefaultMaxConns is the suite's share of the server when
 // WORKER_TEST_MAX_CONNS is unset: PostgreSQL's default max_connections of
-// 100 less 75 held by others, less room for the connections the slots
-// count short (the short admin sessions that create templates, what a
-// worker process holds beyond its estimate at its busiest).
-const DefaultMaxConns = 16
+// 100 less 75 held by others, less room for the connections the slots do
+// not count (the short admin sessions that create templates, pools opened
+// outside this package).
+const DefaultMaxConns = 20
 
 // PoolConns is the size of a test database's pool, and of NewPool's when it
 // is given 0: pgxpool's own default grows with the machine's cores.

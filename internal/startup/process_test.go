@@ -63,11 +63,9 @@ func freeAddr(t *testing.T) string {
 
 // workerTestConns is what a worker process of these tests is counted for in
 // the suite's share of connections: with the pool of 5 startWorker gives
-// them they hold 3 to 9 (idle, one job, a few events: the pool, the outbox
-// listener, the readiness probe, leases), and up to 5 more with task kinds
-// (River's pool and listener); the budget test's worker, which holds 20,
-// reserves the rest itself.
-const workerTestConns = 9
+// them they hold 3 to 9 (idle, one job, a few events); the budget test's
+// worker, which holds 20, reserves the rest itself.
+const workerTestConns = 6
 
 // usesTestDatabase reports whether env points the worker at a test's own
 // database: the exit-code tests start workers that never connect.

@@ -47,7 +47,6 @@ type harness struct {
 func start(t *testing.T, db *pgtest.DB, cfg Config, register func(*Registry) error) *harness {
 	t.Helper()
 	h := &harness{db: db, reg: prometheus.NewRegistry(), logs: &testkit.LogBuffer{}}
-	pgtest.Reserve(t, riverPoolConns+1) // River's pool and its LISTEN connection
 	rt, err := New(Options{Config: cfg, Pool: db.Pool, InstanceID: "test", Logger: h.logs.Logger(),
 		Registerer: h.reg, Register: register})
 	if err != nil {
