@@ -233,23 +233,7 @@ func TestConformance(t *testing.T) {
 			return s
 		},
 		Silent: func(t *testing.T, publishTimeout time.Duration) outbox.Sink {
-			// The stream exists but holds other subjects; a plain
-			// subscriber takes the messages and never acks them.
-			mute, _ := newTargetInProcess(t)
-			if _, err := mute.js(t).CreateStream(t.Context(), jetstream.StreamConfig{Name: mute.stream, Subjects: []string{"elsewhere.>"}}); err != nil {
-				t.Fatal(err)
-			}
-			nc, err := nats.Connect(mute.url, nats.UserInfo(mute.user, mute.password))
-			if err != nil {
-				t.Fatal(err)
-			}
-			t.Cleanup(nc.Close)
-			if _, err := nc.Subscribe(mute.prefix+".>", func(*nats.Msg) {}); err != nil {
-				t.Fatal(err)
-			}
-			if err := nc.Flush(); err != nil {
-				t.Fatal(err)
-			}
+			mute := muteTarget(t)
 			cfg := mute.config()
 			cfg.PublishTimeout = publishTimeout
 			return connect(t, cfg)
