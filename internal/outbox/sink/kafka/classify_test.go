@@ -89,20 +89,6 @@ func TestUnavailable(t *testing.T) {
 			}
 		}
 	})
-
-	t.Run("a missing topic is the event's failure", func(t *testing.T) {
-		t.Parallel()
-		cl := startCluster(t)
-		cfg := config(cl.brokers(), "{aggregate_type}")
-		cfg.PublishTimeout = 2 * time.Second
-		s := connect(t, cfg)
-		e := sinktest.Event("a", 0)
-		e.AggregateType = "NotThere"
-		err := s.Publish(t.Context(), e)
-		if err == nil || outbox.IsUnavailable(err) || outbox.IsPermanent(err) {
-			t.Errorf("got %v, want a failure of the event", err)
-		}
-	})
 }
 
 // TestPermanent: what the broker refuses about the record itself is
