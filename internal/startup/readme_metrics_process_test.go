@@ -75,7 +75,8 @@ tasks:
 	var families map[string][]string
 	testkit.Eventually(t, 10*time.Second, "the refreshed gauges", func() bool {
 		_, families = scrape(t, p)
-		return families["outbox_pending_size"] != nil && families["tasks"] != nil
+		// A scrape may land between two gauges of one refresh.
+		return families["outbox_pending_size"] != nil && families["outbox_publisher_lag_seconds"] != nil && families["tasks"] != nil
 	})
 
 	rows := readmeMetricRows(t)
