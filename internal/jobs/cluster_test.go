@@ -175,17 +175,7 @@ UPDATE runs SET finished_at = clock_timestamp() WHERE token = current_setting('w
 // test can kill exactly that replica's connections.
 func namedPool(t *testing.T, db *pgtest.DB, name string) *pgxpool.Pool {
 	t.Helper()
-	cfg, err := pgxpool.ParseConfig(db.URL)
-	if err != nil {
-		t.Fatal(err)
-	}
-	cfg.MaxConns = 4
-	cfg.ConnConfig.RuntimeParams["application_name"] = name
-	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(pool.Close)
+	pool := db.NewPool(t, 4, func(c *pgxpool.Config) { c.ConnConfig.RuntimeParams["application_name"] = name })
 	return pool
 }
 

@@ -97,17 +97,12 @@ func poolCutAtCommit(t *testing.T, db *pgtest.DB) *pgxpool.Pool {
 			}()
 		}
 	}()
-	u.Host = ln.Addr().String()
-	cfg, err := pgxpool.ParseConfig(u.String())
-	if err != nil {
-		t.Fatal(err)
-	}
-	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(pool.Close)
-	return pool
+	// Each connection through the proxy is one to the server: counted as
+	// the pool's (pgtest).
+	return db.NewPool(t, 0, func(c *pgxpool.Config) {
+		c.ConnConfig.Host = "127.0.0.1"
+		c.ConnConfig.Port = uint16(ln.Addr().(*net.TCPAddr).Port)
+	})
 }
 
 // forwardUntilCommit copies frontend messages from src to dst and returns

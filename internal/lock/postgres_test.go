@@ -184,13 +184,9 @@ func TestPostgresConnectionLoss(t *testing.T) {
 func terminateBackends(t *testing.T, db *pgtest.DB) {
 	t.Helper()
 	ctx := testCtx(t)
-	admin, err := pgx.Connect(ctx, pgtest.AdminURL())
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer admin.Close(ctx)
+	admin := pgtest.AdminConn(t)
 	var n int
-	err = admin.QueryRow(ctx, `SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity
+	err := admin.QueryRow(ctx, `SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity
 	                            WHERE datname = $1 AND pid <> pg_backend_pid()`, db.Name).Scan(&n)
 	if err != nil {
 		t.Fatal(err)

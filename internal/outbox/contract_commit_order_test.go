@@ -36,7 +36,7 @@ func TestContractOutOfOrderCommit(t *testing.T) {
 	})
 
 	// tx1: event k of X, left open.
-	conn1 := contractConn(t, db.URL)
+	conn1 := db.Conn(t)
 	tx1, err := conn1.Begin(ctx)
 	if err != nil {
 		t.Fatal(err)
@@ -47,7 +47,7 @@ func TestContractOutOfOrderCommit(t *testing.T) {
 	}
 
 	// tx2, on another connection: event k+1 of X, then commit.
-	conn2 := contractConn(t, db.URL)
+	conn2 := db.Conn(t)
 	pid2 := conn2.PgConn().PID()
 	type result struct {
 		id  string
@@ -132,16 +132,4 @@ func TestContractOutOfOrderCommit(t *testing.T) {
 	if fmt.Sprint(gotX) != fmt.Sprint(wantX) {
 		t.Errorf("X's arrival order\n got %v\nwant %v (history, k, k+1)", gotX, wantX)
 	}
-}
-
-// contractConn opens a dedicated connection (a producer's session), closed
-// when the test ends.
-func contractConn(t testing.TB, url string) *pgx.Conn {
-	t.Helper()
-	c, err := pgx.Connect(context.Background(), url)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = c.Close(context.Background()) })
-	return c
 }

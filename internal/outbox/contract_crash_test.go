@@ -105,7 +105,8 @@ FROM generate_series(1, $2) g ORDER BY g`, contractAggregateType, events); err !
 	}
 
 	cmd := exec.Command(os.Args[0], "-test.run=^TestContractHelperRelayProcess$", "-test.count=1", "-test.timeout=2m")
-	cmd.Env = append(os.Environ(), contractHelperEnv+"="+db.URL)
+	childURL, _ := db.ChildURL(t, 4, 1) // the relay's pool and its listener
+	cmd.Env = append(os.Environ(), contractHelperEnv+"="+childURL)
 	var stderr bytes.Buffer
 	cmd.Stderr = &stderr
 	stdout, err := cmd.StdoutPipe()

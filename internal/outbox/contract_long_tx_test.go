@@ -27,7 +27,7 @@ func TestContractLongUnrelatedTransaction(t *testing.T) {
 	rec := newContractRecordingSink(nil)
 	contractStartRelay(t, db.Pool, rec, contractConfig(), "relay", nil, prometheus.NewRegistry())
 
-	long := contractConn(t, db.URL)
+	long := db.Conn(t)
 	if _, err := long.Exec(ctx, `CREATE TABLE contract_scratch (v int)`); err != nil {
 		t.Fatal(err)
 	}

@@ -289,16 +289,7 @@ func TestRelayDetachedOutcomesWrittenTogether(t *testing.T) {
 		return outcome(e)
 	}}
 	var completes atomic.Int32
-	pcfg, err := pgxpool.ParseConfig(db.URL)
-	if err != nil {
-		t.Fatal(err)
-	}
-	pcfg.ConnConfig.Tracer = queryCounter{sql: completeSQL, n: &completes}
-	pool, err := pgxpool.NewWithConfig(context.Background(), pcfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(pool.Close)
+	pool := db.NewPool(t, 0, func(c *pgxpool.Config) { c.ConnConfig.Tracer = queryCounter{sql: completeSQL, n: &completes} })
 	startRelay(t, pool, sink, testConfig(), nil)
 
 	inFlight := func() (n int) {

@@ -28,17 +28,8 @@ func TestRelayLoopsShareWindows(t *testing.T) {
 	const total = aggregates * perAggregate
 	db := pgtest.New(t)
 	appendMany(t, db, aggregates, perAggregate, "agg-")
-	pcfg, err := pgxpool.ParseConfig(db.URL)
-	if err != nil {
-		t.Fatal(err)
-	}
 	var claims claimCounter
-	pcfg.ConnConfig.Tracer = &claims
-	pool, err := pgxpool.NewWithConfig(context.Background(), pcfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(pool.Close)
+	pool := db.NewPool(t, 0, func(c *pgxpool.Config) { c.ConnConfig.Tracer = &claims })
 	sink := newConcurrencySink(1)
 	cfg := testConfig()
 	cfg.Relays = 4

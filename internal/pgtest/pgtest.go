@@ -14,8 +14,10 @@ import (
 	"fmt"
 	"io/fs"
 	"log/slog"
+	"net"
 	"net/url"
 	"os"
+	"sync"
 	"testing"
 	"time"
 
@@ -44,31 +46,83 @@ type DB struct {
 }
 
 // New returns a fresh, fully migrated database that is dropped when t ends.
-func New(t testing.TB) *DB { return create(t, templateName(t)) }
+func New(t testing.TB) *DB { return create(t, templateName) }
 
 // NewEmpty returns a fresh database with no migrations applied.
-func NewEmpty(t testing.TB) *DB { return create(t, "template0") }
+func NewEmpty(t testing.TB) *DB {
+	return create(t, func(testing.TB) string { return "template0" })
+}
 
 // NewPool opens another pool on db (a second "replica") of maxConns
-// connections (PoolConns when 0), closed when t ends, and counts them in
-// the suite's share (Reserve).
-func (db *DB) NewPool(t testing.TB, maxConns int32) *pgxpool.Pool {
+// connections (PoolConns when 0), closed when t ends. configure, if given,
+// adjusts the pool's configuration first (a tracer, an application_name).
+func (db *DB) NewPool(t testing.TB, maxConns int32, configure ...func(*pgxpool.Config)) *pgxpool.Pool {
 	t.Helper()
 	if maxConns <= 0 {
 		maxConns = PoolConns
 	}
-	Reserve(t, int(maxConns))
-	return db.openPool(t, maxConns)
+	return db.openPool(t, maxConns, configure...)
+}
+
+// ChildURL is db's URL for a child process of t whose pool opens at most
+// poolConns connections (pool_max_conns), and which opens listeners more
+// of its own. They are counted in t's admission (Reserve) until release is
+// called, when the child has exited, or t ends.
+func (db *DB) ChildURL(t testing.TB, poolConns, listeners int) (childURL string, release func()) {
+	t.Helper()
+	u, err := url.Parse(db.URL)
+	if err != nil {
+		t.Fatalf("pgtest: %v", err)
+	}
+	q := u.Query()
+	q.Set("pool_max_conns", fmt.Sprint(poolConns))
+	u.RawQuery = q.Encode()
+	return u.String(), Reserve(t, poolConns+listeners)
+}
+
+// Conn opens a connection of its own to db (a producer's session, a
+// LISTEN), closed when t ends.
+func (db *DB) Conn(t testing.TB, configure ...func(*pgx.ConnConfig)) *pgx.Conn {
+	t.Helper()
+	return conn(t, db.URL, configure...)
+}
+
+// AdminConn opens a connection to the server's admin database, closed when
+// t ends: for what a test database cannot see, such as other databases'
+// sessions.
+func AdminConn(t testing.TB) *pgx.Conn {
+	t.Helper()
+	return conn(t, AdminURL())
+}
+
+func conn(t testing.TB, u string, configure ...func(*pgx.ConnConfig)) *pgx.Conn {
+	t.Helper()
+	cfg, err := pgx.ParseConfig(u)
+	if err != nil {
+		t.Fatalf("pgtest: %v", err)
+	}
+	for _, f := range configure {
+		f(cfg)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	c := connectConfig(t, ctx, cfg)
+	t.Cleanup(func() { _ = c.Close(context.Background()) })
+	return c
 }
 
 // openPool opens a pool of maxConns on db, closed when t ends.
-func (db *DB) openPool(t testing.TB, maxConns int32) *pgxpool.Pool {
+func (db *DB) openPool(t testing.TB, maxConns int32, configure ...func(*pgxpool.Config)) *pgxpool.Pool {
 	t.Helper()
 	cfg, err := pgxpool.ParseConfig(db.URL)
 	if err != nil {
 		t.Fatalf("pgtest: %v", err)
 	}
+	for _, f := range configure {
+		f(cfg)
+	}
 	cfg.MaxConns = maxConns
+	counted(t, &cfg.ConnConfig.Config)
 	p, err := pgxpool.NewWithConfig(context.Background(), cfg)
 	if err != nil {
 		t.Fatalf("pgtest: %v", err)
@@ -77,16 +131,19 @@ func (db *DB) openPool(t testing.TB, maxConns int32) *pgxpool.Pool {
 	return p
 }
 
-func create(t testing.TB, template string) *DB {
+func create(t testing.TB, template func(testing.TB) string) *DB {
 	t.Helper()
-	// One connection for creating and dropping the database, and the pool's.
-	Reserve(t, 1+PoolConns)
+	// Admitted for one connection for creating and dropping the database,
+	// and the pool's (building the template, which happens before either,
+	// takes no more).
+	admissionOf(t, 1+PoolConns, 1+PoolConns)
+	tmpl := template(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
 	defer cancel()
 	admin := connect(t, ctx, AdminURL())
 	defer admin.Close(ctx)
 	name := "worker_test_" + randHex(6)
-	if _, err := admin.Exec(ctx, fmt.Sprintf("CREATE DATABASE %s TEMPLATE %s", name, template)); err != nil {
+	if _, err := admin.Exec(ctx, fmt.Sprintf("CREATE DATABASE %s TEMPLATE %s", name, tmpl)); err != nil {
 		t.Fatalf("pgtest: create database: %v", err)
 	}
 	db := &DB{Name: name, URL: withDatabase(t, AdminURL(), name)}
@@ -147,7 +204,13 @@ func templateName(t testing.TB) string {
 	if _, err := admin.Exec(ctx, fmt.Sprintf("CREATE DATABASE %s TEMPLATE template0", build)); err != nil {
 		t.Fatalf("pgtest: %v", err)
 	}
-	pool, err := pgxpool.New(ctx, withDatabase(t, AdminURL(), build))
+	pcfg, err := pgxpool.ParseConfig(withDatabase(t, AdminURL(), build))
+	if err != nil {
+		t.Fatalf("pgtest: %v", err)
+	}
+	pcfg.MaxConns = PoolConns - 1 // with the admin session, within New's admission
+	counted(t, &pcfg.ConnConfig.Config)
+	pool, err := pgxpool.NewWithConfig(ctx, pcfg)
 	if err != nil {
 		t.Fatalf("pgtest: %v", err)
 	}
@@ -167,16 +230,61 @@ func templateName(t testing.TB) string {
 // and reported as that, not as a server that is not running.
 func connect(t testing.TB, ctx context.Context, u string) *pgx.Conn {
 	t.Helper()
+	cfg, err := pgx.ParseConfig(u)
+	if err != nil {
+		t.Fatalf("pgtest: %v", err)
+	}
+	return connectConfig(t, ctx, cfg)
+}
+
+func connectConfig(t testing.TB, ctx context.Context, cfg *pgx.ConnConfig) *pgx.Conn {
+	t.Helper()
+	counted(t, &cfg.Config)
 	for {
-		c, err := pgx.Connect(ctx, u)
+		c, err := pgx.ConnectConfig(ctx, cfg)
 		switch {
 		case err == nil:
 			return c
 		case !tooManyClients(err) || ctx.Err() != nil:
-			t.Fatal(connectFailure(u, err))
+			t.Fatal(connectFailure(cfg.ConnString(), err))
 		}
-		pause()
+		if err := pause(ctx); err != nil {
+			t.Fatal(connectFailure(cfg.ConnString(), err))
+		}
 	}
+}
+
+// counted makes each connection cfg opens, and every copy of cfg (a
+// listener's, River's pool's) take one of t's connection slots while it is
+// open, waiting for one if t has none free (slots.go).
+func counted(t testing.TB, cfg *pgconn.Config) {
+	t.Helper()
+	a := admissionOf(t, 1+PoolConns, 1+PoolConns)
+	test, dial := t.Name(), cfg.DialFunc
+	cfg.DialFunc = func(ctx context.Context, network, addr string) (net.Conn, error) {
+		if err := a.take(ctx, test, &a.dialed, 1); err != nil {
+			return nil, err
+		}
+		c, err := dial(ctx, network, addr)
+		if err != nil {
+			a.give(&a.dialed, 1)
+			return nil, err
+		}
+		return &countedConn{Conn: c, a: a}, nil
+	}
+}
+
+// countedConn gives its slot back when it closes.
+type countedConn struct {
+	net.Conn
+	a    *admission
+	once sync.Once
+}
+
+func (c *countedConn) Close() error {
+	err := c.Conn.Close()
+	c.once.Do(func() { c.a.give(&c.a.dialed, 1) })
+	return err
 }
 
 // connectFailure says why the tests could not connect: a server that has

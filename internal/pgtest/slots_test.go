@@ -4,24 +4,28 @@ import (
 	"context"
 	"fmt"
 	"net/url"
+	"runtime"
 	"strings"
 	"testing"
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 )
 
-// A test that asks for more than the share has free waits until another
-// gives its slots back.
-func TestReserveWaitsForFreeSlots(t *testing.T) {
+// A test waits for admission until another gives its slots back.
+func TestAdmissionWaitsForFreeSlots(t *testing.T) {
 	// A server URL of its own gives this test slots of its own.
 	t.Setenv("WORKER_TEST_DATABASE_URL", AdminURL()+"&application_name=slots-test")
 	t.Setenv("WORKER_TEST_MAX_CONNS", "5")
 	taken := make(chan int)
 	t.Run("holder", func(h *testing.T) {
-		Reserve(h, 3)
+		Need(h, 3)
 		go func() {
-			files, _ := admit(t, maxConns(t), 3)
+			files, err := lockSlots(context.Background(), "waiter", 3)
+			if err != nil {
+				t.Error(err)
+			}
 			for _, f := range files {
 				f.Close()
 			}
@@ -43,16 +47,88 @@ func TestReserveWaitsForFreeSlots(t *testing.T) {
 	}
 }
 
-// A test never holds more than the whole share, so it cannot wait for itself.
-func TestReserveStopsAtTheShare(t *testing.T) {
+// fatalRecorder is a test that records its fatal failure instead of
+// failing the real one.
+type fatalRecorder struct {
+	testing.TB
+	name  string
+	fatal string
+}
+
+func (r *fatalRecorder) Name() string { return r.name }
+
+func (r *fatalRecorder) Fatalf(format string, args ...any) { r.Fatal(fmt.Sprintf(format, args...)) }
+
+func (r *fatalRecorder) Fatal(args ...any) {
+	r.fatal = fmt.Sprint(args...)
+	runtime.Goexit()
+}
+
+// run calls f as r's body, on a goroutine of its own as go test does, so
+// that Fatalf ends only f.
+func (r *fatalRecorder) run(f func(testing.TB)) {
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		f(r)
+	}()
+	<-done
+}
+
+// A test that opens more than it was admitted for waits for the rest;
+// what a subtest opens counts against its admitted parent until the subtest
+// gives it back.
+func TestReservationsBeyondTheAdmissionWait(t *testing.T) {
 	t.Setenv("WORKER_TEST_DATABASE_URL", AdminURL()+"&application_name=slots-test-2")
-	t.Setenv("WORKER_TEST_MAX_CONNS", "5")
-	Reserve(t, 4)
-	Reserve(t, 4) // would wait for ever if it asked for 4 more
-	heldMu.Lock()
-	defer heldMu.Unlock()
-	if held[t.Name()] != 5 {
-		t.Fatalf("holds %d, want the share of 5", held[t.Name()])
+	t.Setenv("WORKER_TEST_MAX_CONNS", "10")
+	parent := &fatalRecorder{TB: t, name: t.Name() + "/parent"}
+	child := &fatalRecorder{TB: t, name: parent.name + "/child"}
+	parent.run(func(tb testing.TB) { Need(tb, 5) })
+	child.run(func(tb testing.TB) { Reserve(tb, 4)() })
+	child.run(func(tb testing.TB) { Reserve(tb, 5) })
+	if parent.fatal != "" || child.fatal != "" {
+		t.Fatalf("within the admission: %q %q", parent.fatal, child.fatal)
+	}
+	holds := func() int {
+		admittedMu.Lock()
+		defer admittedMu.Unlock()
+		return len(admitted[parent.name].files)
+	}
+	if n := holds(); n != 5 {
+		t.Fatalf("the parent holds %d slots after its subtests' reservations, want its 5", n)
+	}
+	other := &fatalRecorder{TB: t, name: t.Name() + "/other"}
+	other.run(func(tb testing.TB) { Reserve(tb, 5) })
+	grown := make(chan struct{})
+	go parent.run(func(tb testing.TB) { Reserve(tb, 1); close(grown) })
+	select {
+	case <-grown:
+		t.Fatal("grew beyond the admission while the share had no free slot")
+	case <-time.After(300 * time.Millisecond):
+	}
+	// other's slots are its admission's: they are given back when it ends,
+	// which a fatalRecorder's never does; give one back by hand.
+	admittedMu.Lock()
+	for _, f := range admitted[other.name].files[:1] {
+		f.Close()
+	}
+	admittedMu.Unlock()
+	select {
+	case <-grown:
+	case <-time.After(10 * time.Second):
+		t.Fatal("still waiting to grow 10s after a slot was free")
+	}
+	if n := holds(); n != 6 {
+		t.Errorf("the parent holds %d slots, want 6", n)
+	}
+	parent.run(func(tb testing.TB) { Need(tb, 8) })
+	if !strings.Contains(parent.fatal, "call Need before the test opens its first database") {
+		t.Errorf("Need after admission: %q", parent.fatal)
+	}
+	greedy := &fatalRecorder{TB: t, name: t.Name() + "/greedy"}
+	greedy.run(func(tb testing.TB) { Need(tb, 11) })
+	if !strings.Contains(greedy.fatal, "needs 11 more connections, more than the suite's share of 10") {
+		t.Errorf("beyond the share: %q", greedy.fatal)
 	}
 }
 
@@ -84,5 +160,76 @@ func TestNoFreeConnectionIsReportedAsSuch(t *testing.T) {
 	msg := connectFailure(u.String(), err)
 	if !strings.Contains(msg, "no free connection (too many clients, SQLSTATE 53300)") || strings.Contains(msg, "is required") {
 		t.Errorf("message: %s", msg)
+	}
+}
+
+// Every connection a test's pools open takes one of its slots while it is
+// open, beyond its admission too: the pool's size is not what counts.
+func TestPoolConnectionsTakeSlots(t *testing.T) {
+	t.Setenv("WORKER_TEST_DATABASE_URL", AdminURL()+"&application_name=slots-test-3")
+	t.Setenv("WORKER_TEST_MAX_CONNS", "10")
+	db := New(t)
+	pool := db.NewPool(t, 8)
+	ctx := context.Background()
+	state := func() (dialed, slots int) {
+		admittedMu.Lock()
+		defer admittedMu.Unlock()
+		a := admitted[t.Name()]
+		return a.dialed, len(a.files)
+	}
+	if dialed, slots := state(); dialed != 0 || slots != 1+PoolConns {
+		t.Fatalf("after New: %d dialed of %d slots, want 0 of %d", dialed, slots, 1+PoolConns)
+	}
+	var conns []*pgxpool.Conn
+	for range 8 {
+		c, err := pool.Acquire(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		conns = append(conns, c)
+	}
+	if dialed, slots := state(); dialed != 8 || slots != 8 {
+		t.Errorf("8 connections open: %d dialed of %d slots, want 8 of 8", dialed, slots)
+	}
+	for _, c := range conns {
+		c.Release()
+	}
+	pool.Close()
+	if dialed, _ := state(); dialed != 0 {
+		t.Errorf("pool closed: %d dialed, want 0", dialed)
+	}
+}
+
+// A worker process reserved beside a test's database takes slots of its
+// own: the database's stay for what the test dials, so its queries never
+// wait while the worker runs.
+func TestReservationsKeepTheDatabasesSlots(t *testing.T) {
+	t.Setenv("WORKER_TEST_DATABASE_URL", AdminURL()+"&application_name=slots-test-4")
+	t.Setenv("WORKER_TEST_MAX_CONNS", "20")
+	db := New(t)
+	Reserve(t, 7)
+	slots := func() int {
+		admittedMu.Lock()
+		defer admittedMu.Unlock()
+		return len(admitted[t.Name()].files)
+	}
+	if n := slots(); n != 1+PoolConns+7 {
+		t.Fatalf("holds %d slots with a reservation of 7, want %d", n, 1+PoolConns+7)
+	}
+	var conns []*pgxpool.Conn
+	for range PoolConns {
+		c, err := db.Pool.Acquire(context.Background())
+		if err != nil {
+			t.Fatal(err)
+		}
+		conns = append(conns, c)
+	}
+	defer func() {
+		for _, c := range conns {
+			c.Release()
+		}
+	}()
+	if n := slots(); n != 1+PoolConns+7 {
+		t.Errorf("holds %d slots with its pool full, want still %d", n, 1+PoolConns+7)
 	}
 }

@@ -25,6 +25,8 @@ const connBudget = 20
 // connection count too.
 func TestReplicaConnectionsStayWithinBudget(t *testing.T) {
 	t.Parallel()
+	// The test's database and pool, and the whole budget for the worker.
+	pgtest.Need(t, 1+pgtest.PoolConns+connBudget)
 	db := pgtest.New(t)
 	ctx := context.Background()
 	slow := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
@@ -49,9 +51,7 @@ func TestReplicaConnectionsStayWithinBudget(t *testing.T) {
       type: http
       url: %s
 `, slow.URL)
-	// The worker may hold the whole budget: count it in the suite's share.
-	pgtest.Reserve(t, connBudget-workerTestConns)
-	p := startWorker(t, []string{
+	env := []string{
 		"APP_DATABASE_URL=" + db.URL,
 		"APP_DATABASE_MAX_CONNS=10", // the default, which startWorker lowers for other tests
 		"APP_INSTANCE_ID=budget",
@@ -59,7 +59,12 @@ func TestReplicaConnectionsStayWithinBudget(t *testing.T) {
 		"APP_LOCK_PROVIDER=postgres",
 		"APP_LOG_LEVEL=warn", // the log sink's event lines still go to stdout
 		writeConfig(t, cfg.String()),
-	})
+	}
+	// The worker's own sum of its parts is the budget the README states.
+	if n := workerConns(env, nil); n != connBudget {
+		t.Fatalf("MaxDBConns = %d with the defaults, want the budget of %d", n, connBudget)
+	}
+	p := startWorker(t, env)
 	p.waitReady(t, 30*time.Second)
 
 	// The test's own pool connects without an application_name, which

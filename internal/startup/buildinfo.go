@@ -59,7 +59,8 @@ func registerOpsMetrics(reg prometheus.Registerer, ready *readiness) {
 
 // logStartup writes the one line that says what is starting: which build,
 // with which configuration file, in which mode, with which lock provider
-// and sink.
+// and sink, and the most database connections it will hold (for sizing
+// max_connections).
 func logStartup(log *slog.Logger, cfg *Config, configFile string) {
 	b := currentBuild()
 	mode := "single-instance"
@@ -74,5 +75,6 @@ func logStartup(log *slog.Logger, cfg *Config, configFile string) {
 		configFile = "none"
 	}
 	log.Info("worker starting", "version", b.version, "revision", b.revision, "goversion", b.goVersion,
-		"config_file", configFile, "mode", mode, "lock_provider", cfg.Lock.Provider, "sink", sink)
+		"config_file", configFile, "mode", mode, "lock_provider", cfg.Lock.Provider, "sink", sink,
+		"db_conns_max", cfg.MaxDBConns())
 }

@@ -17,6 +17,7 @@ import (
 	"strings"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"testing"
 	"time"
 	"unicode"
@@ -340,7 +341,7 @@ func (c *chaosCluster) checkMalformedRows(preexisting []string, year3000 string)
 		c.t.Errorf("row with occurred_at in year 3000 arrived with ce-time %q", ceTime)
 	}
 	c.checkMetrics()
-	c.checkOperatorCommands(deadIDs)
+	c.deadIDs = deadIDs
 	return len(deadIDs)
 }
 
@@ -394,11 +395,19 @@ func sample(body, series string) (float64, bool) {
 }
 
 // checkOperatorCommands runs `outbox stats` and `outbox dead list` with the
-// malformed rows in the table.
-func (c *chaosCluster) checkOperatorCommands(deadIDs []string) {
+// malformed rows in the table, once the run is over: the commands take the
+// connections of a replica it stops first, so that the test stays within
+// its share of the server (pgtest).
+func (c *chaosCluster) checkOperatorCommands() {
 	c.t.Helper()
+	deadIDs := c.deadIDs
+	last := c.replicas[len(c.replicas)-1]
+	if err := last.cmd.Process.Signal(syscall.SIGTERM); err != nil {
+		c.t.Fatal(err)
+	}
+	last.exitCode(c.t, 30*time.Second)
 	for _, args := range [][]string{{"outbox", "stats"}, {"outbox", "dead", "list"}} {
-		p := startWorker(c.t, []string{"APP_DATABASE_URL=" + c.db.URL}, args...)
+		p := startWorker(c.t, []string{"APP_DATABASE_URL=" + c.db.URL, "APP_DATABASE_MAX_CONNS=2"}, args...)
 		if code := p.exitCode(c.t, 30*time.Second); code != 0 {
 			c.t.Errorf("worker %s with the malformed rows in the table: exit %d\n%s", strings.Join(args, " "), code, p.out.String())
 			continue

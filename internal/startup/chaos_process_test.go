@@ -54,7 +54,11 @@ func TestChaos(t *testing.T) {
 	t.Parallel()
 	began := time.Now()
 	total := max(chaosMinEvents, int(chaosWindow(t).Seconds()*chaosRate))
+	// Three replicas and the test's one connection make the suite's whole
+	// share of the server (pgtest): the chaos test runs alone.
+	pgtest.Need(t, chaosReplicas*chaosReplicaConns+1)
 	db := pgtest.New(t)
+	db.Pool = db.NewPool(t, 1) // the producer and the checks share it
 	createJobTables(t, db)
 	preexisting := insertPreexisting(t, db)
 	c := &chaosCluster{t: t, db: db, recv: newReceiver(t), replicas: make([]*proc, chaosReplicas)}
@@ -62,8 +66,7 @@ func TestChaos(t *testing.T) {
 		"APP_DATABASE_URL=" + db.URL, "APP_CONFIG_FILE=" + configFile(t, chaosJobConfig),
 		"APP_MULTI_INSTANCE_ENABLED=true", "APP_LOCK_PROVIDER=postgres", "APP_LOG_LEVEL=info",
 		// Jobs and the outbox only, on the smallest pool two relay loops
-		// allow: three replicas then hold about 21 connections, which fit
-		// beside a busy neighbour on the same server.
+		// allow: chaosReplicaConns each.
 		"APP_TASKS_ENABLED=false", "APP_DATABASE_MAX_CONNS=3",
 		"APP_OUTBOX_SINK=webhook", "APP_OUTBOX_WEBHOOK_URL=" + c.recv.url, "APP_OUTBOX_WEBHOOK_TIMEOUT=2s",
 		"APP_OUTBOX_RELAYS=" + strconv.Itoa(chaosRelays), "APP_OUTBOX_BATCH_SIZE=" + strconv.Itoa(chaosBatch),
@@ -72,6 +75,9 @@ func TestChaos(t *testing.T) {
 		// replica stopped mid-publish) soon, and as often as it takes.
 		"APP_OUTBOX_MAX_ATTEMPTS=100", "APP_OUTBOX_BACKOFF_BASE=100ms", "APP_OUTBOX_BACKOFF_MAX=1s",
 		"APP_OUTBOX_PROBE_BACKOFF_MAX=200ms",
+	}
+	if n := workerConns(c.env, nil); n != chaosReplicaConns {
+		t.Fatalf("a replica may hold %d connections, want chaosReplicaConns = %d", n, chaosReplicaConns)
 	}
 	for i := range chaosReplicas {
 		c.start(i)
@@ -113,6 +119,7 @@ func TestChaos(t *testing.T) {
 
 	d := c.checkDeliveries(total)
 	j := c.checkJobRuns()
+	c.checkOperatorCommands()
 
 	t.Logf("chaos figures, %s in all:", time.Since(began).Round(time.Second))
 	t.Logf("  events: %d over %d aggregates, %d arrived, %d aggregates with first deliveries out of order",
@@ -145,17 +152,21 @@ func TestChaos(t *testing.T) {
 }
 
 const (
-	chaosReplicas   = 3
-	chaosRelays     = 2
-	chaosBatch      = 25
-	chaosAggregates = 100
-	chaosMinEvents  = 10_000
-	chaosRate       = 250             // events the producer inserts per second
-	chaosInFlight   = 5 * time.Second // outbox.in_flight_timeout
-	chaosLeaseTTL   = 2 * time.Second // the job's lease_ttl
-	chaosOutage     = 2 * time.Second // how long the receiver is down in a round
-	chaosJob        = "chaos-fenced"
-	progressStep    = chaosRate // new first deliveries that show the outbox flows after a fault
+	chaosReplicas = 3
+	// chaosReplicaConns is what one replica may hold (Config.MaxDBConns):
+	// its pool of 3, the readiness probe's, the outbox listener, and the
+	// lease pool of 2 with its listener.
+	chaosReplicaConns = 8
+	chaosRelays       = 2
+	chaosBatch        = 25
+	chaosAggregates   = 100
+	chaosMinEvents    = 10_000
+	chaosRate         = 250             // events the producer inserts per second
+	chaosInFlight     = 5 * time.Second // outbox.in_flight_timeout
+	chaosLeaseTTL     = 2 * time.Second // the job's lease_ttl
+	chaosOutage       = 2 * time.Second // how long the receiver is down in a round
+	chaosJob          = "chaos-fenced"
+	progressStep      = chaosRate // new first deliveries that show the outbox flows after a fault
 )
 
 // The job records its start and end with its fencing token; the deferred
@@ -196,6 +207,7 @@ type chaosCluster struct {
 	replicas []*proc // the running process of replica-i
 	every    []*proc // every replica process started, for the log checks
 	faults   struct{ kills, pauses, sweeps, terminated, outages int }
+	deadIDs  []string // the malformed rows that went DEAD
 }
 
 func replicaID(i int) string { return fmt.Sprintf("replica-%d", i) }

@@ -23,6 +23,7 @@ func TestClusterCadenceAcrossThreeProcesses(t *testing.T) {
 		leaseTTL = 3 * time.Second
 		window   = 30 * time.Second
 	)
+	pgtest.Need(t, 3*replicaConns+pgtest.PoolConns)
 	db := pgtest.New(t)
 	ctx := context.Background()
 	if _, err := db.Pool.Exec(ctx, `CREATE TABLE tick (started_at timestamptz, finished_at timestamptz, app text)`); err != nil {
@@ -43,13 +44,16 @@ jobs:
         INSERT INTO tick VALUES (t, clock_timestamp(), current_setting('application_name'));
       END $$
 `, delay, leaseTTL))
+	if n := workerConns(append([]string{"APP_MULTI_INSTANCE_ENABLED=true", "APP_LOCK_PROVIDER=postgres"}, replicaOnly...), nil); n != replicaConns {
+		t.Fatalf("a replica may hold %d connections, want replicaConns = %d", n, replicaConns)
+	}
 	procs := map[string]*proc{}
 	for i := range 3 {
 		id := fmt.Sprintf("replica-%d", i)
-		procs["worker "+id] = startWorker(t, []string{
+		procs["worker "+id] = startWorker(t, append([]string{
 			"APP_DATABASE_URL=" + db.URL, "APP_CONFIG_FILE=" + cfg, "APP_INSTANCE_ID=" + id,
 			"APP_MULTI_INSTANCE_ENABLED=true", "APP_LOCK_PROVIDER=postgres", "APP_LOG_LEVEL=info",
-		})
+		}, replicaOnly...))
 		time.Sleep(time.Duration(i) * 370 * time.Millisecond) // unsynchronized timers
 	}
 	time.Sleep(window)

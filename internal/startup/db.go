@@ -13,6 +13,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/worker-dev/worker/internal/obs"
+	"github.com/worker-dev/worker/internal/tasks"
 )
 
 // Connect attempts: at most pingTimeout each, and at least lastPing for the
@@ -22,6 +23,24 @@ const (
 	pingTimeout = 5 * time.Second
 	lastPing    = time.Second
 )
+
+// MaxDBConns is the most connections a replica with this configuration
+// holds at once, part by part as README "Connections" lists them: the main
+// pool, the readiness probe's, the outbox and lock listeners, the lease
+// pool, and River's pool with the LISTEN connection River keeps outside it.
+func (c *Config) MaxDBConns() int {
+	n := c.Database.MaxConns + probePoolConns
+	if c.Outbox.Enabled {
+		n++ // the outbox listener
+	}
+	if c.Lock.Provider == ProviderPostgres {
+		n += leasePoolConns + 1 // and the lock listener
+	}
+	if c.Tasks.Enabled {
+		n += tasks.MaxConns
+	}
+	return n
+}
 
 // connectDB opens the pool and waits, with exponential backoff, until the
 // database answers or cfg.Database.ConnectTimeout has passed. Refused

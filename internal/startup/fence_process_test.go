@@ -24,6 +24,7 @@ import (
 // parallel tests would only stretch it.
 func TestPausedReplicaNeverCommitsAfterTakeover(t *testing.T) {
 	const cycles = 6
+	pgtest.Need(t, 2*replicaConns+pgtest.PoolConns)
 	db := pgtest.New(t)
 	ctx := context.Background()
 	if _, err := db.Pool.Exec(ctx, `
@@ -62,10 +63,10 @@ jobs:
 `)
 	procs := map[string]*proc{}
 	for _, id := range []string{"replica-a", "replica-b"} {
-		procs["worker "+id] = startWorker(t, []string{
+		procs["worker "+id] = startWorker(t, append([]string{
 			"APP_DATABASE_URL=" + db.URL, "APP_CONFIG_FILE=" + cfg, "APP_INSTANCE_ID=" + id,
 			"APP_MULTI_INSTANCE_ENABLED=true", "APP_LOCK_PROVIDER=postgres", "APP_LOG_LEVEL=info",
-		})
+		}, replicaOnly...))
 	}
 
 	// A pause counts once it caught a run before its COMMIT. On a loaded

@@ -51,6 +51,11 @@ func TestRunLogsStartupFirstAndEveryLineNamesItsInstance(t *testing.T) {
 	if lines[0]["msg"] != "worker starting" {
 		t.Errorf("first line: %v; want worker starting", lines[0])
 	}
+	// The harness's pool of 5, the probe's, the outbox listener and River's
+	// 5: what an operator sizes max_connections by.
+	if got := lines[0]["db_conns_max"]; got != float64(12) {
+		t.Errorf("worker starting: db_conns_max %v, want 12", got)
+	}
 	if msg, _ := lines[1]["msg"].(string); !strings.Contains(msg, "APP_LOCK_LEASE_TLL is not a setting") || lines[1]["level"] != "WARN" {
 		t.Errorf("second line: %v; want the warning about APP_LOCK_LEASE_TLL", lines[1])
 	}

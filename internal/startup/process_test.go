@@ -19,6 +19,7 @@ import (
 
 	"github.com/worker-dev/worker/internal/migrate"
 	"github.com/worker-dev/worker/internal/pgtest"
+	"github.com/worker-dev/worker/internal/startup"
 	"github.com/worker-dev/worker/internal/testkit"
 )
 
@@ -61,11 +62,33 @@ func freeAddr(t *testing.T) string {
 	return l.Addr().String()
 }
 
-// workerTestConns is what a worker process of these tests is counted for in
-// the suite's share of connections: with the pool of 5 startWorker gives
-// them they hold 3 to 9 (idle, one job, a few events); the budget test's
-// worker, which holds 20, reserves the rest itself.
-const workerTestConns = 6
+// workerConns is the most connections a worker process started with env
+// and args holds (Config.MaxDBConns, or a command's pool), counted in the
+// suite's share of the server; 0 when its configuration does not load: it
+// exits before it connects.
+func workerConns(env []string, args []string) int {
+	path := ""
+	for _, kv := range env {
+		if v, ok := strings.CutPrefix(kv, "APP_CONFIG_FILE="); ok {
+			path = v // the last one wins, as in the process
+		}
+	}
+	cfg, err := startup.LoadConfig(path, env)
+	switch {
+	case err != nil:
+		return 0
+	case len(args) > 0 && args[0] != "run" && !strings.HasPrefix(args[0], "-"):
+		return cfg.Database.MaxConns // an operator command opens its pool only
+	}
+	return cfg.MaxDBConns()
+}
+
+// replicaOnly runs a replica of the cluster tests with jobs only, on the
+// smallest pool: with leases, replicaConns connections each, so that three
+// and the test's pool fit the suite's share of the server (pgtest).
+var replicaOnly = []string{"APP_TASKS_ENABLED=false", "APP_OUTBOX_ENABLED=false", "APP_DATABASE_MAX_CONNS=2"}
+
+const replicaConns = 6 // the pool of 2, the readiness probe's, the lease pool of 2 and its listener
 
 // usesTestDatabase reports whether env points the worker at a test's own
 // database: the exit-code tests start workers that never connect.
@@ -92,8 +115,8 @@ func startBinary(t *testing.T, bin string, env []string, args ...string) *proc {
 	if err := os.WriteFile(empty, []byte("{}\n"), 0o600); err != nil {
 		t.Fatal(err)
 	}
-	if usesTestDatabase(env) {
-		pgtest.Reserve(t, workerTestConns)
+	counted := usesTestDatabase(env)
+	if counted {
 		// A smaller pool than the default 10, so the suite fits its share
 		// of the server; env can still set another.
 		env = append([]string{"APP_DATABASE_MAX_CONNS=5"}, env...)
@@ -109,6 +132,10 @@ func startBinary(t *testing.T, bin string, env []string, args ...string) *proc {
 		// under test here.
 		"GORACE=atexit_sleep_ms=0",
 	}, env...)
+	release := func() {}
+	if counted {
+		release = pgtest.Reserve(t, workerConns(p.cmd.Env, args))
+	}
 	p.cmd.Stdout = &p.out
 	p.cmd.Stderr = &p.out
 	if err := p.cmd.Start(); err != nil {
@@ -117,6 +144,9 @@ func startBinary(t *testing.T, bin string, env []string, args ...string) *proc {
 	go func() {
 		_ = p.cmd.Wait()
 		p.exitAt = time.Now()
+		// Its sessions end with it (the server sees their sockets close),
+		// so a later worker of the same test reuses its slots.
+		release()
 		close(p.done)
 	}()
 	t.Cleanup(func() {

@@ -80,11 +80,13 @@ func (r *readiness) checkDatabase(ctx context.Context) string {
 	return "ok"
 }
 
-// newProbePool is the readiness check's pool: one connection, opened on
+// probePoolConns is the readiness check's pool: one connection, opened on
 // first use, beside the worker's pool.
+const probePoolConns = 1
+
 func newProbePool(pool *pgxpool.Pool, instanceID string) (*pgxpool.Pool, error) {
 	cfg := pool.Config()
-	cfg.MaxConns = 1
+	cfg.MaxConns = probePoolConns
 	cfg.MinConns, cfg.MinIdleConns = 0, 0
 	cfg.ConnConfig.RuntimeParams["application_name"] = "worker " + instanceID + " probes"
 	return pgxpool.NewWithConfig(context.Background(), cfg)

@@ -121,9 +121,9 @@ func TestNATSSinkWorker(t *testing.T) {
 // key.
 func TestNATSSinkStartFailures(t *testing.T) {
 	t.Parallel()
-	db := pgtest.New(t)
 	t.Run("unreachable", func(t *testing.T) {
 		t.Parallel()
+		db := pgtest.New(t)
 		ln, err := net.Listen("tcp", "127.0.0.1:0")
 		if err != nil {
 			t.Fatal(err)
@@ -142,6 +142,7 @@ func TestNATSSinkStartFailures(t *testing.T) {
 	})
 	t.Run("missing stream", func(t *testing.T) {
 		t.Parallel()
+		db := pgtest.New(t)
 		srv := startNATS(t, server.RANDOM_PORT, t.TempDir())
 		p := startWorker(t, []string{"APP_DATABASE_URL=" + db.URL, "APP_OUTBOX_SINK=nats", "APP_OUTBOX_NATS_URL=" + srv.ClientURL(),
 			"APP_OUTBOX_NATS_USER=relay", "APP_OUTBOX_NATS_PASSWORD=" + natsPassword})
@@ -154,6 +155,7 @@ func TestNATSSinkStartFailures(t *testing.T) {
 	})
 	t.Run("refused", func(t *testing.T) {
 		t.Parallel()
+		db := pgtest.New(t)
 		srv := startNATS(t, server.RANDOM_PORT, t.TempDir())
 		p := startWorker(t, []string{"APP_DATABASE_URL=" + db.URL, "APP_OUTBOX_SINK=nats", "APP_OUTBOX_NATS_URL=" + srv.ClientURL(),
 			"APP_OUTBOX_NATS_USER=relay", "APP_OUTBOX_NATS_PASSWORD=wrong-" + natsPassword})
@@ -171,9 +173,9 @@ func TestNATSSinkStartFailures(t *testing.T) {
 // own tests live in internal/outbox/sink/rabbitmq.)
 func TestRabbitMQSinkStartFailures(t *testing.T) {
 	t.Parallel()
-	db := pgtest.New(t)
 	t.Run("unreachable", func(t *testing.T) {
 		t.Parallel()
+		db := pgtest.New(t)
 		p := startWorker(t, []string{"APP_DATABASE_URL=" + db.URL, "APP_OUTBOX_SINK=rabbitmq",
 			"APP_OUTBOX_RABBITMQ_URL=amqp://app:amqp-pw-31@127.0.0.1:1/", "APP_OUTBOX_RABBITMQ_CONNECT_TIMEOUT=1s"})
 		if code := p.exitCode(t, 20*time.Second); code != 69 {
@@ -185,6 +187,7 @@ func TestRabbitMQSinkStartFailures(t *testing.T) {
 	})
 	t.Run("missing exchange", func(t *testing.T) {
 		t.Parallel()
+		db := pgtest.New(t)
 		// The broker of the rabbitmq sink's tests, with their opt-out.
 		testkit.SkipWithoutRabbitMQ(t)
 		url := testkit.RabbitMQURL()
@@ -227,9 +230,9 @@ func TestRabbitMQSinkReadiness(t *testing.T) {
 // connect_timeout.
 func TestKafkaSinkWorker(t *testing.T) {
 	t.Parallel()
-	db := pgtest.New(t)
 	t.Run("publishes and stays ready without the broker", func(t *testing.T) {
 		t.Parallel()
+		db := pgtest.New(t)
 		cluster, err := kfake.NewCluster(kfake.NumBrokers(1), kfake.SeedTopics(2, "order"))
 		if err != nil {
 			t.Fatal(err)
@@ -256,6 +259,7 @@ func TestKafkaSinkWorker(t *testing.T) {
 	})
 	t.Run("unreachable", func(t *testing.T) {
 		t.Parallel()
+		db := pgtest.New(t)
 		p := startWorker(t, []string{"APP_DATABASE_URL=" + db.URL, "APP_OUTBOX_SINK=kafka",
 			"APP_OUTBOX_KAFKA_BROKERS=127.0.0.1:1", "APP_OUTBOX_KAFKA_CONNECT_TIMEOUT=1s",
 			"APP_OUTBOX_KAFKA_SASL_MECHANISM=PLAIN", "APP_OUTBOX_KAFKA_SASL_USER=relay", "APP_OUTBOX_KAFKA_SASL_PASSWORD=kafka-pw-52"})

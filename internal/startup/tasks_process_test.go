@@ -35,7 +35,12 @@ func writeConfig(t *testing.T, yaml string) string {
 func runCLI(t *testing.T, env []string, args ...string) (code int, stdout, stderr string) {
 	t.Helper()
 	cmd := exec.Command(workerBin, args...)
-	cmd.Env = append([]string{"PATH=" + os.Getenv("PATH"), "GORACE=atexit_sleep_ms=0"}, env...)
+	// A command uses a connection or two: a small pool keeps the suite
+	// within its share of the server (pgtest); env can still set another.
+	cmd.Env = append([]string{"PATH=" + os.Getenv("PATH"), "GORACE=atexit_sleep_ms=0", "APP_DATABASE_MAX_CONNS=2"}, env...)
+	if usesTestDatabase(env) {
+		defer pgtest.Reserve(t, workerConns(cmd.Env, args))()
+	}
 	var out, errOut bytes.Buffer
 	cmd.Stdout, cmd.Stderr = &out, &errOut
 	err := cmd.Run()

@@ -56,16 +56,7 @@ func TestWarnAsyncCommit(t *testing.T) {
 	db := pgtest.New(t)
 	for mode, wantWarning := range map[string]bool{"off": true, "on": false, "local": false} {
 		t.Run(mode, func(t *testing.T) {
-			pcfg, err := pgxpool.ParseConfig(db.URL)
-			if err != nil {
-				t.Fatal(err)
-			}
-			pcfg.ConnConfig.RuntimeParams["synchronous_commit"] = mode
-			pool, err := pgxpool.NewWithConfig(context.Background(), pcfg)
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer pool.Close()
+			pool := db.NewPool(t, 1, func(c *pgxpool.Config) { c.ConnConfig.RuntimeParams["synchronous_commit"] = mode })
 			logs := &testkit.LogBuffer{}
 			warnAsyncCommit(context.Background(), pool, logs.Logger())
 			got := strings.Contains(logs.String(), "synchronous_commit is off")
@@ -125,6 +116,9 @@ func startWired(t *testing.T, db *pgtest.DB, jobsYAML string, env ...string) ([]
 	}
 	ctx := context.Background()
 	log := slog.New(slog.DiscardHandler)
+	// Its pools and listeners are the worker's, opened from the URL: count
+	// them in the suite's share (pgtest).
+	pgtest.Reserve(t, cfg.MaxDBConns()-probePoolConns)
 	pool, err := connectDB(ctx, cfg, log)
 	if err != nil {
 		t.Fatal(err)

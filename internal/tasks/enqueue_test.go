@@ -52,11 +52,7 @@ func TestEnqueueFunctionInsertsWhatRiverInserts(t *testing.T) {
 			river.InsertOpts{Queue: "default", MaxAttempts: 2, Priority: 3, ScheduledAt: later, Tags: []string{"a-b", "c_d"}}, false},
 	}
 	for _, c := range cases {
-		listener, err := pgx.Connect(ctx, db.URL)
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer listener.Close(context.Background())
+		listener := db.Conn(t)
 		if _, err := listener.Exec(ctx, `LISTEN "public.river_insert"`); err != nil {
 			t.Fatal(err)
 		}
@@ -217,17 +213,10 @@ func TestUnknownKindRaisesANotice(t *testing.T) {
 	if err := publishConfig(ctx, db.Pool, &cfg, "registered-in-go", "configured"); err != nil {
 		t.Fatal(err)
 	}
-	ccfg, err := pgx.ParseConfig(db.URL)
-	if err != nil {
-		t.Fatal(err)
-	}
 	var notices []string
-	ccfg.OnNotice = func(_ *pgconn.PgConn, n *pgconn.Notice) { notices = append(notices, n.Message) }
-	conn, err := pgx.ConnectConfig(ctx, ccfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer conn.Close(ctx)
+	conn := db.Conn(t, func(c *pgx.ConnConfig) {
+		c.OnNotice = func(_ *pgconn.PgConn, n *pgconn.Notice) { notices = append(notices, n.Message) }
+	})
 	for _, c := range []struct {
 		kind  string
 		known bool

@@ -43,6 +43,10 @@ type Options struct {
 // hijacked, so the server sees one more connection than this.
 const riverPoolConns = 4
 
+// MaxConns is the most connections the runtime holds: River's pool and its
+// LISTEN connection.
+const MaxConns = riverPoolConns + 1
+
 // fetchCooldown is the shortest time between two fetches of one queue on
 // one replica (River's default is 100ms). A fetch takes at most the
 // queue's free max_workers slots, so this caps how fast short tasks drain:

@@ -93,10 +93,10 @@ FROM generate_series(1, $1) g ORDER BY g`, events, aggregates); err != nil {
 	cfg.Relays = 2
 	startRelay(t, db.Pool, parent.wrap(r.Broker.New(t)), cfg, "parent")
 
-	first := startChild(t, r, db.URL, helperSlowEnv+"=1")
+	first := startChild(t, r, db, helperSlowEnv+"=1")
 	testkit.Eventually(t, time.Minute, "the child relay to publish 30 events", func() bool { return first.count() >= 30 })
 	first.kill(t)
-	second := startChild(t, r, db.URL)
+	second := startChild(t, r, db)
 
 	testkit.Eventually(t, 2*time.Minute, "half of the events published", func() bool {
 		return countPublished(t, db.Pool) >= events/2
@@ -301,16 +301,19 @@ func (s *ackingSink) Close(ctx context.Context) error {
 
 // child is a relay process started by RelayRun.
 type child struct {
-	cmd    *exec.Cmd
-	stderr bytes.Buffer
-	done   chan struct{}
+	cmd     *exec.Cmd
+	stderr  bytes.Buffer
+	done    chan struct{}
+	release func() // its connection slots
 	acks
 }
 
-func startChild(t *testing.T, r Relays, databaseURL string, env ...string) *child {
+func startChild(t *testing.T, r Relays, db *pgtest.DB, env ...string) *child {
 	c := &child{done: make(chan struct{})}
+	childURL, release := db.ChildURL(t, 4, 1) // the relay's pool and its listener
+	c.release = release
 	c.cmd = exec.Command(os.Args[0], "-test.run=^"+r.HelperTest+"$", "-test.count=1", "-test.timeout=10m")
-	c.cmd.Env = append(append(append(os.Environ(), helperDatabaseEnv+"="+databaseURL), r.ChildEnv...), env...)
+	c.cmd.Env = append(append(append(os.Environ(), helperDatabaseEnv+"="+childURL), r.ChildEnv...), env...)
 	c.cmd.Stderr = &c.stderr
 	stdout, err := c.cmd.StdoutPipe()
 	if err != nil {
@@ -346,6 +349,7 @@ func (c *child) kill(t *testing.T) {
 	}
 	<-c.done
 	_ = c.cmd.Wait()
+	c.release()
 }
 
 // stop asks the child to shut down (SIGTERM) and waits for a clean exit.
@@ -357,6 +361,7 @@ func (c *child) stop(t *testing.T) {
 	if err := c.cmd.Wait(); err != nil {
 		t.Errorf("child relay: %v\n%s", err, c.stderr.String())
 	}
+	c.release()
 }
 
 // RelayProcess is the body of RelayRun's child process: one relay loop on
