@@ -277,9 +277,11 @@ func lockSlots(ctx context.Context, test string, n int) ([]*os.File, error) {
 	}
 }
 
-// growSlots locks n more of the share's slot files, taking each as it
-// frees up. It does not queue behind the gate: a running test that needs
-// one more connection must finish before those waiting to start.
+// growSlots locks n more of the share's slot files, all at once, as soon
+// as they are free. It does not queue behind the gate: a running test must
+// finish before those waiting to start. Holding some while it waits for
+// the rest would let two growing tests split the free slots and wait for
+// each other.
 func growSlots(ctx context.Context, n int) ([]*os.File, error) {
 	limit, err := maxConns()
 	if err != nil {
@@ -289,20 +291,18 @@ func growSlots(ctx context.Context, n int) ([]*os.File, error) {
 	if err != nil {
 		return nil, err
 	}
-	var files []*os.File
 	for {
-		more, err := lockFree(dir, limit, n-len(files))
-		files = append(files, more...)
+		files, err := lockFree(dir, limit, n)
 		if err == nil && len(files) == n {
 			return files, nil
+		}
+		for _, f := range files {
+			f.Close()
 		}
 		if err == nil {
 			err = pause(ctx)
 		}
 		if err != nil {
-			for _, f := range files {
-				f.Close()
-			}
 			return nil, err
 		}
 	}

@@ -77,10 +77,15 @@ func workerConns(env []string, args []string) int {
 	switch {
 	case err != nil:
 		return 0
-	case len(args) > 0 && args[0] != "run" && !strings.HasPrefix(args[0], "-"):
+	case isCommand(args):
 		return cfg.Database.MaxConns // an operator command opens its pool only
 	}
 	return cfg.MaxDBConns()
+}
+
+// isCommand reports whether args name an operator command rather than run.
+func isCommand(args []string) bool {
+	return len(args) > 0 && args[0] != "run" && !strings.HasPrefix(args[0], "-")
 }
 
 // replicaOnly runs a replica of the cluster tests with jobs only, on the
@@ -118,8 +123,13 @@ func startBinary(t *testing.T, bin string, env []string, args ...string) *proc {
 	counted := usesTestDatabase(env)
 	if counted {
 		// A smaller pool than the default 10, so the suite fits its share
-		// of the server; env can still set another.
-		env = append([]string{"APP_DATABASE_MAX_CONNS=5"}, env...)
+		// of the server (an operator command uses a connection or two);
+		// env can still set another.
+		conns := "5"
+		if isCommand(args) {
+			conns = "2"
+		}
+		env = append([]string{"APP_DATABASE_MAX_CONNS=" + conns}, env...)
 	}
 	p := &proc{addr: freeAddr(t), done: make(chan struct{})}
 	p.cmd = exec.Command(bin, args...)
