@@ -115,6 +115,19 @@ func Need(t testing.TB, n int) {
 	admit(t, n, 0)
 }
 
+// Alone admits t for the suite's whole share, so that no other test that
+// uses the database runs meanwhile: for a test that measures the worker
+// under a load of its own making, which the suite's other tests, competing
+// for the same cores, would distort. Like Need, it comes first.
+func Alone(t testing.TB) {
+	t.Helper()
+	n, err := maxConns()
+	if err != nil {
+		t.Fatal(err)
+	}
+	Need(t, n)
+}
+
 // Reserve counts n connections that t is about to open outside this
 // package (a worker process's) until release is called or t ends. A test
 // not admitted yet is admitted for n; one whose admission has fewer than n

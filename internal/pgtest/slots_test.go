@@ -233,3 +233,15 @@ func TestReservationsKeepTheDatabasesSlots(t *testing.T) {
 		t.Errorf("holds %d slots with its pool full, want still %d", n, 1+PoolConns+7)
 	}
 }
+
+// A test alone holds the whole share.
+func TestAloneHoldsTheShare(t *testing.T) {
+	t.Setenv("WORKER_TEST_DATABASE_URL", AdminURL()+"&application_name=slots-test-5")
+	t.Setenv("WORKER_TEST_MAX_CONNS", "10")
+	Alone(t)
+	admittedMu.Lock()
+	defer admittedMu.Unlock()
+	if n := len(admitted[t.Name()].files); n != 10 {
+		t.Errorf("holds %d slots, want the share of 10", n)
+	}
+}
