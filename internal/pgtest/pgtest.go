@@ -262,7 +262,7 @@ func counted(t testing.TB, cfg *pgconn.Config) {
 	a := admissionOf(t, 1+PoolConns, 1+PoolConns)
 	test, dial := t.Name(), cfg.DialFunc
 	cfg.DialFunc = func(ctx context.Context, network, addr string) (net.Conn, error) {
-		if err := a.take(ctx, test, &a.dialed, 1); err != nil {
+		if err := a.take(ctx, test, &a.dialed, 1, dialWait); err != nil {
 			return nil, err
 		}
 		c, err := dial(ctx, network, addr)

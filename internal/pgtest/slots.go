@@ -34,9 +34,11 @@ import (
 //     request is not starved by a stream of small ones. A running test
 //     that needs more takes them as they free up, ahead of that queue. It
 //     can only be kept waiting by others that hold slots and wait for more;
-//     after growWait it goes on without them and says so. A test that
+//     after growWait (dialWait for a connection the code under test
+//     dials) it goes on without them and says so. A test that
 //     starts several worker processes declares its peak with Need before
-//     its first database, and is admitted for all of it.
+//     its first database, and is admitted for all of it; one that measures
+//     the worker under a load of its own runs Alone.
 //   - Subtests count against the nearest admitted test above them. A test
 //     with none admits itself. An admitted test must not wait for parallel
 //     subtests: they would need one of go test's -parallel places, which
@@ -60,7 +62,14 @@ const PoolConns = 4
 const admitWait = 10 * time.Minute
 
 // growWait bounds a wait for more slots by a test that holds some.
-const growWait = 30 * time.Second
+// dialWait is the shorter bound for a connection the code under test dials
+// beyond its test's slots: a wait there stalls that code (a relay, a
+// listener), and a cancel request, which takes no server connection, dials
+// the same way.
+const (
+	growWait = 30 * time.Second
+	dialWait = time.Second
+)
 
 var errGrowWait = errors.New("pgtest: waited too long to grow")
 
@@ -135,7 +144,7 @@ func Alone(t testing.TB) {
 func Reserve(t testing.TB, n int) (release func()) {
 	t.Helper()
 	a := admissionOf(t, n, 0)
-	if err := a.take(context.Background(), t.Name(), &a.reserved, n); err != nil {
+	if err := a.take(context.Background(), t.Name(), &a.reserved, n, growWait); err != nil {
 		t.Fatal(err)
 	}
 	var once sync.Once
@@ -157,9 +166,9 @@ func admissionOf(t testing.TB, n, base int) *admission {
 	return a
 }
 
-// take adds n connections to count (a.dialed or a.reserved), waiting for
-// the slots the admission lacks.
-func (a *admission) take(ctx context.Context, test string, count *int, n int) error {
+// take adds n connections to count (a.dialed or a.reserved), waiting up to
+// wait for the slots the admission lacks.
+func (a *admission) take(ctx context.Context, test string, count *int, n int, wait time.Duration) error {
 	admittedMu.Lock()
 	if a.ended {
 		admittedMu.Unlock()
@@ -172,13 +181,13 @@ func (a *admission) take(ctx context.Context, test string, count *int, n int) er
 	if short <= 0 {
 		return nil
 	}
-	ctx, cancel := context.WithTimeoutCause(ctx, growWait, errGrowWait)
+	ctx, cancel := context.WithTimeoutCause(ctx, wait, errGrowWait)
 	defer cancel()
 	more, err := growSlots(ctx, short)
 	if errors.Is(err, errGrowWait) {
 		// Tests that hold slots and wait for more may be waiting for each
 		// other: go on beyond the share rather than never.
-		log.Printf("pgtest: %s waited %s for %d more connections; going on without their slots (declare its peak with Need)", test, growWait, short)
+		log.Printf("pgtest: %s waited %s for %d more connections; going on without their slots (declare its peak with Need)", test, wait, short)
 		return nil
 	}
 	admittedMu.Lock()
