@@ -18,7 +18,18 @@ import (
 func TestConnLimiterShedsTheOldestWaitingConnection(t *testing.T) {
 	t.Parallel()
 	const maxConns = 3
-	limit := newConnLimiter(maxConns)
+	testShedsTheOldestWaiting(t, newConnLimiter(maxConns, maxConns), maxConns)
+}
+
+// Below the cap on all connections, the cap on those not in a request sheds
+// the same way.
+func TestConnLimiterCapsWaitingConnections(t *testing.T) {
+	t.Parallel()
+	const maxWaiting = 3
+	testShedsTheOldestWaiting(t, newConnLimiter(100, maxWaiting), maxWaiting)
+}
+
+func testShedsTheOldestWaiting(t *testing.T, limit *connLimiter, maxConns int) {
 	srv := httptest.NewUnstartedServer(http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {
 		_, _ = w.Write([]byte("ok\n"))
 	}))
