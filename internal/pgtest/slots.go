@@ -183,7 +183,7 @@ func (a *admission) take(ctx context.Context, test string, count *int, n int, wa
 	}
 	ctx, cancel := context.WithTimeoutCause(ctx, wait, errGrowWait)
 	defer cancel()
-	more, err := growSlots(ctx, short)
+	more, err := lockAll(ctx, short)
 	if errors.Is(err, errGrowWait) {
 		// Tests that hold slots and wait for more may be waiting for each
 		// other: go on beyond the share rather than never.
@@ -282,29 +282,15 @@ func lockSlots(ctx context.Context, test string, n int) ([]*os.File, error) {
 			return nil, err
 		}
 	}
-	for {
-		files, err := lockFree(dir, limit, n)
-		if err == nil && len(files) == n {
-			return files, nil
-		}
-		for _, f := range files {
-			f.Close()
-		}
-		if err != nil {
-			return nil, err
-		}
-		if err := pause(ctx); err != nil {
-			return nil, err
-		}
-	}
+	return lockAll(ctx, n)
 }
 
-// growSlots locks n more of the share's slot files, all at once, as soon
-// as they are free. It does not queue behind the gate: a running test must
-// finish before those waiting to start. Holding some while it waits for
-// the rest would let two growing tests split the free slots and wait for
-// each other.
-func growSlots(ctx context.Context, n int) ([]*os.File, error) {
+// lockAll locks n of the share's slot files, all at once, as soon as they
+// are free. A test that grows calls it without queueing behind the gate: a
+// running test must finish before those waiting to start. Holding some
+// while it waits for the rest would let two growing tests split the free
+// slots and wait for each other.
+func lockAll(ctx context.Context, n int) ([]*os.File, error) {
 	limit, err := maxConns()
 	if err != nil {
 		return nil, err
