@@ -88,12 +88,16 @@ FROM generate_series(1, $1) g ORDER BY g`, events, aggregates); err != nil {
 	}
 	want := storedEvents(t, db.Pool)
 
+	// The child starts first: on a busy machine its start (a process, a
+	// connection reservation, a broker client) can take longer than the
+	// parent needs to publish everything, and then no batch of its is left
+	// to kill. The parent joins once the child publishes.
+	first := startChild(t, r, db, helperSlowEnv+"=1")
+	testkit.Eventually(t, 2*time.Minute, "the child relay to publish", func() bool { return first.count() >= 1 })
 	parent := &acks{}
 	cfg := RelayConfig()
 	cfg.Relays = 2
 	startRelay(t, db.Pool, parent.wrap(r.Broker.New(t)), cfg, "parent")
-
-	first := startChild(t, r, db, helperSlowEnv+"=1")
 	testkit.Eventually(t, time.Minute, "the child relay to publish 30 events", func() bool { return first.count() >= 30 })
 	first.kill(t)
 	second := startChild(t, r, db)
