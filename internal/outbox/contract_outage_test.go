@@ -11,6 +11,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/prometheus/client_golang/prometheus"
 
@@ -42,8 +43,15 @@ func newOutageSink(failure func(e outbox.Event) error, poison func(e outbox.Even
 	return s
 }
 
+// outageConfig retries an event that failed on its own no sooner than
+// the relay sees other aggregates fail: an unclassified failure is judged
+// the sink's only when three aggregates fail alike, and with quick retries
+// the first aggregate to fail could spend all its attempts before the
+// next two aggregates had an event to fail.
 func outageConfig() outbox.Config {
 	cfg := contractFailureConfig(false)
+	cfg.BackoffBase = 500 * time.Millisecond
+	cfg.BackoffMax = time.Second
 	cfg.ProbeBackoffMax = 200 * time.Millisecond
 	return cfg
 }
@@ -78,6 +86,27 @@ func produceFor(t *testing.T, pool *pgxpool.Pool, aggregates int, every time.Dur
 		defer mu.Unlock()
 		return ids
 	}
+}
+
+// contractAppendAll appends one event to each of aggregates agg-0 to
+// agg-(n-1) in one transaction, so the relay sees them all at once.
+func contractAppendAll(t *testing.T, pool *pgxpool.Pool, n int) []string {
+	t.Helper()
+	var ids []string
+	err := pgx.BeginFunc(t.Context(), pool, func(tx pgx.Tx) error {
+		for i := range n {
+			id, err := outbox.Append(t.Context(), tx, contractNewEvent(fmt.Sprintf("agg-%d", i), "order.changed"))
+			if err != nil {
+				return err
+			}
+			ids = append(ids, id)
+		}
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return ids
 }
 
 // assertOrdered fails if an aggregate's deliveries (duplicates removed)
@@ -140,6 +169,8 @@ func TestContractSinkOutageHoldsEvents(t *testing.T) {
 			testkit.Eventually(t, 10*time.Second, "the first deliveries", func() bool { return sink.distinctDelivered() > 20 })
 
 			sink.down.Store(true)
+			// Every aggregate has an event waiting as the outage begins.
+			burst := contractAppendAll(t, db.Pool, 10)
 			testkit.Eventually(t, 10*time.Second, "outbox_sink_up 0", func() bool {
 				v, _ := testkit.Metric(t, reg, "outbox_sink_up", map[string]string{"sink": "contract-recorder"})
 				return v == 0
@@ -151,7 +182,7 @@ func TestContractSinkOutageHoldsEvents(t *testing.T) {
 			sink.down.Store(false)
 			back := time.Now()
 			close(stop)
-			ids := produced()
+			ids := append(produced(), burst...)
 
 			testkit.Eventually(t, 10*time.Second, "every event published", func() bool {
 				return contractCountStatus(t, db.Pool, outbox.StatusPublished) == len(ids)
