@@ -2,9 +2,11 @@ package outbox
 
 import (
 	"context"
+	"flag"
 	"fmt"
 	"os"
 	"slices"
+	"strings"
 	"sync/atomic"
 	"testing"
 	"text/tabwriter"
@@ -15,6 +17,8 @@ import (
 	"github.com/worker-dev/worker/internal/pgtest"
 )
 
+var slowLatencies = flag.String("latencies", "20ms,150ms,400ms,1s", "BenchmarkRelaySlowSink: the sink latencies, comma-separated")
+
 // BenchmarkRelaySlowSink drains backlogs through a sink that answers every
 // publish after a fixed latency L, with 1 replica of 1 loop and with 3
 // replicas of 2 loops (relays in this process, a pool each), over 200 and
@@ -23,7 +27,7 @@ import (
 // min(max_in_flight x replicas, aggregates) / L, since one aggregate's
 // events go one at a time.
 //
-//	go test -run '^$' -bench RelaySlowSink -timeout 30m ./internal/outbox
+//	go test -run '^$' -bench RelaySlowSink -timeout 30m ./internal/outbox [-args -latencies=20ms,50ms -rounds=3]
 func BenchmarkRelaySlowSink(b *testing.B) {
 	type shape struct {
 		latency         time.Duration
@@ -31,7 +35,15 @@ func BenchmarkRelaySlowSink(b *testing.B) {
 		aggregates, txs int
 	}
 	var shapes []shape
-	for _, l := range []time.Duration{20 * time.Millisecond, 150 * time.Millisecond, 400 * time.Millisecond, time.Second} {
+	var latencies []time.Duration
+	for f := range strings.SplitSeq(*slowLatencies, ",") {
+		l, err := time.ParseDuration(f)
+		if err != nil {
+			b.Fatalf("-latencies: %v", err)
+		}
+		latencies = append(latencies, l)
+	}
+	for _, l := range latencies {
 		for _, rl := range [][2]int{{1, 1}, {3, 2}} {
 			for _, aggs := range []int{200, 2000} {
 				for _, txs := range []int{1, 10} {
