@@ -401,7 +401,7 @@ func (r *Relay) claim(ctx context.Context, st *loopState, limit int) ([][]claime
 	// A share left from a sibling's window needs no window of its own.
 	var cands []*candidate
 	if r.shares != nil {
-		cands = r.shares.take(st.loop, n)
+		cands = r.shares.take(st.loop, n, r.depth(n))
 	}
 	conn := st.conn.Conn()
 	b := &pgx.Batch{}
@@ -460,7 +460,7 @@ func (r *Relay) claim(ctx context.Context, st *loopState, limit int) ([][]claime
 		all = candidates(win)
 		cands = all
 		if r.shares != nil {
-			cands = r.shares.split(all, st.loop, n)
+			cands = r.shares.split(all, st.loop, n, r.depth(n))
 		}
 	}
 	if err := res.Close(); err != nil {

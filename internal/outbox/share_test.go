@@ -87,7 +87,7 @@ func TestShares(t *testing.T) {
 		}
 	}
 
-	own := s.split(cands, 0, 6)
+	own := s.split(cands, 0, 6, 0)
 	if len(own) != 3 {
 		t.Errorf("split returned %d candidates, want 3 (6 events)", len(own))
 	}
@@ -137,23 +137,23 @@ func TestShares(t *testing.T) {
 		}
 	}
 	s.hold(1, [][]claimedRow{{{Event: Event{AggregateType: held.head.key.typ, AggregateID: held.head.key.id}}}})
-	s.split(cands, 0, 0)
+	s.split(cands, 0, 0, 0)
 	if slices.Contains(drain(s, 1), held) {
 		t.Error("loop 1's share holds an aggregate its current batch holds")
 	}
-	if !slices.Contains(s.split(cands, 1, 1000), held) {
+	if !slices.Contains(s.split(cands, 1, 1000, 0), held) {
 		t.Error("loop 1's own window left out an aggregate of its previous batch")
 	}
 	s.hold(1, nil)
-	s.split(cands, 0, 0)
+	s.split(cands, 0, 0, 0)
 	if !slices.Contains(drain(s, 1), held) {
 		t.Error("an aggregate is still left out after the batch that held it ended")
 	}
 
 	// A newer window replaces what an older one left.
-	s.split(cands[:1], 0, 0)
+	s.split(cands[:1], 0, 0, 0)
 	for loop := range 3 {
-		if got := s.take(loop, 100); len(got) > 1 {
+		if got := s.take(loop, 100, 0); len(got) > 1 {
 			t.Errorf("loop %d still had %d candidates of the older window", loop, len(got))
 		}
 	}
@@ -162,8 +162,34 @@ func TestShares(t *testing.T) {
 // drain takes everything in loop's share, a batch of 6 events at a time.
 func drain(s *shares, loop int) []*candidate {
 	var out []*candidate
-	for more := s.take(loop, 6); more != nil; more = s.take(loop, 6) {
+	for more := s.take(loop, 6, 0); more != nil; more = s.take(loop, 6, 0) {
 		out = append(out, more...)
 	}
 	return out
+}
+
+// A share is taken as the claim cuts it: with runs cut to depth events, a
+// claim of n events gets n/depth heads, however long the window's runs.
+// Counting the whole runs, a claim of 64 events with runs of 10 in the
+// window got 7 heads.
+func TestSharesTakeRunsCutToDepth(t *testing.T) {
+	s := newShares([]chan struct{}{make(chan struct{}, 1)})
+	var cands []*candidate
+	for i := range 100 {
+		key := aggregateKey{"order", fmt.Sprint(i)}
+		c := &candidate{head: windowRow{id: int64(i), key: key}}
+		for j := range 9 {
+			c.run = append(c.run, windowRow{id: int64(1000 + 10*i + j), key: key})
+		}
+		cands = append(cands, c)
+	}
+	if got := s.split(cands, 0, 64, 2); len(got) != 32 {
+		t.Errorf("a claim of 64 events in runs of at most 2 took %d heads, want 32", len(got))
+	}
+	if got := s.take(0, 64, 1); len(got) != 64 {
+		t.Errorf("a claim of 64 events in runs of 1 took %d heads, want 64", len(got))
+	}
+	if got := s.take(0, 20, 0); len(got) != 2 {
+		t.Errorf("a claim of 20 events with runs unbounded took %d heads of 10 events, want 2", len(got))
+	}
 }
