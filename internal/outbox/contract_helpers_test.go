@@ -79,16 +79,28 @@ func (w contractTestWriter) Write(p []byte) (int, error) {
 // transaction through outbox.Append and returns its event_id.
 func contractAppend(t testing.TB, pool *pgxpool.Pool, aggID, eventType string) string {
 	t.Helper()
-	var id string
+	return contractAppendInOneTx(t, pool, contractNewEvent(aggID, eventType))[0]
+}
+
+// contractAppendInOneTx appends events in one transaction, so the relay
+// sees them all at once, and returns their event_ids.
+func contractAppendInOneTx(t testing.TB, pool *pgxpool.Pool, events ...outbox.NewEvent) []string {
+	t.Helper()
+	var ids []string
 	err := pgx.BeginFunc(context.Background(), pool, func(tx pgx.Tx) error {
-		var err error
-		id, err = outbox.Append(context.Background(), tx, contractNewEvent(aggID, eventType))
-		return err
+		for _, e := range events {
+			id, err := outbox.Append(context.Background(), tx, e)
+			if err != nil {
+				return fmt.Errorf("append %s/%s: %w", e.AggregateID, e.EventType, err)
+			}
+			ids = append(ids, id)
+		}
+		return nil
 	})
 	if err != nil {
-		t.Fatalf("append %s/%s: %v", aggID, eventType, err)
+		t.Fatal(err)
 	}
-	return id
+	return ids
 }
 
 func contractNewEvent(aggID, eventType string) outbox.NewEvent {

@@ -11,7 +11,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/prometheus/client_golang/prometheus"
 
@@ -88,27 +87,6 @@ func produceFor(t *testing.T, pool *pgxpool.Pool, aggregates int, every time.Dur
 	}
 }
 
-// contractAppendAll appends one event to each of aggregates agg-0 to
-// agg-(n-1) in one transaction, so the relay sees them all at once.
-func contractAppendAll(t *testing.T, pool *pgxpool.Pool, n int) []string {
-	t.Helper()
-	var ids []string
-	err := pgx.BeginFunc(t.Context(), pool, func(tx pgx.Tx) error {
-		for i := range n {
-			id, err := outbox.Append(t.Context(), tx, contractNewEvent(fmt.Sprintf("agg-%d", i), "order.changed"))
-			if err != nil {
-				return err
-			}
-			ids = append(ids, id)
-		}
-		return nil
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	return ids
-}
-
 // assertOrdered fails if an aggregate's deliveries (duplicates removed)
 // are not in insertion order.
 func assertOrdered(t *testing.T, s *contractRecordingSink) {
@@ -170,7 +148,11 @@ func TestContractSinkOutageHoldsEvents(t *testing.T) {
 
 			sink.down.Store(true)
 			// Every aggregate has an event waiting as the outage begins.
-			burst := contractAppendAll(t, db.Pool, 10)
+			var every []outbox.NewEvent
+			for i := range 10 {
+				every = append(every, contractNewEvent(fmt.Sprintf("agg-%d", i), "order.changed"))
+			}
+			burst := contractAppendInOneTx(t, db.Pool, every...)
 			testkit.Eventually(t, 10*time.Second, "outbox_sink_up 0", func() bool {
 				v, _ := testkit.Metric(t, reg, "outbox_sink_up", map[string]string{"sink": "contract-recorder"})
 				return v == 0
