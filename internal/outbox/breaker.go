@@ -18,6 +18,14 @@ import (
 // backoff capped at probe_backoff_max. The first probe the sink answers
 // closes the breaker and every loop resumes at once. So an outage of any
 // length dead-letters nothing; outbox_sink_up and an alert tell people.
+//
+// A failure that reads as the sink's can still be one aggregate's own: a
+// NATS subject that no stream takes answers "no responders", a receiver
+// that crashes on one payload resets the connection. So the probes skip
+// the aggregates that failed so, and once the sink takes a publish sent
+// after such a failure, the failing aggregate is suspect: its next failure
+// of that kind while the breaker is closed counts toward max_attempts, as
+// any failure of its own does. A suspect that publishes is cleared.
 
 // probeBackoffBase is the first wait between probes.
 const probeBackoffBase = 100 * time.Millisecond
@@ -28,8 +36,12 @@ type breaker struct {
 	onOpen  func(cause error)
 	onClose func(openFor time.Duration)
 
-	isOpen  atomic.Bool // read on every publish: the closed path takes no lock
-	failing atomic.Bool // alike holds failures since the last answer
+	isOpen    atomic.Bool // read on every publish: the closed path takes no lock
+	failing   atomic.Bool // alike holds failures since the last answer
+	hasFailed atomic.Bool // failed is not empty
+
+	suspects  sync.Map     // aggregateKey: failed as unavailable, and the sink took a later publish
+	nSuspects atomic.Int64 // entries in suspects
 
 	mu        sync.Mutex
 	openedAt  time.Time
@@ -40,7 +52,13 @@ type breaker struct {
 	changed   chan struct{}         // closed and replaced when the breaker closes or a probe ends
 	alike     map[aggregateKey]bool // aggregates that failed with likeText since the sink last answered
 	likeText  string
+	failed    map[aggregateKey]time.Time // aggregates whose last publish failed as unavailable, and when
 }
+
+// maxTracked bounds failed and suspects: past it, further aggregates are
+// not tracked, and a poison among them holds the breaker open until an
+// aggregate tracked before it publishes.
+const maxTracked = 4096
 
 func newBreaker(max time.Duration, onOpen func(error), onClose func(time.Duration)) *breaker {
 	return &breaker{max: max, onOpen: onOpen, onClose: onClose, changed: make(chan struct{})}
@@ -96,11 +114,20 @@ func (b *breaker) probeClaimedNothing() {
 	}
 }
 
-// answered notes that the sink took a publish (ok), or answered it with
-// a failure of the event's own: either way it is available. Only a
-// publish it took ends a run of failures alike (sinkWide).
-func (b *breaker) answered(ok bool) {
-	if !b.open() && !(ok && b.failing.Load()) {
+// answered notes that the sink answered a publish of ev sent at sent: it
+// took it (ok), or failed it with a failure of the event's own. Either way
+// it is available, as of sent: the aggregates that failed as unavailable
+// before then become suspects, and an open breaker that opened before then
+// closes. Only a publish it took ends a run of failures alike (sinkWide),
+// and clears ev's aggregate of suspicion.
+func (b *breaker) answered(ev Event, sent time.Time, ok bool) {
+	key := aggregateKey{ev.AggregateType, ev.AggregateID}
+	if ok && b.nSuspects.Load() > 0 {
+		if _, was := b.suspects.LoadAndDelete(key); was {
+			b.nSuspects.Add(-1)
+		}
+	}
+	if !b.open() && !(ok && b.failing.Load()) && !b.hasFailed.Load() {
 		return
 	}
 	b.mu.Lock()
@@ -108,7 +135,19 @@ func (b *breaker) answered(ok bool) {
 		b.alike, b.likeText = nil, ""
 		b.failing.Store(false)
 	}
-	if !b.isOpen.Load() {
+	for k, at := range b.failed {
+		if !at.Before(sent) {
+			continue // failed after this was sent: no evidence either way
+		}
+		delete(b.failed, k)
+		if k != key && b.nSuspects.Load() < maxTracked {
+			if _, was := b.suspects.LoadOrStore(k, true); !was {
+				b.nSuspects.Add(1)
+			}
+		}
+	}
+	b.hasFailed.Store(len(b.failed) > 0)
+	if !b.isOpen.Load() || sent.Before(b.openedAt) {
 		b.mu.Unlock()
 		return
 	}
@@ -122,10 +161,49 @@ func (b *breaker) answered(ok bool) {
 	b.onClose(openFor)
 }
 
+// suspected reports whether ev's failure as unavailable is its own: the
+// breaker is closed and ev's aggregate is a suspect.
+func (b *breaker) suspected(ev Event) bool {
+	if b.nSuspects.Load() == 0 || b.open() {
+		return false
+	}
+	_, ok := b.suspects.Load(aggregateKey{ev.AggregateType, ev.AggregateID})
+	return ok
+}
+
+// unprobed leaves out of a probe's candidates the aggregates that failed
+// as unavailable since the sink last answered, so that one aggregate's own
+// failure cannot hold the breaker open while others wait. When every
+// candidate failed so, they are all probed again.
+func (b *breaker) unprobed(cands []*candidate) []*candidate {
+	if !b.hasFailed.Load() {
+		return cands
+	}
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	rest := make([]*candidate, 0, len(cands))
+	for _, c := range cands {
+		if _, failed := b.failed[c.head.key]; !failed {
+			rest = append(rest, c)
+		}
+	}
+	if len(rest) == 0 {
+		return cands
+	}
+	return rest
+}
+
 // unavailable notes a publish of ev that failed because of the sink. It
 // opens the breaker, or schedules the next probe if this was one.
 func (b *breaker) unavailable(ev Event, err error) {
 	b.mu.Lock()
+	if b.failed == nil {
+		b.failed = map[aggregateKey]time.Time{}
+	}
+	if key := (aggregateKey{ev.AggregateType, ev.AggregateID}); len(b.failed) < maxTracked {
+		b.failed[key] = time.Now()
+		b.hasFailed.Store(true)
+	}
 	if b.isOpen.Load() {
 		if b.probing {
 			b.probing = false

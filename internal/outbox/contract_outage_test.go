@@ -87,6 +87,18 @@ func produceFor(t *testing.T, pool *pgxpool.Pool, aggregates int, every time.Dur
 	}
 }
 
+// allInStatus reports whether every event of ids is in status.
+func allInStatus(t *testing.T, pool *pgxpool.Pool, ids []string, status string) func() bool {
+	return func() bool {
+		for _, id := range ids {
+			if contractStatusOf(t, pool, id) != status {
+				return false
+			}
+		}
+		return true
+	}
+}
+
 // assertOrdered fails if an aggregate's deliveries (duplicates removed)
 // are not in insertion order.
 func assertOrdered(t *testing.T, s *contractRecordingSink) {
@@ -215,57 +227,54 @@ func TestContractSinkOutageHoldsEvents(t *testing.T) {
 // TestContractPoisonAggregateStillDeadLetters: an aggregate whose events
 // fail on their own while the sink takes the others still goes DEAD after
 // max_attempts, before, during and after an outage; the others lose
-// nothing.
+// nothing. That holds when the failure reads as the sink's (a NATS subject
+// no stream takes answers "no responders"): the sink took other
+// aggregates' publishes sent after it, so it is this aggregate's own.
 func TestContractPoisonAggregateStillDeadLetters(t *testing.T) {
 	t.Parallel()
-	db := pgtest.New(t)
-	sink := newOutageSink(func(e outbox.Event) error {
-		return outbox.Unavailable(errors.New("connection reset by peer"))
-	}, func(e outbox.Event) error {
-		if e.AggregateID == "poison" {
-			return errors.New("500 Internal Server Error: cannot handle this order")
-		}
-		return nil
-	})
-	cfg := outageConfig()
-	cfg.BackoffBase = 50 * time.Millisecond
-	cfg.BackoffMax = 300 * time.Millisecond
-	contractStartRelay(t, db.Pool, sink, cfg, "relay", nil, nil)
+	for name, poisonErr := range map[string]error{
+		"answered 500":      errors.New("500 Internal Server Error: cannot handle this order"),
+		"reads unavailable": outbox.Unavailable(errors.New("nats: no responders available for request")),
+	} {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			db := pgtest.New(t)
+			sink := newOutageSink(func(e outbox.Event) error {
+				return outbox.Unavailable(errors.New("connection reset by peer"))
+			}, func(e outbox.Event) error {
+				if e.AggregateID == "poison" {
+					return poisonErr
+				}
+				return nil
+			})
+			cfg := outageConfig()
+			cfg.BackoffBase = 50 * time.Millisecond
+			cfg.BackoffMax = 300 * time.Millisecond
+			contractStartRelay(t, db.Pool, sink, cfg, "relay", nil, nil)
 
-	poison := []string{contractAppend(t, db.Pool, "poison", "order.changed")}
-	var healthy []string
-	for i := range 30 {
-		healthy = append(healthy, contractAppend(t, db.Pool, fmt.Sprintf("ok-%d", i%5), "order.changed"))
-	}
-	sink.down.Store(true)
-	poison = append(poison, contractAppend(t, db.Pool, "poison", "order.changed"))
-	for i := range 30 {
-		healthy = append(healthy, contractAppend(t, db.Pool, fmt.Sprintf("ok-%d", i%5), "order.changed"))
-	}
-	testkit.Eventually(t, 10*time.Second, "probes while down", func() bool { return sink.downCalls.Load() > 3 })
-	sink.down.Store(false)
-	poison = append(poison, contractAppend(t, db.Pool, "poison", "order.changed"))
-
-	testkit.Eventually(t, 20*time.Second, "every poison event DEAD", func() bool {
-		for _, id := range poison {
-			if contractStatusOf(t, db.Pool, id) != outbox.StatusDead {
-				return false
+			poison := []string{contractAppend(t, db.Pool, "poison", "order.changed")}
+			var healthy []string
+			for i := range 30 {
+				healthy = append(healthy, contractAppend(t, db.Pool, fmt.Sprintf("ok-%d", i%5), "order.changed"))
 			}
-		}
-		return true
-	})
-	testkit.Eventually(t, 10*time.Second, "every healthy event published", func() bool {
-		for _, id := range healthy {
-			if contractStatusOf(t, db.Pool, id) != outbox.StatusPublished {
-				return false
+			sink.down.Store(true)
+			poison = append(poison, contractAppend(t, db.Pool, "poison", "order.changed"))
+			for i := range 30 {
+				healthy = append(healthy, contractAppend(t, db.Pool, fmt.Sprintf("ok-%d", i%5), "order.changed"))
 			}
-		}
-		return true
-	})
-	for _, id := range poison {
-		if r := contractRowOf(t, db.Pool, id); r.Attempts != cfg.MaxAttempts {
-			t.Errorf("poison event %s: %d attempts, want %d (its own failures only)", id, r.Attempts, cfg.MaxAttempts)
-		}
+			testkit.Eventually(t, 10*time.Second, "probes while down", func() bool { return sink.downCalls.Load() > 3 })
+			sink.down.Store(false)
+			poison = append(poison, contractAppend(t, db.Pool, "poison", "order.changed"))
+			// Behind the poison's newest event: its failures must not hold it.
+			healthy = append(healthy, contractAppend(t, db.Pool, "ok-late", "order.changed"))
+			testkit.Eventually(t, 20*time.Second, "every poison event DEAD", allInStatus(t, db.Pool, poison, outbox.StatusDead))
+			testkit.Eventually(t, 10*time.Second, "every healthy event published", allInStatus(t, db.Pool, healthy, outbox.StatusPublished))
+			for _, id := range poison {
+				if r := contractRowOf(t, db.Pool, id); r.Attempts != cfg.MaxAttempts {
+					t.Errorf("poison event %s: %d attempts, want %d (its own failures only)", id, r.Attempts, cfg.MaxAttempts)
+				}
+			}
+			assertOrdered(t, sink.contractRecordingSink)
+		})
 	}
-	assertOrdered(t, sink.contractRecordingSink)
 }

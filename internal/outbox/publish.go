@@ -116,12 +116,12 @@ func (r *Relay) work(ctx context.Context, b *batch, skew time.Duration) {
 				break
 			}
 			err := ev.unreadable // permanent: DEAD without reaching the sink
+			start := time.Now()
 			if err == nil {
-				start := time.Now()
 				err = r.sink.Publish(ctx, ev.Event)
 				r.notePublish(time.Since(start))
 			}
-			o := r.outcome(*ev, err, skew)
+			o := r.outcome(*ev, start, err, skew)
 			<-r.slots
 			if b.end(run, o) {
 				r.complete(b, ev, o)
@@ -252,22 +252,28 @@ type eventOutcome struct {
 	handBack bool // cancelled by a hard stop: not the sink's fault
 }
 
-func (r *Relay) outcome(ev claimedRow, err error, skew time.Duration) eventOutcome {
+// outcome classifies the publish of ev sent at sent.
+func (r *Relay) outcome(ev claimedRow, sent time.Time, err error, skew time.Duration) eventOutcome {
 	switch {
 	case err == nil:
-		r.sinkUp.answered(true)
+		r.sinkUp.answered(ev.Event, sent, true)
 		return eventOutcome{at: time.Now().Add(skew)}
 	case r.hardCtx.Err() != nil:
 		return eventOutcome{handBack: true}
 	case ev.unreadable != nil:
 		f := r.classify(ev, err) // never reached the sink: says nothing about it
 		return eventOutcome{failed: &f}
+	case IsUnavailable(err) && r.sinkUp.suspected(ev.Event):
+		// The sink takes other aggregates' publishes and keeps failing
+		// this one: the failure is its own.
+		f := r.classify(ev, err)
+		return eventOutcome{failed: &f}
 	case IsUnavailable(err) || (!IsPermanent(err) && r.sinkUp.sinkWide(ev.Event, err)):
 		// Not the event's fault: it waits for the sink, attempts untouched.
 		r.sinkDown(ev.Event, err)
 		return eventOutcome{handBack: true}
 	default:
-		r.sinkUp.answered(false)
+		r.sinkUp.answered(ev.Event, sent, false)
 		f := r.classify(ev, err)
 		return eventOutcome{failed: &f}
 	}

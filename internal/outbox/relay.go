@@ -268,6 +268,7 @@ type loopState struct {
 	size         int           // events the next claim takes: batch_size, or fewer for a slow sink (nextSize)
 	window       int           // rows the next window claim reads
 	again        bool          // claim again at once: the window was widened, or a share was stale
+	probe        bool          // the claim is the probe of an open breaker: one event
 	conn         *pgxpool.Conn // held while batches follow each other
 	pending      *outcomes     // the last batch's outcomes, not yet committed
 	behind       aggregateKey  // where the next look behind the window starts
@@ -342,6 +343,7 @@ func (r *Relay) runBatch(ctx context.Context, st *loopState, probe bool) (int, e
 		}
 		st.conn = conn
 	}
+	st.probe = probe
 	runs, skew, err := r.claim(ctx, st, limit)
 	if r.shares != nil {
 		r.shares.hold(st.loop, runs)
@@ -398,9 +400,10 @@ func (r *Relay) claim(ctx context.Context, st *loopState, limit int) ([][]claime
 		n = limit
 	}
 	st.window = max(st.window, r.minWindow())
-	// A share left from a sibling's window needs no window of its own.
+	// A share left from a sibling's window needs no window of its own. A
+	// probe reads one: it picks among the whole window's aggregates.
 	var cands []*candidate
-	if r.shares != nil {
+	if r.shares != nil && !st.probe {
 		cands = r.shares.take(st.loop, n, r.depth(n))
 	}
 	conn := st.conn.Conn()
@@ -458,9 +461,13 @@ func (r *Relay) claim(ctx context.Context, st *loopState, limit int) ([][]claime
 			return nil, 0, err
 		}
 		all = candidates(win)
-		cands = all
-		if r.shares != nil {
+		switch {
+		case st.probe:
+			cands = r.sinkUp.unprobed(all)
+		case r.shares != nil:
 			cands = r.shares.split(all, st.loop, n, r.depth(n))
+		default:
+			cands = all
 		}
 	}
 	if err := res.Close(); err != nil {
@@ -541,7 +548,11 @@ func (r *Relay) lockBehind(ctx context.Context, conn *pgx.Conn, st *loopState, r
 		held[aggregateKey{run[0].AggregateType, run[0].AggregateID}] = true
 	}
 	heads = slices.DeleteFunc(heads, func(h windowRow) bool { return held[h.key] })
-	return r.lockWindow(ctx, conn, candidates(heads), n, r.depth(n))
+	cands := candidates(heads)
+	if st.probe {
+		cands = r.sinkUp.unprobed(cands)
+	}
+	return r.lockWindow(ctx, conn, cands, n, r.depth(n))
 }
 
 // maxWindowFactor bounds the window at this many batches.

@@ -52,6 +52,11 @@ func outageDown(t *testing.T) time.Duration {
 	return d
 }
 
+// poisonType is the aggregate type of the poison aggregate each outage
+// test sends beside the others: no stream, queue or topic takes its
+// events, which fail on their own while the others publish.
+const poisonType = "parcel"
+
 // delivered is one message as the broker holds it.
 type delivered struct{ eventID, aggregateID string }
 
@@ -64,6 +69,9 @@ type brokerOutage struct {
 	up      func(t *testing.T)
 	read    func(t *testing.T) []delivered
 	maxDups int // events whose outcome may be unknown at the cut
+	// poisonAttempts is how many attempts a poison event takes to go
+	// DEAD: 1 when the broker refuses it for good, else max_attempts.
+	poisonAttempts int
 }
 
 // runOutage runs the worker against b while events flow, takes the broker
@@ -71,7 +79,9 @@ type brokerOutage struct {
 // every event published within catchUpLimit of the broker's return, the
 // broker holding each event, per aggregate in order with no gap once
 // duplicates are dropped on event_id, at most b.maxDups duplicates, and
-// outbox_sink_up going 0 during the outage and 1 after it.
+// outbox_sink_up going 0 during the outage and 1 after it. Meanwhile a
+// poison aggregate gets an event before, during and after the outage, and
+// each goes DEAD after b.poisonAttempts attempts of its own.
 func runOutage(t *testing.T, b brokerOutage) {
 	t.Helper()
 	db := pgtest.New(t)
@@ -91,15 +101,30 @@ func runOutage(t *testing.T, b brokerOutage) {
 	var produced sync.WaitGroup
 	produced.Go(func() { produceEvents(t, db, stop) })
 
+	var poison []string
+	addPoison := func() {
+		var id string
+		if err := db.Pool.QueryRow(t.Context(), `INSERT INTO outbox_event (aggregate_type, aggregate_id, event_type, payload)
+			VALUES ($1, 'p-1', 'order.paid', '{}') RETURNING event_id::text`, poisonType).Scan(&id); err != nil {
+			t.Fatal(err)
+		}
+		poison = append(poison, id)
+	}
+	addPoison()
 	time.Sleep(outageUp) // events flow at a steady rate: the outage must hit traffic
 	upLine := fmt.Sprintf("outbox_sink_up{sink=%q} ", b.sink)
+	testkit.Eventually(t, 10*time.Second, "the first poison event DEAD before the outage", func() bool {
+		return eventStatus(t, db, poison[0]) == "DEAD"
+	})
 	if v := metricLine(p, upLine); v != "1" {
 		t.Errorf("%s%s before the outage, want 1", upLine, v)
 	}
 	b.down(t)
 	testkit.Eventually(t, 20*time.Second, upLine+"0 during the outage", func() bool { return metricLine(p, upLine) == "0" })
+	addPoison()
 	time.Sleep(outageDown(t)) // the outage lasts while events keep arriving
 	b.up(t)
+	addPoison()
 	back := time.Now()
 	var backDB time.Time // the same instant on the database's clock, which stamps published_at
 	if err := db.Pool.QueryRow(t.Context(), `SELECT clock_timestamp()`).Scan(&backDB); err != nil {
@@ -110,12 +135,13 @@ func runOutage(t *testing.T, b brokerOutage) {
 	produced.Wait()
 
 	var total int
-	if err := db.Pool.QueryRow(t.Context(), `SELECT count(*) FROM outbox_event`).Scan(&total); err != nil {
+	if err := db.Pool.QueryRow(t.Context(), `SELECT count(*) FROM outbox_event WHERE aggregate_type <> $1`, poisonType).Scan(&total); err != nil {
 		t.Fatal(err)
 	}
 	for {
 		var published, dead int
-		if err := db.Pool.QueryRow(t.Context(), `SELECT count(*) FILTER (WHERE status = 'PUBLISHED'), count(*) FILTER (WHERE status = 'DEAD') FROM outbox_event`).Scan(&published, &dead); err != nil {
+		if err := db.Pool.QueryRow(t.Context(), `SELECT count(*) FILTER (WHERE status = 'PUBLISHED'), count(*) FILTER (WHERE status = 'DEAD')
+			FROM outbox_event WHERE aggregate_type <> $1`, poisonType).Scan(&published, &dead); err != nil {
 			t.Fatal(err)
 		}
 		if dead > 0 {
@@ -139,12 +165,12 @@ func runOutage(t *testing.T, b brokerOutage) {
 	t.Logf("%s: %d events; the %d that arrived before the broker's return were all published %s after it, every event %s after it",
 		b.sink, total, waited, backlogDone.Sub(backDB).Round(time.Millisecond), time.Since(back).Round(time.Millisecond))
 	var spent int // the publish that succeeded is every event's one attempt
-	if err := db.Pool.QueryRow(t.Context(), `SELECT count(*) FROM outbox_event WHERE attempts <> 1`).Scan(&spent); err != nil {
+	if err := db.Pool.QueryRow(t.Context(), `SELECT count(*) FROM outbox_event WHERE attempts <> 1 AND aggregate_type <> $1`, poisonType).Scan(&spent); err != nil {
 		t.Fatal(err)
 	}
 	if spent > 0 {
 		t.Errorf("%d events spent attempts on the outage, want their attempts untouched", spent)
-		rows, _ := db.Pool.Query(t.Context(), `SELECT id, attempts, coalesce(last_error, '') FROM outbox_event WHERE attempts <> 1 ORDER BY id`)
+		rows, _ := db.Pool.Query(t.Context(), `SELECT id, attempts, coalesce(last_error, '') FROM outbox_event WHERE attempts <> 1 AND aggregate_type <> $1 ORDER BY id`, poisonType)
 		for rows.Next() {
 			var id int64
 			var attempts int
@@ -154,8 +180,22 @@ func runOutage(t *testing.T, b brokerOutage) {
 		}
 		rows.Close()
 	}
-	if n := strings.Count(p.out.String(), `"msg":"outbox sink unavailable; claiming stops`); n != 1 {
-		t.Errorf("%d warnings that the sink is unavailable, want one for the one outage", n)
+	testkit.Eventually(t, 20*time.Second, "every poison event DEAD", func() bool {
+		return eventStatus(t, db, poison[1]) == "DEAD" && eventStatus(t, db, poison[2]) == "DEAD"
+	})
+	for _, id := range poison {
+		var attempts int
+		if err := db.Pool.QueryRow(t.Context(), `SELECT attempts FROM outbox_event WHERE event_id = $1`, id).Scan(&attempts); err != nil {
+			t.Fatal(err)
+		}
+		if attempts != b.poisonAttempts {
+			t.Errorf("poison event %s DEAD after %d attempts, want %d", id, attempts, b.poisonAttempts)
+		}
+	}
+	// A poison whose failure reads as the sink's opens the breaker once,
+	// until the sink takes another aggregate's publish.
+	if n := strings.Count(p.out.String(), `"msg":"outbox sink unavailable; claiming stops`); n < 1 || n > 2 {
+		t.Errorf("%d warnings that the sink is unavailable, want one for the one outage and at most one for the poison", n)
 	}
 	if v := metricLine(p, upLine); v != "1" {
 		t.Errorf("%s%s after the outage, want 1", upLine, v)
@@ -187,7 +227,7 @@ func produceEvents(t *testing.T, db *pgtest.DB, stop <-chan struct{}) {
 // missing, and at most maxDups copies beyond the first.
 func checkDelivered(t *testing.T, db *pgtest.DB, got []delivered, maxDups int) {
 	t.Helper()
-	rows, err := db.Pool.Query(t.Context(), `SELECT event_id::text, aggregate_id FROM outbox_event ORDER BY id`)
+	rows, err := db.Pool.Query(t.Context(), `SELECT event_id::text, aggregate_id FROM outbox_event WHERE aggregate_type <> $1 ORDER BY id`, poisonType)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -225,6 +265,15 @@ func checkDelivered(t *testing.T, db *pgtest.DB, got []delivered, maxDups int) {
 	t.Logf("%d messages, %d duplicates", len(got), dups)
 }
 
+// eventStatus returns the status of the event with event_id id.
+func eventStatus(t *testing.T, db *pgtest.DB, id string) string {
+	var status string
+	if err := db.Pool.QueryRow(t.Context(), `SELECT status FROM outbox_event WHERE event_id = $1`, id).Scan(&status); err != nil {
+		t.Fatal(err)
+	}
+	return status
+}
+
 // metricLine returns the value of the /metrics line starting with prefix
 // ("" when there is none).
 func metricLine(p *proc, prefix string) string {
@@ -239,39 +288,54 @@ func metricLine(p *proc, prefix string) string {
 
 // A nats-server stopped and started again on the same store directory
 // while events flow: none is lost, reordered or dead-lettered, and the
-// stream deduplicates what the relay had to send again.
+// stream deduplicates what the relay had to send again. The stream takes
+// only the order aggregates' subjects: the poison's publishes answer "no
+// responders", which reads as the server's failure, but the server takes
+// the others.
 func TestNATSOutage(t *testing.T) {
 	t.Parallel()
 	store := t.TempDir()
 	srv := startNATS(t, server.RANDOM_PORT, store)
 	port := srv.Addr().(*net.TCPAddr).Port
+	if _, err := jetStreamClient(t, srv.ClientURL()).CreateStream(t.Context(), jetstream.StreamConfig{
+		Name: "OUTBOX", Subjects: []string{"outbox.order.*"}, Storage: jetstream.FileStorage, Duplicates: 2 * time.Minute,
+	}); err != nil {
+		t.Fatal(err)
+	}
 	runOutage(t, brokerOutage{
 		sink: "nats",
 		env: []string{
 			"APP_OUTBOX_NATS_URL=" + srv.ClientURL(),
 			"APP_OUTBOX_NATS_USER=relay",
 			"APP_OUTBOX_NATS_PASSWORD=" + natsPassword,
-			"APP_OUTBOX_NATS_CREATE_STREAM=true",
 			"APP_OUTBOX_NATS_PUBLISH_TIMEOUT=1s",
 		},
-		down: func(*testing.T) { srv.Shutdown(); srv.WaitForShutdown() },
-		up:   func(t *testing.T) { srv = startNATS(t, port, store) },
-		read: func(t *testing.T) []delivered { return readStream(t, srv.ClientURL(), "OUTBOX") },
+		down:           func(*testing.T) { srv.Shutdown(); srv.WaitForShutdown() },
+		up:             func(t *testing.T) { srv = startNATS(t, port, store) },
+		read:           func(t *testing.T) []delivered { return readStream(t, srv.ClientURL(), "OUTBOX") },
+		poisonAttempts: 3,
 	})
 }
 
-// readStream returns every message of the stream, in stream order.
-func readStream(t *testing.T, url, stream string) []delivered {
+// jetStreamClient connects to url as the relay's user, until the test ends.
+func jetStreamClient(t *testing.T, url string) jetstream.JetStream {
 	t.Helper()
 	nc, err := nats.Connect(url, nats.UserInfo("relay", natsPassword))
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer nc.Close()
+	t.Cleanup(nc.Close)
 	js, err := jetstream.New(nc)
 	if err != nil {
 		t.Fatal(err)
 	}
+	return js
+}
+
+// readStream returns every message of the stream, in stream order.
+func readStream(t *testing.T, url, stream string) []delivered {
+	t.Helper()
+	js := jetStreamClient(t, url)
 	st, err := js.Stream(t.Context(), stream)
 	if err != nil {
 		t.Fatal(err)
@@ -303,7 +367,9 @@ func readStream(t *testing.T, url, stream string) []delivered {
 
 // RabbitMQ reached through a proxy that is cut for a few seconds while
 // events flow: none is lost, reordered or dead-lettered; an event is on
-// the queue twice only if its confirm was lost with the connection.
+// the queue twice only if its confirm was lost with the connection. No
+// queue is bound for the poison's routing key: the broker returns its
+// events unroutable, DEAD at once.
 func TestRabbitMQOutage(t *testing.T) {
 	t.Parallel()
 	testkit.SkipWithoutRabbitMQ(t)
@@ -318,15 +384,16 @@ func TestRabbitMQOutage(t *testing.T) {
 			"APP_OUTBOX_RABBITMQ_EXCHANGE=" + exchange,
 			"APP_OUTBOX_RABBITMQ_PUBLISH_TIMEOUT=1s",
 		},
-		down:    func(*testing.T) { proxy.Cut() },
-		up:      func(t *testing.T) { proxy.Restore(t) },
-		read:    func(t *testing.T) []delivered { return readQueue(t, queue) },
-		maxDups: outageAggregates, // one event in flight per aggregate at the cut
+		down:           func(*testing.T) { proxy.Cut() },
+		up:             func(t *testing.T) { proxy.Restore(t) },
+		read:           func(t *testing.T) []delivered { return readQueue(t, queue) },
+		maxDups:        outageAggregates, // one event in flight per aggregate at the cut
+		poisonAttempts: 1,
 	})
 }
 
-// declareOutageQueue declares a topic exchange and a queue bound to all of
-// it, deleted when the test ends.
+// declareOutageQueue declares a topic exchange and a queue bound to the
+// order aggregates' routing keys, deleted when the test ends.
 func declareOutageQueue(t *testing.T, url string) (exchange, queue string) {
 	t.Helper()
 	conn, err := amqp.Dial(url)
@@ -345,7 +412,7 @@ func declareOutageQueue(t *testing.T, url string) (exchange, queue string) {
 	if _, err := ch.QueueDeclare(name, true, false, false, false, nil); err != nil {
 		t.Fatal(err)
 	}
-	if err := ch.QueueBind(name, "#", name, false, nil); err != nil {
+	if err := ch.QueueBind(name, "order.#", name, false, nil); err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() {
@@ -385,7 +452,8 @@ func readQueue(t *testing.T, queue string) []delivered {
 }
 
 // Every kfake broker stopped and started again on the same ports and data
-// while events flow: none is lost, reordered or dead-lettered.
+// while events flow: none is lost, reordered or dead-lettered. The poison's
+// topic does not exist: each of its events fails max_attempts times.
 func TestKafkaOutage(t *testing.T) {
 	t.Parallel()
 	data := t.TempDir()
@@ -418,10 +486,11 @@ func TestKafkaOutage(t *testing.T) {
 			"APP_OUTBOX_KAFKA_BROKERS=" + strings.Join(addrs, ","),
 			"APP_OUTBOX_KAFKA_PUBLISH_TIMEOUT=1s",
 		},
-		down:    func(*testing.T) { cluster.Close() },
-		up:      func(t *testing.T) { cluster = start(t, ports...) },
-		read:    func(t *testing.T) []delivered { return readTopic(t, addrs, "order") },
-		maxDups: outageAggregates, // one event in flight per aggregate at the cut
+		down:           func(*testing.T) { cluster.Close() },
+		up:             func(t *testing.T) { cluster = start(t, ports...) },
+		read:           func(t *testing.T) []delivered { return readTopic(t, addrs, "order") },
+		maxDups:        outageAggregates, // one event in flight per aggregate at the cut
+		poisonAttempts: 3,
 	})
 }
 

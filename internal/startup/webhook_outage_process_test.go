@@ -20,7 +20,8 @@ import (
 
 // outageReceiver is a webhook endpoint that can be taken down (its port
 // refuses connections) and brought back on the same address. It records the
-// order in which each aggregate's events first arrived.
+// order in which each aggregate's events first arrived, and answers 500 to
+// every event of the aggregate "poison".
 type outageReceiver struct {
 	addr string
 
@@ -77,6 +78,10 @@ func (r *outageReceiver) ServeHTTP(w http.ResponseWriter, req *http.Request) {
 		w.WriteHeader(http.StatusBadRequest)
 		return
 	}
+	if ev.A == "poison" {
+		http.Error(w, "cannot handle this order", http.StatusInternalServerError)
+		return
+	}
 	id := req.Header.Get("Ce-Id")
 	r.mu.Lock()
 	if r.seen[id] {
@@ -100,7 +105,9 @@ func (r *outageReceiver) distinct() int {
 // aggregates: no event goes DEAD or spends an attempt, outbox_sink_up reads
 // 0 meanwhile, the outage is logged once when it starts and once when it
 // ends, and every event that waited reaches the receiver within 10 s of its
-// return, in per-aggregate order.
+// return, in per-aggregate order. A poison aggregate, answered 500, gets an
+// event before, during and after the outage: each goes DEAD after
+// max_attempts of its own failures.
 func TestWebhookOutageHoldsEvents(t *testing.T) {
 	t.Parallel()
 	db := pgtest.New(t)
@@ -112,8 +119,21 @@ func TestWebhookOutageHoldsEvents(t *testing.T) {
 		"APP_OUTBOX_WEBHOOK_URL=http://" + recv.addr + "/events",
 		"APP_OUTBOX_WEBHOOK_TIMEOUT=2s",
 		"APP_OUTBOX_PROBE_BACKOFF_MAX=200ms",
+		"APP_OUTBOX_MAX_ATTEMPTS=3",
+		"APP_OUTBOX_BACKOFF_BASE=50ms",
+		"APP_OUTBOX_BACKOFF_MAX=500ms",
 	})
 	w.waitReady(t, 30*time.Second)
+	var poison []string
+	addPoison := func() {
+		var id string
+		if err := db.Pool.QueryRow(context.Background(), `INSERT INTO outbox_event (aggregate_type, aggregate_id, event_type, payload)
+			VALUES ('order', 'poison', 'order.changed', '{"a": "poison"}') RETURNING event_id::text`).Scan(&id); err != nil {
+			t.Fatal(err)
+		}
+		poison = append(poison, id)
+	}
+	addPoison()
 
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
@@ -146,6 +166,7 @@ func TestWebhookOutageHoldsEvents(t *testing.T) {
 		_, m := w.get("/metrics")
 		return strings.Contains(m, `outbox_sink_up{sink="webhook"} 0`)
 	})
+	addPoison()
 	outage := 3 * time.Second
 	if v := os.Getenv("WORKER_WEBHOOK_OUTAGE"); v != "" {
 		// The issue's 30 s and 120 s outages: WORKER_WEBHOOK_OUTAGE=120s.
@@ -159,6 +180,7 @@ func TestWebhookOutageHoldsEvents(t *testing.T) {
 	testkit.Eventually(t, outage+10*time.Second, "the outage to last", func() bool { return time.Now().After(outageEnds) })
 	recv.up(t)
 	back := time.Now()
+	addPoison()
 	cancel()
 	total := <-produced
 
@@ -169,15 +191,22 @@ func TestWebhookOutageHoldsEvents(t *testing.T) {
 		err := db.Pool.QueryRow(context.Background(), `SELECT count(*) FROM outbox_event WHERE status = 'PUBLISHED'`).Scan(&n)
 		return err == nil && n == total
 	})
+	testkit.Eventually(t, 10*time.Second, "every poison event DEAD after 3 attempts", func() bool {
+		var n int
+		err := db.Pool.QueryRow(context.Background(),
+			`SELECT count(*) FROM outbox_event WHERE event_id = ANY($1::uuid[]) AND status = 'DEAD' AND attempts = 3`, poison).Scan(&n)
+		return err == nil && n == len(poison)
+	})
 
 	var dead, spent int
 	if err := db.Pool.QueryRow(context.Background(),
-		`SELECT count(*) FILTER (WHERE status = 'DEAD'), count(*) FILTER (WHERE attempts <> 1) FROM outbox_event`).Scan(&dead, &spent); err != nil {
+		`SELECT count(*) FILTER (WHERE status = 'DEAD'), count(*) FILTER (WHERE attempts <> 1)
+		FROM outbox_event WHERE aggregate_id <> 'poison'`).Scan(&dead, &spent); err != nil {
 		t.Fatal(err)
 	}
 	if dead != 0 || spent != 0 {
 		t.Errorf("%d events DEAD, %d spent attempts on the outage; want none", dead, spent)
-		rows, _ := db.Pool.Query(context.Background(), `SELECT id, status, attempts, coalesce(last_error, '') FROM outbox_event WHERE attempts <> 1 ORDER BY id`)
+		rows, _ := db.Pool.Query(context.Background(), `SELECT id, status, attempts, coalesce(last_error, '') FROM outbox_event WHERE attempts <> 1 AND aggregate_id <> 'poison' ORDER BY id`)
 		for rows.Next() {
 			var id int64
 			var status, lastErr string
@@ -211,7 +240,9 @@ func TestWebhookOutageHoldsEvents(t *testing.T) {
 	if n := strings.Count(out, `"msg":"outbox sink available again; claiming resumes"`); n != 1 {
 		t.Errorf("%d breaker-close log lines, want 1", n)
 	}
-	if n := strings.Count(out, `"msg":"outbox publish failed; retry scheduled"`); n != 0 {
-		t.Errorf("%d per-event failure lines during the outage, want none", n)
+	// The poison's own failures, none for the outage: each poison event
+	// fails twice before the third attempt sends it DEAD.
+	if n := strings.Count(out, `"msg":"outbox publish failed; retry scheduled"`); n != 2*len(poison) {
+		t.Errorf("%d per-event failure lines, want %d: the poison's own, none for the outage", n, 2*len(poison))
 	}
 }
