@@ -403,8 +403,9 @@ func (r *Relay) claim(ctx context.Context, st *loopState, limit int) ([][]claime
 	// A share left from a sibling's window needs no window of its own. A
 	// probe reads one: it picks among the whole window's aggregates.
 	var cands []*candidate
+	var gen uint64 // of the share cands come from
 	if r.shares != nil && !st.probe {
-		cands = r.shares.take(st.loop, n, r.depth(n))
+		cands, gen = r.shares.take(st.loop, n, r.depth(n), r.spares())
 	}
 	conn := st.conn.Conn()
 	b := &pgx.Batch{}
@@ -465,7 +466,7 @@ func (r *Relay) claim(ctx context.Context, st *loopState, limit int) ([][]claime
 		case st.probe:
 			cands = r.sinkUp.unprobed(all)
 		case r.shares != nil:
-			cands = r.shares.split(all, st.loop, n, r.depth(n))
+			cands, gen = r.shares.split(all, st.loop, n, r.depth(n), r.spares())
 		default:
 			cands = all
 		}
@@ -477,9 +478,12 @@ func (r *Relay) claim(ctx context.Context, st *loopState, limit int) ([][]claime
 		return nil, 0, err // stopping: lock nothing only to hand it back
 	}
 
-	runs, err := r.lockWindow(ctx, conn, cands, n, r.depth(n))
+	runs, rest, err := r.lockWindow(ctx, conn, cands, n, r.depth(n))
 	if err != nil {
 		return nil, 0, err
+	}
+	if r.shares != nil && !st.probe {
+		r.shares.giveBack(st.loop, gen, rest)
 	}
 	got := 0
 	for _, run := range runs {
@@ -552,7 +556,8 @@ func (r *Relay) lockBehind(ctx context.Context, conn *pgx.Conn, st *loopState, r
 	if st.probe {
 		cands = r.sinkUp.unprobed(cands)
 	}
-	return r.lockWindow(ctx, conn, cands, n, r.depth(n))
+	locked, _, err := r.lockWindow(ctx, conn, cands, n, r.depth(n))
+	return locked, err
 }
 
 // maxWindowFactor bounds the window at this many batches.
@@ -586,15 +591,18 @@ func (r *Relay) depth(n int) int {
 
 // lockWindow locks heads and their runs, up to n events, in one statement.
 // Runs are cut to depth events (0: no bound). It returns one run per locked
-// head: the head, then as much of its run as came back locked, in order.
-func (r *Relay) lockWindow(ctx context.Context, conn *pgx.Conn, cands []*candidate, n, depth int) ([][]claimedRow, error) {
+// head: the head, then as much of its run as came back locked, in order;
+// and the candidates the statement never came to, because it had its heads
+// before them.
+func (r *Relay) lockWindow(ctx context.Context, conn *pgx.Conn, cands []*candidate, n, depth int) (runs [][]claimedRow, rest []*candidate, err error) {
 	if len(cands) == 0 {
-		return nil, nil
+		return nil, nil, nil
 	}
-	if depth > 0 {
-		for _, c := range cands {
-			c.run = c.run[:min(len(c.run), depth-1)] // a prefix: the rest waits, in order
+	runOf := func(c *candidate) []windowRow {
+		if depth > 0 {
+			return c.run[:min(len(c.run), depth-1)] // a prefix: the rest waits, in order
 		}
+		return c.run
 	}
 	// As many heads as a batch needs at the window's mean run length.
 	events := 0
@@ -602,8 +610,8 @@ func (r *Relay) lockWindow(ctx context.Context, conn *pgx.Conn, cands []*candida
 	var runTIDs, runHeads []pgtype.TID
 	for i, c := range cands {
 		heads[i] = c.head.tid
-		events += 1 + len(c.run)
-		for _, w := range c.run {
+		events += 1 + len(runOf(c))
+		for _, w := range runOf(c) {
 			runTIDs = append(runTIDs, w.tid)
 			runHeads = append(runHeads, c.head.tid)
 		}
@@ -611,7 +619,17 @@ func (r *Relay) lockWindow(ctx context.Context, conn *pgx.Conn, cands []*candida
 	want := min(len(cands), (n*len(cands)+events-1)/events)
 	lockedHeads, lockedRuns, err := readEvents(conn.Query(ctx, r.lockSQL, heads, want, runTIDs, runHeads, n))
 	if err != nil || len(lockedHeads) == 0 {
-		return nil, err
+		return nil, nil, err
+	}
+	if len(lockedHeads) == want {
+		// Heads are locked oldest first: the statement stopped at the last.
+		last := lockedHeads[len(lockedHeads)-1].Seq
+		for i, c := range cands {
+			if c.head.id > last {
+				rest = cands[i:]
+				break
+			}
+		}
 	}
 	byTID := make(map[pgtype.TID]*candidate, len(cands))
 	for _, c := range cands {
@@ -622,14 +640,14 @@ func (r *Relay) lockWindow(ctx context.Context, conn *pgx.Conn, cands []*candida
 		locked[row.tid] = row
 	}
 	// Heads came back oldest first.
-	runs := make([][]claimedRow, 0, len(lockedHeads))
+	runs = make([][]claimedRow, 0, len(lockedHeads))
 	for _, h := range lockedHeads {
 		c := byTID[h.tid]
 		if c == nil || c.head.id != h.Seq {
 			continue // not the row the window saw there: not a head we know
 		}
 		run := []claimedRow{h}
-		for _, w := range c.run {
+		for _, w := range runOf(c) {
 			row, ok := locked[w.tid]
 			if !ok || row.Seq != w.id {
 				break // the rest of this aggregate waits
@@ -638,7 +656,7 @@ func (r *Relay) lockWindow(ctx context.Context, conn *pgx.Conn, cands []*candida
 		}
 		runs = append(runs, run)
 	}
-	return runs, nil
+	return runs, rest, nil
 }
 
 // classify turns a publish error into the event's next state.

@@ -494,7 +494,7 @@ func TestLockWindowChecksHeadIdentity(t *testing.T) {
 	if err := tx.QueryRow(ctx, `SELECT ctid FROM outbox_event WHERE event_id = $1`, c2).Scan(&cands[0].head.tid); err != nil {
 		t.Fatal(err)
 	}
-	runs, err := r.lockWindow(ctx, tx.Conn(), cands, 100, 0)
+	runs, _, err := r.lockWindow(ctx, tx.Conn(), cands, 100, 0)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -524,7 +524,7 @@ func TestLockWindowSeesRetriedDeadEvent(t *testing.T) {
 	if n, err := RetryDead(ctx, db.Pool, dead, "ops", nil); err != nil || n != 1 {
 		t.Fatalf("RetryDead = %d, %v", n, err)
 	}
-	runs, err := r.lockWindow(ctx, tx.Conn(), cands, 100, 0)
+	runs, _, err := r.lockWindow(ctx, tx.Conn(), cands, 100, 0)
 	if err != nil {
 		t.Fatal(err)
 	}

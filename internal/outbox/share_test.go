@@ -87,7 +87,7 @@ func TestShares(t *testing.T) {
 		}
 	}
 
-	own := s.split(cands, 0, 6, 0)
+	own, _ := s.split(cands, 0, 6, 0, 0)
 	if len(own) != 3 {
 		t.Errorf("split returned %d candidates, want 3 (6 events)", len(own))
 	}
@@ -137,45 +137,48 @@ func TestShares(t *testing.T) {
 		}
 	}
 	s.hold(1, [][]claimedRow{{{Event: Event{AggregateType: held.head.key.typ, AggregateID: held.head.key.id}}}})
-	s.split(cands, 0, 0, 0)
+	s.split(cands, 0, 0, 0, 0)
 	if slices.Contains(drain(s, 1), held) {
 		t.Error("loop 1's share holds an aggregate its current batch holds")
 	}
-	if !slices.Contains(s.split(cands, 1, 1000, 0), held) {
+	if own, _ := s.split(cands, 1, 1000, 0, 0); !slices.Contains(own, held) {
 		t.Error("loop 1's own window left out an aggregate of its previous batch")
 	}
 	s.hold(1, nil)
-	s.split(cands, 0, 0, 0)
+	s.split(cands, 0, 0, 0, 0)
 	if !slices.Contains(drain(s, 1), held) {
 		t.Error("an aggregate is still left out after the batch that held it ended")
 	}
 
 	// A newer window replaces what an older one left.
-	s.split(cands[:1], 0, 0, 0)
+	s.split(cands[:1], 0, 0, 0, 0)
 	for loop := range 3 {
-		if got := s.take(loop, 100, 0); len(got) > 1 {
+		if got, _ := s.take(loop, 100, 0, 0); len(got) > 1 {
 			t.Errorf("loop %d still had %d candidates of the older window", loop, len(got))
 		}
 	}
 }
 
-// drain takes everything in loop's share, a batch of 6 events at a time.
+// drain takes everything in loop's share, a batch of 2 events at a time.
 func drain(s *shares, loop int) []*candidate {
 	var out []*candidate
-	for more := s.take(loop, 6, 0); more != nil; more = s.take(loop, 6, 0) {
+	for {
+		more, _ := s.take(loop, 2, 0, 0)
+		if more == nil {
+			return out
+		}
 		out = append(out, more...)
 	}
-	return out
 }
 
 // A share is taken as the claim cuts it: with runs cut to depth events, a
-// claim of n events gets n/depth heads, however long the window's runs.
-// Counting the whole runs, a claim of 64 events with runs of 10 in the
-// window got 7 heads.
+// claim of n events gets n/depth heads, however long the window's runs,
+// and spare times as many again. Counting the whole runs, a claim of 64
+// events with runs of 10 in the window got 7 heads.
 func TestSharesTakeRunsCutToDepth(t *testing.T) {
 	s := newShares([]chan struct{}{make(chan struct{}, 1)})
 	var cands []*candidate
-	for i := range 100 {
+	for i := range 300 {
 		key := aggregateKey{"order", fmt.Sprint(i)}
 		c := &candidate{head: windowRow{id: int64(i), key: key}}
 		for j := range 9 {
@@ -183,13 +186,87 @@ func TestSharesTakeRunsCutToDepth(t *testing.T) {
 		}
 		cands = append(cands, c)
 	}
-	if got := s.split(cands, 0, 64, 2); len(got) != 32 {
-		t.Errorf("a claim of 64 events in runs of at most 2 took %d heads, want 32", len(got))
+	if got, _ := s.split(cands, 0, 32, 2, 0); len(got) != 16 {
+		t.Errorf("a claim of 32 events in runs of at most 2 took %d heads, want 16", len(got))
 	}
-	if got := s.take(0, 64, 1); len(got) != 64 {
-		t.Errorf("a claim of 64 events in runs of 1 took %d heads, want 64", len(got))
+	if got, _ := s.take(0, 32, 1, 2); len(got) != 96 {
+		t.Errorf("a claim of 32 events in runs of 1 took %d heads, want 32 and 64 spare", len(got))
 	}
-	if got := s.take(0, 20, 0); len(got) != 2 {
-		t.Errorf("a claim of 20 events with runs unbounded took %d heads of 10 events, want 2", len(got))
+	if got, _ := s.take(0, 20, 0, 2); len(got) != 6 {
+		t.Errorf("a claim of 20 events with runs unbounded took %d heads of 10 events, want 2 and 4 spare", len(got))
+	}
+}
+
+// The spare heads a claim's lock statement never came to go back to the
+// front of the share, unless a newer window replaced it meanwhile.
+func TestSharesGiveBackWhatTheClaimNeverTried(t *testing.T) {
+	s := newShares([]chan struct{}{make(chan struct{}, 1)})
+	var cands []*candidate
+	for i := range 10 {
+		cands = append(cands, &candidate{head: windowRow{id: int64(i), key: aggregateKey{"order", fmt.Sprint(i)}}})
+	}
+	s.split(cands, 0, 0, 0, 0)
+	got, gen := s.take(0, 2, 0, 2)
+	if len(got) != 6 {
+		t.Fatalf("took %d heads, want 6", len(got))
+	}
+	s.giveBack(0, gen, got[2:])
+	if next, _ := s.take(0, 1, 0, 2); len(next) != 3 || next[0] != cands[2] {
+		t.Errorf("after giving back heads 2-5, the next claim took %d heads from %d, want heads 2, 3 and 4", len(next), next[0].head.id)
+	}
+	got, gen = s.take(0, 1, 0, 0)
+	s.split(cands[9:], 0, 0, 0, 0)
+	s.giveBack(0, gen, got)
+	if next, _ := s.take(0, 10, 0, 0); len(next) != 1 || next[0] != cands[9] {
+		t.Errorf("after a newer window, the share holds %d heads, want only head 9", len(next))
+	}
+}
+
+// Loops of other processes hold some of a share's heads. A claim that
+// offers spares passes over them and still locks the heads it needs, and
+// gives back the spares the lock statement never came to; one without
+// spares locks only what nobody holds among the heads it needs.
+func TestSpareHeadsPassOverHeadsOthersHold(t *testing.T) {
+	t.Parallel()
+	db := pgtest.New(t)
+	ctx := context.Background()
+	for i := range 20 {
+		appendEvent(t, db.Pool, fmt.Sprintf("agg-%02d", i), "created")
+	}
+	// Another process's loop holds the five oldest heads.
+	other, err := db.Pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer other.Rollback(ctx)
+	if _, err := other.Exec(ctx, `SELECT 1 FROM outbox_event WHERE aggregate_id < 'agg-05' FOR UPDATE`); err != nil {
+		t.Fatal(err)
+	}
+
+	r, tx, cands := lockWindowSetup(t, db, testConfig())
+	s := newShares([]chan struct{}{make(chan struct{}, 1)})
+	s.split(cands, 0, 0, 0, 0)
+
+	plain, _ := s.take(0, 5, 0, 0)
+	runs, _, err := r.lockWindow(ctx, tx.Conn(), plain, 5, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(runs) != 0 {
+		t.Errorf("without spares the claim locked %d heads, want none: the five it needs are held", len(runs))
+	}
+
+	s.split(cands, 0, 0, 0, 0)
+	spared, gen := s.take(0, 5, 0, spareHeads)
+	runs, rest, err := r.lockWindow(ctx, tx.Conn(), spared, 5, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(runs) != 5 || runs[0][0].AggregateID != "agg-05" {
+		t.Fatalf("with spares the claim locked %d heads, want five from agg-05 on", len(runs))
+	}
+	s.giveBack(0, gen, rest)
+	if next, _ := s.take(0, 1, 0, 0); len(rest) != 5 || len(next) != 1 || next[0].head.key.id != "agg-10" {
+		t.Errorf("%d spares given back, and the next claim starts at %v; want five, from agg-10", len(rest), next)
 	}
 }

@@ -24,6 +24,16 @@ func (r *Relay) slowSink() bool {
 	return time.Duration(r.latency.Load()) > r.cfg.DetachAfter
 }
 
+// spares is how many spare heads per head a claim from a share offers
+// (spareHeads): only with a sink slower than a tenth of detach_after,
+// where publishing, not claiming, bounds the drain.
+func (r *Relay) spares() int {
+	if time.Duration(r.latency.Load()) > r.cfg.DetachAfter/10 {
+		return spareHeads
+	}
+	return 0
+}
+
 // notePublish folds one publish's duration into the moving average. A lost
 // update between concurrent publishers only drops one sample.
 func (r *Relay) notePublish(d time.Duration) {
