@@ -55,9 +55,10 @@ type breaker struct {
 	failed    map[aggregateKey]time.Time // aggregates whose last publish failed as unavailable, and when
 }
 
-// maxTracked bounds failed and suspects: past it, further aggregates are
-// not tracked, and a poison among them holds the breaker open until an
-// aggregate tracked before it publishes.
+// maxTracked bounds failed and suspects. A full failed starts over, so
+// the probes keep skipping the latest failures; past a full suspects, an
+// aggregate is not suspected, and a poison among such aggregates opens the
+// breaker at each of its failures, until probes of others close it again.
 const maxTracked = 4096
 
 func newBreaker(max time.Duration, onOpen func(error), onClose func(time.Duration)) *breaker {
@@ -200,10 +201,11 @@ func (b *breaker) unavailable(ev Event, err error) {
 	if b.failed == nil {
 		b.failed = map[aggregateKey]time.Time{}
 	}
-	if key := (aggregateKey{ev.AggregateType, ev.AggregateID}); len(b.failed) < maxTracked {
-		b.failed[key] = time.Now()
-		b.hasFailed.Store(true)
+	if len(b.failed) >= maxTracked {
+		clear(b.failed)
 	}
+	b.failed[aggregateKey{ev.AggregateType, ev.AggregateID}] = time.Now()
+	b.hasFailed.Store(true)
 	if b.isOpen.Load() {
 		if b.probing {
 			b.probing = false
