@@ -21,11 +21,12 @@ import (
 //
 // A failure that reads as the sink's can still be one aggregate's own: a
 // NATS subject that no stream takes answers "no responders", a receiver
-// that crashes on one payload resets the connection. So the probes skip
-// the aggregates that failed so, and once the sink takes a publish sent
-// after such a failure, the failing aggregate is suspect: its next failure
-// of that kind while the breaker is closed counts toward max_attempts, as
-// any failure of its own does. A suspect that publishes is cleared.
+// that crashes on one payload resets the connection. Probed again and
+// again, such an aggregate would hold the breaker open for good once it is
+// the oldest head. So probes skip the aggregates that failed so since the
+// sink last answered, and the others publish. Such failures still never
+// count toward max_attempts: telling them from a sink that fails most of
+// its calls (flapping, overloaded) would put healthy events at risk.
 
 // probeBackoffBase is the first wait between probes.
 const probeBackoffBase = 100 * time.Millisecond
@@ -40,9 +41,6 @@ type breaker struct {
 	failing   atomic.Bool // alike holds failures since the last answer
 	hasFailed atomic.Bool // failed is not empty
 
-	suspects  sync.Map     // aggregateKey: failed as unavailable, and the sink took a later publish
-	nSuspects atomic.Int64 // entries in suspects
-
 	mu        sync.Mutex
 	openedAt  time.Time
 	cause     string // the failure that opened it, its event's id removed
@@ -55,10 +53,7 @@ type breaker struct {
 	failed    map[aggregateKey]time.Time // aggregates whose last publish failed as unavailable, and when
 }
 
-// maxTracked bounds failed and suspects. A full failed starts over, so
-// the probes keep skipping the latest failures; past a full suspects, an
-// aggregate is not suspected, and a poison among such aggregates opens the
-// breaker at each of its failures, until probes of others close it again.
+// maxTracked bounds failed; a full failed starts over.
 const maxTracked = 4096
 
 func newBreaker(max time.Duration, onOpen func(error), onClose func(time.Duration)) *breaker {
@@ -117,17 +112,12 @@ func (b *breaker) probeClaimedNothing() {
 
 // answered notes that the sink answered a publish of ev sent at sent: it
 // took it (ok), or failed it with a failure of the event's own. Either way
-// it is available, as of sent: the aggregates that failed as unavailable
-// before then become suspects, and an open breaker that opened before then
-// closes. Only a publish it took ends a run of failures alike (sinkWide),
-// and clears ev's aggregate of suspicion.
+// it was available after sent: the aggregates that failed as unavailable
+// before then may be probed again, and an open breaker that opened before
+// then closes. A publish sent before the breaker opened says nothing: its
+// answer can arrive after the outage's first failure. Only a publish the
+// sink took ends a run of failures alike (sinkWide).
 func (b *breaker) answered(ev Event, sent time.Time, ok bool) {
-	key := aggregateKey{ev.AggregateType, ev.AggregateID}
-	if ok && b.nSuspects.Load() > 0 {
-		if _, was := b.suspects.LoadAndDelete(key); was {
-			b.nSuspects.Add(-1)
-		}
-	}
 	if !b.open() && !(ok && b.failing.Load()) && !b.hasFailed.Load() {
 		return
 	}
@@ -137,14 +127,8 @@ func (b *breaker) answered(ev Event, sent time.Time, ok bool) {
 		b.failing.Store(false)
 	}
 	for k, at := range b.failed {
-		if !at.Before(sent) {
-			continue // failed after this was sent: no evidence either way
-		}
-		delete(b.failed, k)
-		if k != key && b.nSuspects.Load() < maxTracked {
-			if _, was := b.suspects.LoadOrStore(k, true); !was {
-				b.nSuspects.Add(1)
-			}
+		if at.Before(sent) {
+			delete(b.failed, k)
 		}
 	}
 	b.hasFailed.Store(len(b.failed) > 0)
@@ -162,36 +146,31 @@ func (b *breaker) answered(ev Event, sent time.Time, ok bool) {
 	b.onClose(openFor)
 }
 
-// suspected reports whether ev's failure as unavailable is its own: the
-// breaker is closed and ev's aggregate is a suspect.
-func (b *breaker) suspected(ev Event) bool {
-	if b.nSuspects.Load() == 0 || b.open() {
-		return false
-	}
-	_, ok := b.suspects.Load(aggregateKey{ev.AggregateType, ev.AggregateID})
-	return ok
-}
-
 // unprobed leaves out of a probe's candidates the aggregates that failed
-// as unavailable since the sink last answered, so that one aggregate's own
-// failure cannot hold the breaker open while others wait. When every
-// candidate failed so, they are all probed again.
+// as unavailable since the sink last answered. None left: every candidate
+// failed so, and the caller looks elsewhere or forgets (forgetFailed).
 func (b *breaker) unprobed(cands []*candidate) []*candidate {
 	if !b.hasFailed.Load() {
 		return cands
 	}
 	b.mu.Lock()
 	defer b.mu.Unlock()
-	rest := make([]*candidate, 0, len(cands))
+	var rest []*candidate
 	for _, c := range cands {
 		if _, failed := b.failed[c.head.key]; !failed {
 			rest = append(rest, c)
 		}
 	}
-	if len(rest) == 0 {
-		return cands
-	}
 	return rest
+}
+
+// forgetFailed lets every aggregate be probed again: none but those that
+// failed is waiting, and one of them may be the first the sink takes.
+func (b *breaker) forgetFailed() {
+	b.mu.Lock()
+	clear(b.failed)
+	b.hasFailed.Store(false)
+	b.mu.Unlock()
 }
 
 // unavailable notes a publish of ev that failed because of the sink. It

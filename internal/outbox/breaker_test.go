@@ -6,11 +6,11 @@ import (
 	"time"
 )
 
-// TestBreakerTellsAPoisonFromAnOutage: a publish sent before the breaker
-// opened does not close it; one sent after does, and makes the aggregate
-// that opened it a suspect, whose next failure is its own until it
-// publishes. Probes leave out the aggregates that just failed.
-func TestBreakerTellsAPoisonFromAnOutage(t *testing.T) {
+// TestBreakerClosesOnlyOnAPublishSentAfterItOpened: an answer to a publish
+// sent before the outage's first failure does not close the breaker; one
+// sent after does. Probes leave out the aggregates that failed as
+// unavailable until the sink answers a publish sent after their failure.
+func TestBreakerClosesOnlyOnAPublishSentAfterItOpened(t *testing.T) {
 	opened, closed := 0, 0
 	b := newBreaker(time.Second, func(error) { opened++ }, func(time.Duration) { closed++ })
 	poison := Event{AggregateType: "order", AggregateID: "poison"}
@@ -28,28 +28,29 @@ func TestBreakerTellsAPoisonFromAnOutage(t *testing.T) {
 	if got := b.unprobed(cands); len(got) != 1 || got[0].head.key.id != "other" {
 		t.Errorf("probe candidates %v, want only the aggregate that did not fail", got)
 	}
-	if got := b.unprobed(cands[:1]); len(got) != 1 {
-		t.Errorf("probe candidates %v, want the failed one again when nothing else waits", got)
+	if got := b.unprobed(cands[:1]); len(got) != 0 {
+		t.Errorf("probe candidates %v, want none when only the failed one waits", got)
 	}
 
 	b.answered(other, sentBefore, true)
 	if !b.open() || closed != 0 {
 		t.Fatal("a publish sent before the breaker opened closed it")
 	}
-	if b.suspected(poison) {
-		t.Error("poison suspected on a publish sent before it failed")
+	if got := b.unprobed(cands); len(got) != 1 {
+		t.Error("an answer to a publish sent before the failure let the failed aggregate be probed again")
 	}
 
 	b.answered(other, time.Now(), true)
 	if b.open() || closed != 1 {
 		t.Fatal("a publish sent after the breaker opened did not close it")
 	}
-	if !b.suspected(poison) || b.suspected(other) {
-		t.Errorf("suspected: poison %v, other %v; want only poison", b.suspected(poison), b.suspected(other))
+	if got := b.unprobed(cands); len(got) != 2 {
+		t.Errorf("probe candidates %v after the sink answered, want both", got)
 	}
 
-	b.answered(poison, time.Now(), true)
-	if b.suspected(poison) {
-		t.Error("poison still suspected after it published")
+	b.unavailable(poison, errors.New("no responders"))
+	b.forgetFailed()
+	if got := b.unprobed(cands); len(got) != 2 {
+		t.Errorf("probe candidates %v after forgetFailed, want both", got)
 	}
 }

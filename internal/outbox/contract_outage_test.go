@@ -227,54 +227,116 @@ func TestContractSinkOutageHoldsEvents(t *testing.T) {
 // TestContractPoisonAggregateStillDeadLetters: an aggregate whose events
 // fail on their own while the sink takes the others still goes DEAD after
 // max_attempts, before, during and after an outage; the others lose
-// nothing. That holds when the failure reads as the sink's (a NATS subject
-// no stream takes answers "no responders"): the sink took other
-// aggregates' publishes sent after it, so it is this aggregate's own.
+// nothing.
 func TestContractPoisonAggregateStillDeadLetters(t *testing.T) {
 	t.Parallel()
-	for name, poisonErr := range map[string]error{
-		"answered 500":      errors.New("500 Internal Server Error: cannot handle this order"),
-		"reads unavailable": outbox.Unavailable(errors.New("nats: no responders available for request")),
-	} {
-		t.Run(name, func(t *testing.T) {
-			t.Parallel()
-			db := pgtest.New(t)
-			sink := newOutageSink(func(e outbox.Event) error {
-				return outbox.Unavailable(errors.New("connection reset by peer"))
-			}, func(e outbox.Event) error {
-				if e.AggregateID == "poison" {
-					return poisonErr
-				}
-				return nil
-			})
-			cfg := outageConfig()
-			cfg.BackoffBase = 50 * time.Millisecond
-			cfg.BackoffMax = 300 * time.Millisecond
-			contractStartRelay(t, db.Pool, sink, cfg, "relay", nil, nil)
+	db := pgtest.New(t)
+	sink := newOutageSink(func(e outbox.Event) error {
+		return outbox.Unavailable(errors.New("connection reset by peer"))
+	}, func(e outbox.Event) error {
+		if e.AggregateID == "poison" {
+			return errors.New("500 Internal Server Error: cannot handle this order")
+		}
+		return nil
+	})
+	cfg := outageConfig()
+	cfg.BackoffBase = 50 * time.Millisecond
+	cfg.BackoffMax = 300 * time.Millisecond
+	contractStartRelay(t, db.Pool, sink, cfg, "relay", nil, nil)
 
-			poison := []string{contractAppend(t, db.Pool, "poison", "order.changed")}
-			var healthy []string
-			for i := range 30 {
-				healthy = append(healthy, contractAppend(t, db.Pool, fmt.Sprintf("ok-%d", i%5), "order.changed"))
-			}
-			sink.down.Store(true)
-			poison = append(poison, contractAppend(t, db.Pool, "poison", "order.changed"))
-			for i := range 30 {
-				healthy = append(healthy, contractAppend(t, db.Pool, fmt.Sprintf("ok-%d", i%5), "order.changed"))
-			}
-			testkit.Eventually(t, 10*time.Second, "probes while down", func() bool { return sink.downCalls.Load() > 3 })
-			sink.down.Store(false)
-			poison = append(poison, contractAppend(t, db.Pool, "poison", "order.changed"))
-			// Behind the poison's newest event: its failures must not hold it.
-			healthy = append(healthy, contractAppend(t, db.Pool, "ok-late", "order.changed"))
-			testkit.Eventually(t, 20*time.Second, "every poison event DEAD", allInStatus(t, db.Pool, poison, outbox.StatusDead))
-			testkit.Eventually(t, 10*time.Second, "every healthy event published", allInStatus(t, db.Pool, healthy, outbox.StatusPublished))
-			for _, id := range poison {
-				if r := contractRowOf(t, db.Pool, id); r.Attempts != cfg.MaxAttempts {
-					t.Errorf("poison event %s: %d attempts, want %d (its own failures only)", id, r.Attempts, cfg.MaxAttempts)
-				}
-			}
-			assertOrdered(t, sink.contractRecordingSink)
-		})
+	poison := []string{contractAppend(t, db.Pool, "poison", "order.changed")}
+	var healthy []string
+	for i := range 30 {
+		healthy = append(healthy, contractAppend(t, db.Pool, fmt.Sprintf("ok-%d", i%5), "order.changed"))
 	}
+	sink.down.Store(true)
+	poison = append(poison, contractAppend(t, db.Pool, "poison", "order.changed"))
+	for i := range 30 {
+		healthy = append(healthy, contractAppend(t, db.Pool, fmt.Sprintf("ok-%d", i%5), "order.changed"))
+	}
+	testkit.Eventually(t, 10*time.Second, "probes while down", func() bool { return sink.downCalls.Load() > 3 })
+	sink.down.Store(false)
+	poison = append(poison, contractAppend(t, db.Pool, "poison", "order.changed"))
+
+	testkit.Eventually(t, 20*time.Second, "every poison event DEAD", allInStatus(t, db.Pool, poison, outbox.StatusDead))
+	testkit.Eventually(t, 10*time.Second, "every healthy event published", allInStatus(t, db.Pool, healthy, outbox.StatusPublished))
+	for _, id := range poison {
+		if r := contractRowOf(t, db.Pool, id); r.Attempts != cfg.MaxAttempts {
+			t.Errorf("poison event %s: %d attempts, want %d (its own failures only)", id, r.Attempts, cfg.MaxAttempts)
+		}
+	}
+	assertOrdered(t, sink.contractRecordingSink)
+}
+
+// TestContractProbesPassAnAggregateTheSinkRefusesAsUnavailable: one
+// aggregate's publishes fail as the sink's would (a NATS subject no
+// stream takes answers "no responders"), and its events fill the window.
+// The breaker opens, and the probes go past that aggregate, behind the
+// window, to another: the others publish, and the refused events wait
+// with their attempts untouched. Probing the oldest head, the relay
+// published nothing more.
+func TestContractProbesPassAnAggregateTheSinkRefusesAsUnavailable(t *testing.T) {
+	t.Parallel()
+	db := pgtest.New(t)
+	sink := newOutageSink(nil, func(e outbox.Event) error {
+		if e.AggregateID == "no-stream" {
+			return outbox.Unavailable(errors.New("nats: no responders available for request"))
+		}
+		return nil
+	})
+	cfg := outageConfig()
+	cfg.BatchSize = 10
+	contractStartRelay(t, db.Pool, sink, cfg, "relay", nil, nil)
+
+	var refused []string
+	for range 40 {
+		refused = append(refused, contractAppend(t, db.Pool, "no-stream", "order.changed"))
+	}
+	var healthy []string
+	for i := range 20 {
+		healthy = append(healthy, contractAppend(t, db.Pool, fmt.Sprintf("ok-%d", i%4), "order.changed"))
+	}
+	testkit.Eventually(t, 20*time.Second, "every other event published", allInStatus(t, db.Pool, healthy, outbox.StatusPublished))
+	for _, id := range refused {
+		if r := contractRowOf(t, db.Pool, id); r.Status == outbox.StatusDead || r.Attempts != 0 {
+			t.Errorf("refused event %s: %s after %d attempts, want it waiting with none spent", id, r.Status, r.Attempts)
+		}
+	}
+	assertOrdered(t, sink.contractRecordingSink)
+}
+
+// TestContractFlappingSinkDeadLettersNothing: a sink that fails four of
+// every five publishes as unavailable, for seconds, costs no event an
+// attempt; everything is published in order once it steadies.
+func TestContractFlappingSinkDeadLettersNothing(t *testing.T) {
+	t.Parallel()
+	db := pgtest.New(t)
+	var calls atomic.Int64
+	sink := newOutageSink(func(e outbox.Event) error {
+		if calls.Add(1)%5 != 0 {
+			return outbox.Unavailable(errors.New("connection reset by peer"))
+		}
+		return nil
+	}, nil)
+	cfg := contractFailureConfig(false) // quick retries: a counted attempt would show
+	cfg.ProbeBackoffMax = 200 * time.Millisecond
+	contractStartRelay(t, db.Pool, sink, cfg, "relay", nil, nil)
+
+	sink.down.Store(true)
+	var ids []string
+	for i := range 60 {
+		ids = append(ids, contractAppend(t, db.Pool, fmt.Sprintf("agg-%d", i%20), "order.changed"))
+	}
+	time.Sleep(4 * time.Second) // the flapping lasts
+	if n := sink.downCalls.Load(); n < 20 {
+		t.Fatalf("%d publishes while the sink flapped, want it tried", n)
+	}
+	sink.down.Store(false)
+	testkit.Eventually(t, 10*time.Second, "every event published", allInStatus(t, db.Pool, ids, outbox.StatusPublished))
+	for _, id := range ids {
+		if r := contractRowOf(t, db.Pool, id); r.Attempts != 1 {
+			t.Errorf("event %s: %d attempts, want 1: a flapping sink must cost none", id, r.Attempts)
+		}
+	}
+	assertOrdered(t, sink.contractRecordingSink)
 }

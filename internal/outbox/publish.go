@@ -263,11 +263,6 @@ func (r *Relay) outcome(ev claimedRow, sent time.Time, err error, skew time.Dura
 	case ev.unreadable != nil:
 		f := r.classify(ev, err) // never reached the sink: says nothing about it
 		return eventOutcome{failed: &f}
-	case IsUnavailable(err) && r.sinkUp.suspected(ev.Event):
-		// The sink takes other aggregates' publishes and keeps failing
-		// this one: the failure is its own.
-		f := r.classify(ev, err)
-		return eventOutcome{failed: &f}
 	case IsUnavailable(err) || (!IsPermanent(err) && r.sinkUp.sinkWide(ev.Event, err)):
 		// Not the event's fault: it waits for the sink, attempts untouched.
 		r.sinkDown(ev.Event, err)

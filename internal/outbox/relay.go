@@ -479,6 +479,15 @@ func (r *Relay) claim(ctx context.Context, st *loopState, limit int) ([][]claime
 	}
 
 	runs, rest, err := r.lockWindow(ctx, conn, cands, n, r.depth(n))
+	if err == nil && st.probe && len(runs) == 0 && len(all) > 0 {
+		// Every due aggregate of the window failed as unavailable since
+		// the sink last answered: probe one behind the window, or, when
+		// there is none, the oldest again.
+		if runs, err = r.lockBehind(ctx, conn, st, nil, 1); err == nil && len(runs) == 0 {
+			r.sinkUp.forgetFailed()
+			runs, _, err = r.lockWindow(ctx, conn, all, 1, 0)
+		}
+	}
 	if err != nil {
 		return nil, 0, err
 	}
@@ -624,10 +633,9 @@ func (r *Relay) lockWindow(ctx context.Context, conn *pgx.Conn, cands []*candida
 	if len(lockedHeads) == want {
 		// Heads are locked oldest first: the statement stopped at the last.
 		last := lockedHeads[len(lockedHeads)-1].Seq
-		for i, c := range cands {
+		for _, c := range cands {
 			if c.head.id > last {
-				rest = cands[i:]
-				break
+				rest = append(rest, c)
 			}
 		}
 	}

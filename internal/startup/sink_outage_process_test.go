@@ -53,8 +53,9 @@ func outageDown(t *testing.T) time.Duration {
 }
 
 // poisonType is the aggregate type of the poison aggregate each outage
-// test sends beside the others: no stream, queue or topic takes its
-// events, which fail on their own while the others publish.
+// test sends beside the others: the broker refuses its events (2 KiB
+// payloads, no queue or topic for them), which fail on their own while
+// the others publish.
 const poisonType = "parcel"
 
 // delivered is one message as the broker holds it.
@@ -105,7 +106,7 @@ func runOutage(t *testing.T, b brokerOutage) {
 	addPoison := func() {
 		var id string
 		if err := db.Pool.QueryRow(t.Context(), `INSERT INTO outbox_event (aggregate_type, aggregate_id, event_type, payload)
-			VALUES ($1, 'p-1', 'order.paid', '{}') RETURNING event_id::text`, poisonType).Scan(&id); err != nil {
+			VALUES ($1, 'p-1', 'order.paid', jsonb_build_object('pad', repeat('x', 2048))) RETURNING event_id::text`, poisonType).Scan(&id); err != nil {
 			t.Fatal(err)
 		}
 		poison = append(poison, id)
@@ -113,7 +114,7 @@ func runOutage(t *testing.T, b brokerOutage) {
 	addPoison()
 	time.Sleep(outageUp) // events flow at a steady rate: the outage must hit traffic
 	upLine := fmt.Sprintf("outbox_sink_up{sink=%q} ", b.sink)
-	testkit.Eventually(t, 10*time.Second, "the first poison event DEAD before the outage", func() bool {
+	testkit.Eventually(t, 40*time.Second, "the first poison event DEAD before the outage", func() bool {
 		return eventStatus(t, db, poison[0]) == "DEAD"
 	})
 	if v := metricLine(p, upLine); v != "1" {
@@ -180,7 +181,7 @@ func runOutage(t *testing.T, b brokerOutage) {
 		}
 		rows.Close()
 	}
-	testkit.Eventually(t, 20*time.Second, "every poison event DEAD", func() bool {
+	testkit.Eventually(t, 40*time.Second, "every poison event DEAD", func() bool {
 		return eventStatus(t, db, poison[1]) == "DEAD" && eventStatus(t, db, poison[2]) == "DEAD"
 	})
 	for _, id := range poison {
@@ -192,10 +193,18 @@ func runOutage(t *testing.T, b brokerOutage) {
 			t.Errorf("poison event %s DEAD after %d attempts, want %d", id, attempts, b.poisonAttempts)
 		}
 	}
-	// A poison whose failure reads as the sink's opens the breaker once,
-	// until the sink takes another aggregate's publish.
-	if n := strings.Count(p.out.String(), `"msg":"outbox sink unavailable; claiming stops`); n < 1 || n > 2 {
-		t.Errorf("%d warnings that the sink is unavailable, want one for the one outage and at most one for the poison", n)
+	// franz-go can fail a record whose topic it has no metadata for yet
+	// as timed out, without naming the missing topic: the poison's own
+	// failure then reads as the broker's, and opens the breaker until a
+	// probe of another aggregate closes it. Those openings name its topic.
+	opens := 0
+	for line := range strings.SplitSeq(p.out.String(), "\n") {
+		if strings.Contains(line, `"msg":"outbox sink unavailable; claiming stops`) && !strings.Contains(line, " to "+poisonType+":") {
+			opens++
+		}
+	}
+	if opens != 1 {
+		t.Errorf("%d warnings that the sink is unavailable, want one for the one outage", opens)
 	}
 	if v := metricLine(p, upLine); v != "1" {
 		t.Errorf("%s%s after the outage, want 1", upLine, v)
@@ -289,16 +298,15 @@ func metricLine(p *proc, prefix string) string {
 // A nats-server stopped and started again on the same store directory
 // while events flow: none is lost, reordered or dead-lettered, and the
 // stream deduplicates what the relay had to send again. The stream takes
-// only the order aggregates' subjects: the poison's publishes answer "no
-// responders", which reads as the server's failure, but the server takes
-// the others.
+// messages of at most 1 KiB: it refuses the poison's for good.
 func TestNATSOutage(t *testing.T) {
 	t.Parallel()
 	store := t.TempDir()
 	srv := startNATS(t, server.RANDOM_PORT, store)
 	port := srv.Addr().(*net.TCPAddr).Port
 	if _, err := jetStreamClient(t, srv.ClientURL()).CreateStream(t.Context(), jetstream.StreamConfig{
-		Name: "OUTBOX", Subjects: []string{"outbox.order.*"}, Storage: jetstream.FileStorage, Duplicates: 2 * time.Minute,
+		Name: "OUTBOX", Subjects: []string{"outbox.*.*"}, Storage: jetstream.FileStorage, Duplicates: 2 * time.Minute,
+		MaxMsgSize: 1024,
 	}); err != nil {
 		t.Fatal(err)
 	}
@@ -313,7 +321,7 @@ func TestNATSOutage(t *testing.T) {
 		down:           func(*testing.T) { srv.Shutdown(); srv.WaitForShutdown() },
 		up:             func(t *testing.T) { srv = startNATS(t, port, store) },
 		read:           func(t *testing.T) []delivered { return readStream(t, srv.ClientURL(), "OUTBOX") },
-		poisonAttempts: 3,
+		poisonAttempts: 1,
 	})
 }
 
