@@ -110,14 +110,14 @@ func (b *breaker) probeClaimedNothing() {
 	}
 }
 
-// answered notes that the sink answered a publish of ev sent at sent: it
-// took it (ok), or failed it with a failure of the event's own. Either way
+// answered notes that the sink answered a publish sent at sent: it took
+// it (ok), or failed it with a failure of the event's own. Either way
 // it was available after sent: the aggregates that failed as unavailable
 // before then may be probed again, and an open breaker that opened before
 // then closes. A publish sent before the breaker opened says nothing: its
 // answer can arrive after the outage's first failure. Only a publish the
 // sink took ends a run of failures alike (sinkWide).
-func (b *breaker) answered(ev Event, sent time.Time, ok bool) {
+func (b *breaker) answered(sent time.Time, ok bool) {
 	if !b.open() && !(ok && b.failing.Load()) && !b.hasFailed.Load() {
 		return
 	}

@@ -14,7 +14,6 @@ func TestBreakerClosesOnlyOnAPublishSentAfterItOpened(t *testing.T) {
 	opened, closed := 0, 0
 	b := newBreaker(time.Second, func(error) { opened++ }, func(time.Duration) { closed++ })
 	poison := Event{AggregateType: "order", AggregateID: "poison"}
-	other := Event{AggregateType: "order", AggregateID: "other"}
 	cands := []*candidate{
 		{head: windowRow{key: aggregateKey{"order", "poison"}}},
 		{head: windowRow{key: aggregateKey{"order", "other"}}},
@@ -32,7 +31,7 @@ func TestBreakerClosesOnlyOnAPublishSentAfterItOpened(t *testing.T) {
 		t.Errorf("probe candidates %v, want none when only the failed one waits", got)
 	}
 
-	b.answered(other, sentBefore, true)
+	b.answered(sentBefore, true)
 	if !b.open() || closed != 0 {
 		t.Fatal("a publish sent before the breaker opened closed it")
 	}
@@ -40,7 +39,7 @@ func TestBreakerClosesOnlyOnAPublishSentAfterItOpened(t *testing.T) {
 		t.Error("an answer to a publish sent before the failure let the failed aggregate be probed again")
 	}
 
-	b.answered(other, time.Now(), true)
+	b.answered(time.Now(), true)
 	if b.open() || closed != 1 {
 		t.Fatal("a publish sent after the breaker opened did not close it")
 	}

@@ -256,7 +256,7 @@ type eventOutcome struct {
 func (r *Relay) outcome(ev claimedRow, sent time.Time, err error, skew time.Duration) eventOutcome {
 	switch {
 	case err == nil:
-		r.sinkUp.answered(ev.Event, sent, true)
+		r.sinkUp.answered(sent, true)
 		return eventOutcome{at: time.Now().Add(skew)}
 	case r.hardCtx.Err() != nil:
 		return eventOutcome{handBack: true}
@@ -268,7 +268,7 @@ func (r *Relay) outcome(ev claimedRow, sent time.Time, err error, skew time.Dura
 		r.sinkDown(ev.Event, err)
 		return eventOutcome{handBack: true}
 	default:
-		r.sinkUp.answered(ev.Event, sent, false)
+		r.sinkUp.answered(sent, false)
 		f := r.classify(ev, err)
 		return eventOutcome{failed: &f}
 	}
