@@ -57,7 +57,7 @@ type breaker struct {
 const maxTracked = 4096
 
 func newBreaker(max time.Duration, onOpen func(error), onClose func(time.Duration)) *breaker {
-	return &breaker{max: max, onOpen: onOpen, onClose: onClose, changed: make(chan struct{})}
+	return &breaker{max: max, onOpen: onOpen, onClose: onClose, changed: make(chan struct{}), failed: map[aggregateKey]time.Time{}}
 }
 
 // open reports whether the breaker is open.
@@ -177,9 +177,6 @@ func (b *breaker) forgetFailed() {
 // opens the breaker, or schedules the next probe if this was one.
 func (b *breaker) unavailable(ev Event, err error) {
 	b.mu.Lock()
-	if b.failed == nil {
-		b.failed = map[aggregateKey]time.Time{}
-	}
 	if len(b.failed) >= maxTracked {
 		clear(b.failed)
 	}

@@ -27,15 +27,14 @@ type shares struct {
 	wake  []chan struct{} // the loops' wake-up channels, by share
 	mu    sync.Mutex
 	queue [][]*candidate              // per loop: candidates not taken yet, oldest head first
-	gen   []uint64                    // per loop: bumped when a window replaces its queue
+	gen   uint64                      // bumped when a window replaces the queues
 	held  []map[aggregateKey]struct{} // per loop: the aggregates its current batch holds
 }
 
 func newShares(wake []chan struct{}) *shares {
 	return &shares{
 		seed: maphash.MakeSeed(), wake: wake,
-		queue: make([][]*candidate, len(wake)), gen: make([]uint64, len(wake)),
-		held: make([]map[aggregateKey]struct{}, len(wake)),
+		queue: make([][]*candidate, len(wake)), held: make([]map[aggregateKey]struct{}, len(wake)),
 	}
 }
 
@@ -90,9 +89,7 @@ func (s *shares) split(cands []*candidate, loop, n, depth, spare int) ([]*candid
 		}
 	}
 	s.queue = queue
-	for k := range s.gen {
-		s.gen[k]++
-	}
+	s.gen++
 	s.mu.Unlock()
 	for _, k := range found {
 		wake(s.wake[k])
@@ -122,10 +119,10 @@ func (s *shares) take(loop, n, depth, spare int) ([]*candidate, uint64) {
 		i++
 	}
 	if i == 0 {
-		return nil, s.gen[loop]
+		return nil, s.gen
 	}
 	s.queue[loop] = q[i:]
-	return q[:i:i], s.gen[loop]
+	return q[:i:i], s.gen
 }
 
 // spareHeads is how many heads a claim from a share offers the lock
@@ -148,7 +145,7 @@ func (s *shares) giveBack(loop int, gen uint64, rest []*candidate) {
 	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	if s.gen[loop] == gen {
+	if s.gen == gen {
 		s.queue[loop] = append(rest[:len(rest):len(rest)], s.queue[loop]...)
 	}
 }
