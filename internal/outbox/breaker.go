@@ -99,9 +99,10 @@ func (b *breaker) admit(ctx context.Context) (probe, ok bool) {
 	}
 }
 
-// probeClaimedNothing ends a probe that found no event to publish. The
-// next loop that finds work probes with it.
-func (b *breaker) probeClaimedNothing() {
+// probeEnded ends a probe that the sink did not judge: it found no event
+// to publish, or its event was unreadable and never reached the sink. The
+// next loop that finds work probes.
+func (b *breaker) probeEnded() {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	if b.probing {
@@ -174,8 +175,11 @@ func (b *breaker) forgetFailed() {
 }
 
 // unavailable notes a publish of ev that failed because of the sink. It
-// opens the breaker, or schedules the next probe if this was one.
-func (b *breaker) unavailable(ev Event, err error) {
+// opens the breaker, or schedules the next probe if this was the probe.
+// Any other publish failing while the breaker is open (one sent before it
+// opened, or detached) leaves the probe in flight alone: ending it would
+// let a second loop probe at the same time.
+func (b *breaker) unavailable(ev Event, err error, probe bool) {
 	b.mu.Lock()
 	if len(b.failed) >= maxTracked {
 		clear(b.failed)
@@ -183,7 +187,7 @@ func (b *breaker) unavailable(ev Event, err error) {
 	b.failed[aggregateKey{ev.AggregateType, ev.AggregateID}] = time.Now()
 	b.hasFailed.Store(true)
 	if b.isOpen.Load() {
-		if b.probing {
+		if probe && b.probing {
 			b.probing = false
 			b.probes++
 			b.nextProbe = time.Now().Add(obs.FullJitter(probeBackoffBase, b.max, b.probes+1))
@@ -246,9 +250,9 @@ const minSinkWide = 3
 
 // sinkDown accounts for a publish of ev that failed because the sink is
 // unavailable: counted, never logged per event, and it opens the breaker.
-func (r *Relay) sinkDown(ev Event, err error) {
+func (r *Relay) sinkDown(ev Event, err error, probe bool) {
 	r.m.failures.WithLabelValues(r.m.eventType(ev.EventType), kindUnavailable).Inc()
-	r.sinkUp.unavailable(ev, err)
+	r.sinkUp.unavailable(ev, err, probe)
 }
 
 // sinkWideFailure turns into hand-backs the failures of a batch that are

@@ -1,6 +1,7 @@
 package outbox
 
 import (
+	"context"
 	"errors"
 	"testing"
 	"time"
@@ -20,7 +21,7 @@ func TestBreakerClosesOnlyOnAPublishSentAfterItOpened(t *testing.T) {
 	}
 
 	sentBefore := time.Now()
-	b.unavailable(poison, errors.New("no responders"))
+	b.unavailable(poison, errors.New("no responders"), false)
 	if !b.open() || opened != 1 {
 		t.Fatalf("open %v after %d openings, want open after 1", b.open(), opened)
 	}
@@ -47,9 +48,42 @@ func TestBreakerClosesOnlyOnAPublishSentAfterItOpened(t *testing.T) {
 		t.Errorf("probe candidates %v after the sink answered, want both", got)
 	}
 
-	b.unavailable(poison, errors.New("no responders"))
+	b.unavailable(poison, errors.New("no responders"), false)
 	b.forgetFailed()
 	if got := b.unprobed(cands); len(got) != 2 {
 		t.Errorf("probe candidates %v after forgetFailed, want both", got)
+	}
+}
+
+// TestBreakerKeepsOneProbeWhileOthersFail: a publish that was not the
+// probe (sent before the breaker opened, or detached) failing while the
+// probe is in flight does not let a second loop probe; the probe's own
+// failure, or its ending unjudged, does.
+func TestBreakerKeepsOneProbeWhileOthersFail(t *testing.T) {
+	b := newBreaker(time.Millisecond, func(error) {}, func(time.Duration) {})
+	ev := Event{AggregateType: "order", AggregateID: "a"}
+	down := errors.New("connection refused")
+	b.unavailable(ev, down, false)
+
+	admit := func() bool {
+		ctx, cancel := context.WithTimeout(context.Background(), 200*time.Millisecond)
+		defer cancel()
+		probe, ok := b.admit(ctx)
+		return probe && ok
+	}
+	if !admit() {
+		t.Fatal("no probe admitted after the breaker opened")
+	}
+	b.unavailable(Event{AggregateType: "order", AggregateID: "b"}, down, false)
+	if admit() {
+		t.Fatal("a second probe was admitted while the first was in flight")
+	}
+	b.unavailable(ev, down, true)
+	if !admit() {
+		t.Fatal("no probe admitted after the probe failed")
+	}
+	b.probeEnded()
+	if !admit() {
+		t.Fatal("no probe admitted after a probe ended unjudged")
 	}
 }

@@ -11,6 +11,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/prometheus/client_golang/prometheus"
 
@@ -339,4 +340,51 @@ func TestContractFlappingSinkDeadLettersNothing(t *testing.T) {
 		}
 	}
 	assertOrdered(t, sink.contractRecordingSink)
+}
+
+// TestContractProbeOfAnUnreadableRowEndsTheProbe: while the breaker is
+// open, a probe can claim a row the relay cannot read. It goes DEAD
+// without reaching the sink, which says nothing about the sink, so the
+// next probe must follow. Before, that probe never ended: the loops waited
+// for it for an hour, and nothing that waited for the sink was published
+// after its return.
+func TestContractProbeOfAnUnreadableRowEndsTheProbe(t *testing.T) {
+	t.Parallel()
+	db := pgtest.New(t)
+	var ids []string
+	for i := range 5 {
+		ids = append(ids, contractAppend(t, db.Pool, fmt.Sprintf("agg-%d", i), "order.changed"))
+	}
+	sink := newOutageSink(func(e outbox.Event) error {
+		return outbox.Unavailable(fmt.Errorf("event %s: 503 Service Unavailable", e.EventID))
+	}, nil)
+	sink.down.Store(true)
+	reg := prometheus.NewRegistry()
+	contractStartRelay(t, db.Pool, sink, outageConfig(), "relay", contractTestLogger(t), reg)
+	testkit.Eventually(t, 10*time.Second, "the breaker to open", func() bool {
+		v, _ := testkit.Metric(t, reg, "outbox_sink_up", map[string]string{"sink": "contract-recorder"})
+		return v == 0
+	})
+	// Rows written before 00082 may have the zero occurred_at, and a row
+	// that failed before is exempt from the producer rules. The relay
+	// cannot publish it; the next probe takes it, since it is the only
+	// aggregate that has not failed as unavailable.
+	err := pgx.BeginFunc(t.Context(), db.Pool, func(tx pgx.Tx) error {
+		if _, err := tx.Exec(t.Context(), `INSERT INTO outbox_event (aggregate_type, aggregate_id, event_type, payload) VALUES ('order', 'unreadable', 'x', '{}')`); err != nil {
+			return err
+		}
+		_, err := tx.Exec(t.Context(), `UPDATE outbox_event SET attempts = 1, occurred_at = '0001-01-01 00:00:00+00' WHERE aggregate_id = 'unreadable'`)
+		return err
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	testkit.Eventually(t, 10*time.Second, "a probe to dead-letter the unreadable row", func() bool {
+		return contractCountStatus(t, db.Pool, outbox.StatusDead) == 1
+	})
+	if v, _ := testkit.Metric(t, reg, "outbox_sink_up", map[string]string{"sink": "contract-recorder"}); v != 0 {
+		t.Fatal("the breaker closed without the sink taking an event")
+	}
+	sink.down.Store(false)
+	testkit.Eventually(t, 5*time.Second, "the events that waited to be published", allInStatus(t, db.Pool, ids, outbox.StatusPublished))
 }

@@ -121,7 +121,7 @@ func (r *Relay) work(ctx context.Context, b *batch, skew time.Duration) {
 				err = r.sink.Publish(ctx, ev.Event)
 				r.notePublish(time.Since(start))
 			}
-			o := r.outcome(*ev, start, err, skew)
+			o := r.outcome(*ev, start, err, skew, b.probe)
 			<-r.slots
 			if b.end(run, o) {
 				r.complete(b, ev, o)
@@ -252,8 +252,9 @@ type eventOutcome struct {
 	handBack bool // cancelled by a hard stop: not the sink's fault
 }
 
-// outcome classifies the publish of ev sent at sent.
-func (r *Relay) outcome(ev claimedRow, sent time.Time, err error, skew time.Duration) eventOutcome {
+// outcome classifies the publish of ev sent at sent; probe says it was the
+// probe of an open breaker.
+func (r *Relay) outcome(ev claimedRow, sent time.Time, err error, skew time.Duration, probe bool) eventOutcome {
 	switch {
 	case err == nil:
 		r.sinkUp.answered(sent, true)
@@ -262,10 +263,13 @@ func (r *Relay) outcome(ev claimedRow, sent time.Time, err error, skew time.Dura
 		return eventOutcome{handBack: true}
 	case ev.unreadable != nil:
 		f := r.classify(ev, err) // never reached the sink: says nothing about it
+		if probe {
+			r.sinkUp.probeEnded()
+		}
 		return eventOutcome{failed: &f}
 	case IsUnavailable(err) || (!IsPermanent(err) && r.sinkUp.sinkWide(ev.Event, err)):
 		// Not the event's fault: it waits for the sink, attempts untouched.
-		r.sinkDown(ev.Event, err)
+		r.sinkDown(ev.Event, err, probe)
 		return eventOutcome{handBack: true}
 	default:
 		r.sinkUp.answered(sent, false)

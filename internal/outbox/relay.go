@@ -223,7 +223,7 @@ func (r *Relay) loop(i int) {
 		}
 		n, err := r.runBatch(r.claimCtx, &st, probe)
 		if probe && n == 0 {
-			r.sinkUp.probeClaimedNothing()
+			r.sinkUp.probeEnded()
 		}
 		if err != nil && r.claimCtx.Err() == nil {
 			failures++
