@@ -33,11 +33,20 @@ type batch struct {
 	allStarted chan struct{}
 	token      string        // claimed_by of the events this batch detaches
 	cutCh      chan struct{} // closed when the batch is cut: nothing new starts
+	// more, when not nil, lets a run that published all its events ask the
+	// loop for its aggregate's next ones (extend.go). A token: asked is not
+	// empty.
+	more    chan struct{}
+	cutAt   time.Time     // when detach_after cuts the batch
+	latency time.Duration // the sink's, when the batch started
 
-	mu   sync.Mutex
-	next int // the next run a worker takes
-	cut  bool
-	out  outcomes
+	mu        sync.Mutex
+	idle      *sync.Cond // signalled when a run is added or the batch is cut
+	next      int        // the next run a worker takes
+	asked     []*runState
+	extending int // runs asked for or being extended: workers wait for them
+	cut       bool
+	out       outcomes
 }
 
 // runState is the progress of one run.
@@ -55,7 +64,7 @@ type runState struct {
 // it must not overtake the failed event. It returns the outcomes to commit
 // once every publish finished, or after detach_after with the outstanding
 // ones detached.
-func (r *Relay) publish(runs [][]claimedRow, claimedAt time.Time, skew time.Duration, probe bool, reserved int) *outcomes {
+func (r *Relay) publish(conn *pgx.Conn, runs [][]claimedRow, claimedAt time.Time, skew time.Duration, probe bool, reserved int) *outcomes {
 	b := &batch{
 		probe:    probe,
 		reserved: reserved,
@@ -67,8 +76,14 @@ func (r *Relay) publish(runs [][]claimedRow, claimedAt time.Time, skew time.Dura
 		b.runs = append(b.runs, &runState{events: run})
 		b.events += len(run)
 	}
+	b.idle = sync.NewCond(&b.mu)
 	if reserved > 0 {
 		b.allStarted = make(chan struct{})
+	}
+	if !probe && reserved == 0 && r.sinkBound() {
+		b.more = make(chan struct{}, 1)
+		b.cutAt = time.Now().Add(r.cfg.DetachAfter)
+		b.latency = time.Duration(r.latency.Load())
 	}
 	// A detached publish must end before its visibility deadline
 	// (in_flight_timeout after the batch commits) lets another relay
@@ -92,10 +107,17 @@ func (r *Relay) publish(runs [][]claimedRow, claimedAt time.Time, skew time.Dura
 	}()
 	t := time.NewTimer(r.cfg.DetachAfter)
 	defer t.Stop()
-	select {
-	case <-done:
-	case <-t.C:
-	case <-b.allStarted: // nil unless pipelining for a slow sink
+	for waiting := true; waiting; {
+		select {
+		case <-done:
+			waiting = false
+		case <-t.C:
+			waiting = false
+		case <-b.allStarted: // nil unless pipelining for a slow sink
+			waiting = false
+		case <-b.more: // nil unless runs may be extended
+			r.extend(conn, b)
+		}
 	}
 	return b.cutOff(r)
 }
@@ -151,10 +173,14 @@ func (b *batch) useReserved() bool {
 	return true
 }
 
-// take returns the next run nobody works on, or nil.
+// take returns the next run nobody works on, or nil. While runs wait to
+// be extended, it waits for them.
 func (b *batch) take() *runState {
 	b.mu.Lock()
 	defer b.mu.Unlock()
+	for !b.cut && b.next == len(b.runs) && b.extending > 0 {
+		b.idle.Wait()
+	}
 	if b.cut || b.next == len(b.runs) {
 		return nil
 	}
@@ -169,6 +195,9 @@ func (b *batch) begin(run *runState, stop bool) *claimedRow {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	if run.over || run.pos == len(run.events) {
+		if !run.over && !stop {
+			b.askMore(run)
+		}
 		run.over = true
 		return nil
 	}
@@ -226,6 +255,7 @@ func (b *batch) cutOff(r *Relay) *outcomes {
 	defer b.mu.Unlock()
 	b.cut = true
 	close(b.cutCh)
+	b.idle.Broadcast()
 	r.releaseSlots(b.reserved)
 	b.reserved = 0
 	for _, run := range b.runs {

@@ -49,6 +49,7 @@ type Relay struct {
 	log        *slog.Logger
 	m          *metrics
 	lockSQL    string
+	extendSQL  string
 
 	wake   []chan struct{} // one per loop; a token means "look again"
 	shares *shares         // splits windows between the loops; nil with one loop
@@ -105,6 +106,7 @@ func NewRelay(pool *pgxpool.Pool, sink Sink, cfg Config, instanceID string, log 
 		log:        log.With("job", RelayJobName, "sink", sink.Name()),
 		m:          m,
 		lockSQL:    lockSQL(cfg.BlockOnDead),
+		extendSQL:  extendSQL(cfg.BlockOnDead),
 		wake:       make([]chan struct{}, cfg.Relays),
 		slots:      make(chan struct{}, cfg.MaxInFlight),
 		stopped:    make(chan struct{}),
@@ -372,13 +374,13 @@ func (r *Relay) runBatch(ctx context.Context, st *loopState, probe bool) (int, e
 	if ts, ok := r.sink.(TxSink); ok {
 		out = r.publishTx(ts, st.conn.Conn(), runs, skew)
 	} else {
-		out = r.publish(runs, claimedAt, skew, probe, reserved)
+		out = r.publish(st.conn.Conn(), runs, claimedAt, skew, probe, reserved)
 		r.sinkWideFailure(out)
 		if limit == 0 {
 			st.size = r.nextSize(st.size, out)
 		}
 	}
-	out.claimed = n
+	out.claimed += n // the runs extended meanwhile counted theirs
 	st.pending = out
 	if r.claimCtx.Err() != nil {
 		r.settle(st) // stopping: commit now, there is no next claim
@@ -396,8 +398,11 @@ func (r *Relay) claim(ctx context.Context, st *loopState, limit int) ([][]claime
 		st.size = r.cfg.BatchSize
 	}
 	n := st.size
-	if limit > 0 {
+	switch {
+	case limit > 0:
 		n = limit
+	case r.sinkBound():
+		n = r.sinkBoundClaim()
 	}
 	st.window = max(st.window, r.minWindow())
 	// A share left from a sibling's window needs no window of its own. A
@@ -589,9 +594,13 @@ func (r *Relay) nextSize(size int, out *outcomes) int {
 // depth is the longest run of one aggregate a claim of n events takes: n
 // spread over max_in_flight aggregates once n is below batch_size. An
 // aggregate's events are published one after another, so a slow sink gets
-// through a batch faster as many short runs than as a few long ones.
+// through a batch faster as many short runs than as a few long ones. With
+// a sink-bound relay, what one slot publishes before detach_after (runLen).
 // Zero: no bound.
 func (r *Relay) depth(n int) int {
+	if r.sinkBound() {
+		return r.runLen()
+	}
 	if n >= r.cfg.BatchSize {
 		return 0
 	}

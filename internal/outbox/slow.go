@@ -24,11 +24,42 @@ func (r *Relay) slowSink() bool {
 	return time.Duration(r.latency.Load()) > r.cfg.DetachAfter
 }
 
+// A sink slower than a tenth of detach_after (sinkBound) is what bounds the
+// drain, not the claims: a batch then gets through a few events per
+// aggregate before detach_after, and every aggregate the relay does not
+// hold is a publish slot's worth of rate lost. Sized for a fast sink
+// (batch_size events, runs as long as the window shows), a claim took a
+// few aggregates with runs longer than detach_after allows, which were cut
+// and handed back: one replica over 200 aggregates drained a 20 ms sink at
+// 0.77 of max_in_flight / latency, three replicas of one loop at 0.67. So
+// a sink-bound loop claims one run per publish slot of its share of
+// max_in_flight, each run as long as a slot publishes before detach_after
+// (runLen), and runs that end early are extended while the batch has time
+// (extend.go).
+
+// sinkBound reports whether the sink's publishes take longer than a tenth
+// of detach_after, on average.
+func (r *Relay) sinkBound() bool {
+	return time.Duration(r.latency.Load()) > r.cfg.DetachAfter/10
+}
+
+// runLen is how many events one publish slot gets through before
+// detach_after cuts the batch, at least one.
+func (r *Relay) runLen() int {
+	return max(1, int(r.cfg.DetachAfter/max(time.Duration(r.latency.Load()), time.Microsecond)))
+}
+
+// sinkBoundClaim is how many events a sink-bound loop claims: a run for
+// each slot of its share of max_in_flight, at most batch_size.
+func (r *Relay) sinkBoundClaim() int {
+	slots := (r.cfg.MaxInFlight + r.cfg.Relays - 1) / r.cfg.Relays
+	return min(r.cfg.BatchSize, slots*r.runLen())
+}
+
 // spares is how many spare heads per head a claim from a share offers
-// (spareHeads): only with a sink slower than a tenth of detach_after,
-// where publishing, not claiming, bounds the drain.
+// (spareHeads): only when the relay is sink-bound.
 func (r *Relay) spares() int {
-	if time.Duration(r.latency.Load()) > r.cfg.DetachAfter/10 {
+	if r.sinkBound() {
 		return spareHeads
 	}
 	return 0

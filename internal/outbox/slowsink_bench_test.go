@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"os"
 	"slices"
+	"strconv"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -17,17 +18,21 @@ import (
 	"github.com/worker-dev/worker/internal/pgtest"
 )
 
-var slowLatencies = flag.String("latencies", "20ms,150ms,400ms,1s", "BenchmarkRelaySlowSink: the sink latencies, comma-separated")
+var (
+	slowLatencies       = flag.String("latencies", "20ms,150ms,400ms,1s", "BenchmarkRelaySlowSink: the sink latencies, comma-separated")
+	slowAggregateCounts = flag.String("aggregates", "200,2000", "BenchmarkRelaySlowSink: the backlogs' numbers of aggregates, comma-separated")
+)
 
 // BenchmarkRelaySlowSink drains backlogs through a sink that answers every
 // publish after a fixed latency L, with 1 replica of 1 loop and with 3
 // replicas of 2 loops (relays in this process, a pool each), over 200 and
-// 2,000 aggregates, the backlog committed in 1 transaction and in 10. It prints events/s min / median /
+// 2,000 aggregates (-aggregates), the backlog committed in 1 transaction
+// and in 10. It prints events/s min / median /
 // max over -rounds and the median ratio to the most any relay could do:
 // min(max_in_flight x replicas, aggregates) / L, since one aggregate's
 // events go one at a time.
 //
-//	go test -run '^$' -bench RelaySlowSink -timeout 30m ./internal/outbox [-args -latencies=20ms,50ms -rounds=3]
+//	go test -run '^$' -bench RelaySlowSink -timeout 30m ./internal/outbox [-args -latencies=20ms,50ms -aggregates=10,10000 -rounds=3]
 func BenchmarkRelaySlowSink(b *testing.B) {
 	type shape struct {
 		latency         time.Duration
@@ -43,9 +48,17 @@ func BenchmarkRelaySlowSink(b *testing.B) {
 		}
 		latencies = append(latencies, l)
 	}
+	var aggregates []int
+	for f := range strings.SplitSeq(*slowAggregateCounts, ",") {
+		n, err := strconv.Atoi(f)
+		if err != nil || n < 1 {
+			b.Fatalf("-aggregates: %q is not a positive number", f)
+		}
+		aggregates = append(aggregates, n)
+	}
 	for _, l := range latencies {
 		for _, rl := range [][2]int{{1, 1}, {3, 2}} {
-			for _, aggs := range []int{200, 2000} {
+			for _, aggs := range aggregates {
 				for _, txs := range []int{1, 10} {
 					shapes = append(shapes, shape{l, rl[0], rl[1], aggs, txs})
 				}

@@ -252,6 +252,8 @@ type windowRow struct {
 
 type aggregateKey struct{ typ, id string }
 
+func (r claimedRow) key() aggregateKey { return aggregateKey{r.AggregateType, r.AggregateID} }
+
 // candidate is an aggregate found in the window: its head and the rest of
 // its due events there, in order.
 type candidate struct {
