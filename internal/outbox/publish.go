@@ -43,7 +43,7 @@ type batch struct {
 	mu        sync.Mutex
 	idle      *sync.Cond // signalled when a run is added or the batch is cut
 	next      int        // the next run a worker takes
-	asked     []*runState
+	asked     []*runState // runs that published all their events and ask for more (askMore)
 	extending int // runs asked for or being extended: workers wait for them
 	cut       bool
 	out       outcomes
