@@ -41,10 +41,10 @@ type batch struct {
 	latency time.Duration // the sink's, when the batch started
 
 	mu        sync.Mutex
-	idle      *sync.Cond // signalled when a run is added or the batch is cut
-	next      int        // the next run a worker takes
+	idle      *sync.Cond  // signalled when a run is added or the batch is cut
+	next      int         // the next run a worker takes
 	asked     []*runState // runs that published all their events and ask for more (askMore)
-	extending int // runs asked for or being extended: workers wait for them
+	extending int         // runs asked for or being extended: workers wait for them
 	cut       bool
 	out       outcomes
 }
