@@ -184,7 +184,7 @@ func (b *breaker) unavailable(ev Event, err error, probe bool) {
 	if len(b.failed) >= maxTracked {
 		clear(b.failed)
 	}
-	b.failed[aggregateKey{ev.AggregateType, ev.AggregateID}] = time.Now()
+	b.failed[ev.key()] = time.Now()
 	b.hasFailed.Store(true)
 	if b.isOpen.Load() {
 		if probe && b.probing {
@@ -221,7 +221,7 @@ func (b *breaker) sinkWide(ev Event, err error) bool {
 	if text != b.likeText {
 		b.alike, b.likeText = map[aggregateKey]bool{}, text
 	}
-	b.alike[aggregateKey{ev.AggregateType, ev.AggregateID}] = true
+	b.alike[ev.key()] = true
 	b.failing.Store(true)
 	return len(b.alike) >= minSinkWide
 }

@@ -37,8 +37,8 @@ type batch struct {
 	// loop for its aggregate's next ones (extend.go). A token: asked is not
 	// empty.
 	more    chan struct{}
-	cutAt   time.Time     // when detach_after cuts the batch
 	latency time.Duration // the sink's, when the batch started
+	cutAt   time.Time     // when detach_after cuts the batch
 
 	mu        sync.Mutex
 	idle      *sync.Cond  // signalled when a run is added or the batch is cut
@@ -70,6 +70,7 @@ func (r *Relay) publish(conn *pgx.Conn, runs [][]claimedRow, claimedAt time.Time
 		reserved: reserved,
 		token:    fmt.Sprintf("%s/%016x", r.instanceID, rand.Uint64()),
 		cutCh:    make(chan struct{}),
+		cutAt:    time.Now().Add(r.cfg.DetachAfter),
 		out:      outcomes{settled: make(chan struct{})},
 	}
 	for _, run := range runs {
@@ -82,7 +83,6 @@ func (r *Relay) publish(conn *pgx.Conn, runs [][]claimedRow, claimedAt time.Time
 	}
 	if !probe && reserved == 0 && r.sinkBound() {
 		b.more = make(chan struct{}, 1)
-		b.cutAt = time.Now().Add(r.cfg.DetachAfter)
 		b.latency = time.Duration(r.latency.Load())
 	}
 	// A detached publish must end before its visibility deadline
@@ -105,7 +105,7 @@ func (r *Relay) publish(conn *pgx.Conn, runs [][]claimedRow, claimedAt time.Time
 		cancel()
 		close(done)
 	}()
-	t := time.NewTimer(r.cfg.DetachAfter)
+	t := time.NewTimer(time.Until(b.cutAt))
 	defer t.Stop()
 	for waiting := true; waiting; {
 		select {

@@ -563,7 +563,7 @@ func (r *Relay) lockBehind(ctx context.Context, conn *pgx.Conn, st *loopState, r
 	}
 	held := make(map[aggregateKey]bool, len(runs))
 	for _, run := range runs {
-		held[aggregateKey{run[0].AggregateType, run[0].AggregateID}] = true
+		held[run[0].key()] = true
 	}
 	heads = slices.DeleteFunc(heads, func(h windowRow) bool { return held[h.key] })
 	cands := candidates(heads)

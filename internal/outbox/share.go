@@ -47,7 +47,7 @@ func (s *shares) hold(loop int, runs [][]claimedRow) {
 	if len(runs) > 0 {
 		held = make(map[aggregateKey]struct{}, len(runs))
 		for _, run := range runs {
-			held[aggregateKey{run[0].AggregateType, run[0].AggregateID}] = struct{}{}
+			held[run[0].key()] = struct{}{}
 		}
 	}
 	s.mu.Lock()

@@ -59,7 +59,7 @@ func (r *Relay) publishTx(sink TxSink, conn *pgx.Conn, runs [][]claimedRow, skew
 	at := time.Now().Add(skew)
 	failedAgg := map[aggregateKey]bool{}
 	for i, ev := range rows {
-		key := aggregateKey{ev.AggregateType, ev.AggregateID}
+		key := ev.key()
 		switch {
 		case failedAgg[key]:
 			out.handBack = append(out.handBack, ev) // must not overtake the failed event

@@ -252,7 +252,7 @@ type windowRow struct {
 
 type aggregateKey struct{ typ, id string }
 
-func (r claimedRow) key() aggregateKey { return aggregateKey{r.AggregateType, r.AggregateID} }
+func (e Event) key() aggregateKey { return aggregateKey{e.AggregateType, e.AggregateID} }
 
 // candidate is an aggregate found in the window: its head and the rest of
 // its due events there, in order.
