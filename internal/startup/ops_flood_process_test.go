@@ -93,38 +93,11 @@ func closedByServer(err error) bool {
 
 // flood opens floodConns connections at once, each running one exchange
 // (which reports whether the server behaved), while /livez is probed on
-// fresh connections; every probe must be answered and the peak memory
-// stay under floodPeakRSSMax.
+// fresh connections from another process; every probe must be answered
+// and the peak memory stay under floodPeakRSSMax.
 func flood(t *testing.T, w *proc, name string, exchange func(net.Conn) bool) {
 	t.Helper()
-	stop := make(chan struct{})
-	var probes, failed atomic.Int64
-	var worst atomic.Int64
-	probing := make(chan struct{})
-	go func() {
-		defer close(probing)
-		c := http.Client{Timeout: 10 * time.Second, Transport: &http.Transport{DisableKeepAlives: true}}
-		for {
-			select {
-			case <-stop:
-				return
-			case <-time.After(100 * time.Millisecond):
-			}
-			start := time.Now()
-			resp, err := c.Get("http://" + w.addr + "/livez")
-			if err == nil {
-				resp.Body.Close()
-			}
-			probes.Add(1)
-			if err != nil || resp.StatusCode != http.StatusOK {
-				failed.Add(1)
-			}
-			if d := int64(time.Since(start)); d > worst.Load() {
-				worst.Store(d)
-			}
-		}
-	}()
-
+	prober := startLivezProber(t, w.addr)
 	var wg sync.WaitGroup
 	var misbehaved atomic.Int64
 	deadline := time.Now().Add(60 * time.Second)
@@ -143,19 +116,18 @@ func flood(t *testing.T, w *proc, name string, exchange func(net.Conn) bool) {
 		})
 	}
 	wg.Wait()
-	close(stop)
-	<-probing
+	probes, failed, worst := prober.stop(t)
 
 	peak := peakRSS(t, w)
-	t.Logf("%d %s: peak RSS %d MB; /livez: %d probes, worst %s", floodConns, name, peak>>20, probes.Load(), time.Duration(worst.Load()).Round(time.Millisecond))
+	t.Logf("%d %s: peak RSS %d MB; /livez: %d probes, worst %s", floodConns, name, peak>>20, probes, worst.Round(time.Millisecond))
 	if n := misbehaved.Load(); n != 0 {
 		t.Errorf("%s: %d of %d connections neither answered nor closed by the server", name, n, floodConns)
 	}
 	if peak > floodPeakRSSMax {
 		t.Errorf("%s: peak RSS %d MB, want at most %d MB", name, peak>>20, floodPeakRSSMax>>20)
 	}
-	if probes.Load() == 0 || failed.Load() != 0 {
-		t.Errorf("%s: %d of %d /livez probes failed", name, failed.Load(), probes.Load())
+	if probes == 0 || len(failed) != 0 {
+		t.Errorf("%s: %d of %d /livez probes failed: %s", name, len(failed), probes, strings.Join(failed, "; "))
 	}
 }
 
@@ -207,4 +179,100 @@ func (p *proc) waitBaseline(t *testing.T, goroutines, heap float64) {
 	})
 	t.Logf("after %s: %.0f goroutines (baseline %.0f), heap in use %.0f MB (baseline %.0f MB)", time.Since(start).Round(time.Second),
 		p.metric(t, "go_goroutines"), goroutines, p.metric(t, "go_memstats_heap_inuse_bytes")/(1<<20), heap/(1<<20))
+}
+
+// livezProberEnv makes the test binary a /livez prober at the address it
+// holds. The prober is its own process, as the kubelet is: in this one,
+// the flood's thousands of goroutines would delay the probe's request past
+// the server's grace for a silent connection, which sheds it rightly.
+const livezProberEnv = "WORKER_TEST_LIVEZ_PROBER"
+
+// livezProber is a running prober process.
+type livezProber struct {
+	cmd   *exec.Cmd
+	stdin io.Closer
+	lines chan string
+}
+
+// startLivezProber starts probing addr's /livez every 100 ms, each on a
+// new connection.
+func startLivezProber(t *testing.T, addr string) *livezProber {
+	t.Helper()
+	cmd := exec.Command(os.Args[0])
+	cmd.Env = append(os.Environ(), livezProberEnv+"="+addr)
+	cmd.Stderr = os.Stderr
+	stdin, err := cmd.StdinPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	stdout, err := cmd.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	p := &livezProber{cmd: cmd, stdin: stdin, lines: make(chan string)}
+	go func() {
+		defer close(p.lines)
+		sc := bufio.NewScanner(stdout)
+		for sc.Scan() {
+			p.lines <- sc.Text()
+		}
+	}()
+	return p
+}
+
+// stop ends the prober and returns how many probes it made, the failed
+// ones' errors and the slowest answer.
+func (p *livezProber) stop(t *testing.T) (probes int, failed []string, worst time.Duration) {
+	t.Helper()
+	p.stdin.Close()
+	for line := range p.lines {
+		took, result, _ := strings.Cut(line, " ")
+		d, err := time.ParseDuration(took)
+		if err != nil {
+			t.Fatalf("prober printed %q", line)
+		}
+		probes++
+		worst = max(worst, d)
+		if result != "ok" {
+			failed = append(failed, result)
+		}
+	}
+	if err := p.cmd.Wait(); err != nil {
+		t.Fatalf("prober: %v", err)
+	}
+	return probes, failed, worst
+}
+
+// runLivezProber is the prober process: until its stdin closes, it prints
+// one line per probe, its duration and "ok" or the failure.
+func runLivezProber(addr string) {
+	stop := make(chan struct{})
+	go func() {
+		_, _ = io.Copy(io.Discard, os.Stdin)
+		close(stop)
+	}()
+	c := http.Client{Timeout: 10 * time.Second, Transport: &http.Transport{DisableKeepAlives: true}}
+	for {
+		select {
+		case <-stop:
+			return
+		case <-time.After(100 * time.Millisecond):
+		}
+		start := time.Now()
+		resp, err := c.Get("http://" + addr + "/livez")
+		result := "ok"
+		switch {
+		case err != nil:
+			result = err.Error()
+		case resp.StatusCode != http.StatusOK:
+			result = resp.Status
+		}
+		if err == nil {
+			resp.Body.Close()
+		}
+		fmt.Printf("%s %s\n", time.Since(start), result)
+	}
 }

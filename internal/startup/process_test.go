@@ -27,6 +27,10 @@ import (
 var workerBin string
 
 func TestMain(m *testing.M) {
+	if addr := os.Getenv(livezProberEnv); addr != "" {
+		runLivezProber(addr)
+		return
+	}
 	dir, err := os.MkdirTemp("", "worker-bin-")
 	if err != nil {
 		panic(err)

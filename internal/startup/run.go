@@ -210,19 +210,19 @@ func newServers(cfg *Config, reg *prometheus.Registry, ready *readiness, log *sl
 		opsUI = nil
 	}
 	srv := newOpsServer(cfg.HTTP.Addr, reg, ready, opsUI)
-	ln, err := listen(srv)
+	ln, err := srv.listen()
 	if err != nil {
 		return nil, nil, &exitError{code: ExitOSError, err: err, msg: fmt.Sprintf("ops HTTP server on %s (APP_HTTP_ADDR): %v", cfg.HTTP.Addr, err)}
 	}
-	servers := []listening{{srv: srv, ln: ln, name: "ops"}}
+	servers := []listening{{srv: srv.Server, ln: ln, name: "ops"}}
 	if guarded != nil && cfg.UI.Addr != "" {
 		uiSrv := newUIServer(cfg.UI.Addr, guarded)
-		uiLn, err := listen(uiSrv)
+		uiLn, err := uiSrv.listen()
 		if err != nil {
 			_ = ln.Close()
 			return nil, nil, &exitError{code: ExitOSError, err: err, msg: fmt.Sprintf("River UI server on %s (APP_UI_ADDR): %v", cfg.UI.Addr, err)}
 		}
-		servers = append(servers, listening{srv: uiSrv, ln: uiLn, name: "River UI"})
+		servers = append(servers, listening{srv: uiSrv.Server, ln: uiLn, name: "River UI"})
 	}
 	return ui, servers, nil
 }

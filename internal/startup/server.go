@@ -105,16 +105,19 @@ const (
 	// every series, and thousands at once took the heap to hundreds of
 	// megabytes. Beyond it a scrape answers 503 at once.
 	opsMaxScrapes = 4
-	// opsMaxConns bounds open connections, and opsMaxWaiting those not in
-	// a request (see connLimiter). Each costs some 40 KB: 4096 stalled
-	// heads took the worker to 161 MB; 3072 keep it near 130 MB, and still
-	// let a probe through a burst of 5,000 new connections.
-	opsMaxConns   = 4096
-	opsMaxWaiting = 3072
+	// opsMaxConns bounds open connections, and opsHeadGrace is the time a
+	// new one has to send its request head before a newer one may shed it
+	// (see connLimiter). Each connection costs 20–50 KB at a flood's peak:
+	// 4096 took the worker past 150 MB, 1024 keep it near 70 MB. A probe
+	// behind a burst of stalled heads waits about burst ÷ opsMaxConns ×
+	// opsHeadGrace, 0.5 s behind 5,000; a client on the cluster's network
+	// sends its head well within the grace.
+	opsMaxConns  = 1024
+	opsHeadGrace = 100 * time.Millisecond
 )
 
 // newOpsServer serves metrics and probes, and River UI when ui is not nil.
-func newOpsServer(addr string, reg *prometheus.Registry, ready *readiness, ui http.Handler) *http.Server {
+func newOpsServer(addr string, reg *prometheus.Registry, ready *readiness, ui http.Handler) *boundedServer {
 	mux := http.NewServeMux()
 	if ui != nil {
 		mux.Handle(uiPrefix+"/", ui)
@@ -133,11 +136,16 @@ func newOpsServer(addr string, reg *prometheus.Registry, ready *readiness, ui ht
 	return newBoundedServer(addr, mux)
 }
 
-// newBoundedServer is an http.Server with the ops limits: every phase of a
-// connection has a timeout and the open connections are capped.
-func newBoundedServer(addr string, h http.Handler) *http.Server {
-	limit := newConnLimiter(opsMaxConns, opsMaxWaiting)
-	return &http.Server{
+// boundedServer is an http.Server with the ops limits: every phase of a
+// connection has a timeout, and its listener caps the open connections.
+type boundedServer struct {
+	*http.Server
+	limit *connLimiter
+}
+
+func newBoundedServer(addr string, h http.Handler) *boundedServer {
+	limit := newConnLimiter(opsMaxConns, opsHeadGrace)
+	return &boundedServer{limit: limit, Server: &http.Server{
 		Addr:              addr,
 		Handler:           h,
 		ReadHeaderTimeout: opsReadHeaderTimeout,
@@ -146,9 +154,15 @@ func newBoundedServer(addr string, h http.Handler) *http.Server {
 		IdleTimeout:       opsIdleTimeout,
 		MaxHeaderBytes:    opsMaxHeaderBytes,
 		ConnState:         limit.track,
-	}
+	}}
 }
 
 // listen binds before anything else starts, so a taken port fails fast and
 // /readyz can answer 503 while the worker is still starting.
-func listen(srv *http.Server) (net.Listener, error) { return net.Listen("tcp", srv.Addr) }
+func (s *boundedServer) listen() (net.Listener, error) {
+	ln, err := net.Listen("tcp", s.Addr)
+	if err != nil {
+		return nil, err
+	}
+	return s.limit.listener(ln), nil
+}

@@ -80,7 +80,7 @@ func guardUI(cfg UIConfig, ui http.Handler, log *slog.Logger) http.Handler {
 
 // newUIServer is the UI's own server, on ui.addr, with the ops server's
 // limits.
-func newUIServer(addr string, ui http.Handler) *http.Server {
+func newUIServer(addr string, ui http.Handler) *boundedServer {
 	mux := http.NewServeMux()
 	mux.Handle(uiPrefix+"/", ui)
 	return newBoundedServer(addr, mux)
