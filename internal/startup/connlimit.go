@@ -8,13 +8,14 @@ import (
 	"time"
 )
 
-// connLimiter caps a server's open connections. At the cap, a new
-// connection closes one that is not in a request and whose client is what
-// it waits for: the oldest idle between requests, or else the oldest still
-// sending its first head once that one has had its grace to send it. A
-// connection with bytes the server has yet to read is never shed: the
-// server is behind, not its client. Until one can be shed, Accept waits,
-// and the kernel's backlog holds the rest of a burst.
+// connLimiter caps a server's open connections. At the cap, Accept first
+// closes one that is not in a request and whose client is what it waits
+// for, so the cap holds the connection it accepts next: the oldest idle
+// between requests, or else the oldest still sending its first head once
+// that one has had its grace to send it. A connection with bytes the
+// server has yet to read is never shed: the server is behind, not its
+// client. Until one can be shed, Accept waits, and the kernel's backlog
+// holds the rest of a burst.
 //
 // Waiting for a connection to close (as netutil.LimitListener does) would
 // leave the kubelet's /livez in the backlog behind thousands of stalled
