@@ -266,15 +266,16 @@ func wake(w chan struct{}) {
 
 // loopState is what a relay loop carries from one batch to the next.
 type loopState struct {
-	loop         int           // the loop's index, which is also its share of the windows
-	size         int           // events the next claim takes: batch_size, or fewer for a slow sink (nextSize)
-	window       int           // rows the next window claim reads
-	again        bool          // claim again at once: the window was widened, or a share was stale
-	probe        bool          // the claim is the probe of an open breaker: one event
-	conn         *pgxpool.Conn // held while batches follow each other
-	pending      *outcomes     // the last batch's outcomes, not yet committed
-	behind       aggregateKey  // where the next look behind the window starts
-	lookedBehind time.Time     // when the loop last looked behind the window
+	loop         int            // the loop's index, which is also its share of the windows
+	size         int            // events the next claim takes: batch_size, or fewer for a slow sink (nextSize)
+	window       int            // rows the next window claim reads
+	again        bool           // claim again at once: the window was widened, or a share was stale
+	probe        bool           // the claim is the probe of an open breaker: one event
+	conn         *pgxpool.Conn  // held while batches follow each other
+	pending      *outcomes      // the last batch's outcomes, not yet committed
+	kept         []aggregateKey // the aggregates of the last sink-bound batch (keptHeadsSQL)
+	behind       aggregateKey   // where the next look behind the window starts
+	lookedBehind time.Time      // when the loop last looked behind the window
 }
 
 // settle commits the pending outcomes, if any, and gives the connection
@@ -350,6 +351,7 @@ func (r *Relay) runBatch(ctx context.Context, st *loopState, probe bool) (int, e
 	if r.shares != nil {
 		r.shares.hold(st.loop, runs)
 	}
+	r.keep(st, runs)
 	if err != nil {
 		r.releaseSlots(reserved)
 		rollback(st.conn.Conn())
@@ -433,6 +435,19 @@ func (r *Relay) claim(ctx context.Context, st *loopState, limit int) ([][]claime
 	// which releases them.
 	b.Queue(beginClaimSQL, strconv.FormatInt(r.cfg.InFlightTimeout.Milliseconds(), 10))
 	fromShare := len(cands) > 0
+	// One loop's window is all its own and holds the kept heads when they
+	// are among the oldest: offering them too lowered one loop over 200
+	// aggregates at 20 ms from 0.87 to 0.77 of the ideal. A sink slower
+	// than detach_after detaches every publish, so the kept heads are
+	// IN_FLIGHT, not due.
+	keeping := r.shares != nil && !st.probe && len(st.kept) > 0 && r.sinkBound() && !r.slowSink()
+	if keeping {
+		types, ids := make([]string, len(st.kept)), make([]string, len(st.kept))
+		for i, k := range st.kept {
+			types[i], ids[i] = k.typ, k.id
+		}
+		b.Queue(keptHeadsSQL, types, ids, r.depth(n))
+	}
 	if !fromShare {
 		b.Queue(windowSQL, st.window)
 	}
@@ -460,6 +475,14 @@ func (r *Relay) claim(ctx context.Context, st *loopState, limit int) ([][]claime
 		return nil, 0, err
 	}
 	skew := time.Until(dbNow) // database clock minus ours
+	var kept []*candidate
+	if keeping {
+		heads, err := readWindow(res.Query())
+		if err != nil {
+			return nil, 0, err
+		}
+		kept = candidates(heads)
+	}
 	var win []windowRow
 	var all []*candidate // the whole window's, for all loops
 	if !fromShare {
@@ -482,6 +505,7 @@ func (r *Relay) claim(ctx context.Context, st *loopState, limit int) ([][]claime
 	if err := ctx.Err(); err != nil {
 		return nil, 0, err // stopping: lock nothing only to hand it back
 	}
+	cands = withKept(cands, kept)
 
 	runs, rest, err := r.lockWindow(ctx, conn, cands, n, r.depth(n))
 	if err == nil && st.probe && len(runs) == 0 && len(all) > 0 {

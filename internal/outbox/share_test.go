@@ -45,10 +45,10 @@ func TestRelayLoopsShareWindows(t *testing.T) {
 	}
 }
 
-// claimCounter counts the rows that window reads return and the candidate
-// heads that lock statements are sent.
+// claimCounter counts the rows that window reads and kept-heads lookups
+// return and the candidate heads that lock statements are sent.
 type claimCounter struct {
-	windowRows, heads atomic.Int64
+	windowRows, keptHeads, heads atomic.Int64
 }
 
 func (c *claimCounter) TraceQueryStart(ctx context.Context, _ *pgx.Conn, data pgx.TraceQueryStartData) context.Context {
@@ -65,8 +65,11 @@ func (*claimCounter) TraceBatchStart(ctx context.Context, _ *pgx.Conn, _ pgx.Tra
 }
 
 func (c *claimCounter) TraceBatchQuery(_ context.Context, _ *pgx.Conn, data pgx.TraceBatchQueryData) {
-	if data.SQL == windowSQL {
+	switch data.SQL {
+	case windowSQL:
 		c.windowRows.Add(data.CommandTag.RowsAffected())
+	case keptHeadsSQL:
+		c.keptHeads.Add(data.CommandTag.RowsAffected())
 	}
 }
 
@@ -268,5 +271,90 @@ func TestSpareHeadsPassOverHeadsOthersHold(t *testing.T) {
 	s.giveBack(0, gen, rest)
 	if next, _ := s.take(0, 1, 0, 0); len(rest) != 5 || len(next) != 1 || next[0].head.key.id != "agg-10" {
 		t.Errorf("%d spares given back, and the next claim starts at %v; want five, from agg-10", len(rest), next)
+	}
+}
+
+// A sink-bound loop whose share went stale, because the heads it offers
+// were published since a sibling read the window, still claims the current
+// heads of the aggregates its last batch held (keptHeadsSQL), after the
+// older head of an aggregate nobody holds. Without them this claim locks
+// o1 alone.
+func TestClaimFromAStaleShareKeepsItsAggregates(t *testing.T) {
+	t.Parallel()
+	db := pgtest.New(t)
+	ctx := context.Background()
+	appendEvent(t, db.Pool, "o", "o1")
+	k1 := appendEvent(t, db.Pool, "k", "k1")
+	appendEvent(t, db.Pool, "k", "k2")
+	appendEvent(t, db.Pool, "k", "k3")
+	appendEvent(t, db.Pool, "k", "k4")
+
+	cfg := testConfig()
+	cfg.Relays = 2
+	r, err := NewRelay(db.Pool, &recorder{}, cfg, "t", nil, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	r.latency.Store(int64(cfg.DetachAfter / 2)) // sink-bound: runs of two events
+	win, err := readWindow(db.Pool.Query(ctx, windowSQL, 100))
+	if err != nil {
+		t.Fatal(err)
+	}
+	r.shares.queue[0] = candidates(win) // the share a sibling's window left
+	// The loop's last batch published k1 after that window was read.
+	exec(t, db.Pool, `UPDATE outbox_event SET status = 'PUBLISHED' WHERE event_id = $1`, k1)
+
+	conn, err := db.Pool.Acquire(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	st := &loopState{window: r.minWindow(), conn: conn, kept: []aggregateKey{{"order", "k"}}}
+	defer r.settle(st)
+	runs, _, err := r.claim(ctx, st, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var got [][]string
+	for _, run := range runs {
+		var types []string
+		for _, ev := range run {
+			types = append(types, ev.EventType)
+		}
+		got = append(got, types)
+	}
+	if fmt.Sprint(got) != "[[o1] [k2 k3]]" {
+		t.Errorf("claimed %v, want [[o1] [k2 k3]]: o1, the oldest head, then k's current head and run", got)
+	}
+	if _, err := conn.Exec(ctx, "ROLLBACK"); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// TestReplicasKeepingAggregatesKeepOrder: three replicas of two loops race
+// over few aggregates through a sink-bound sink, so loops keep their
+// aggregates from batch to batch while the others' loops claim around
+// them. Every event arrives once per publish, in per-aggregate order, never
+// two of one aggregate at once, and claims did use the kept heads.
+func TestReplicasKeepingAggregatesKeepOrder(t *testing.T) {
+	t.Parallel()
+	const aggregates, perAggregate = 20, 30
+	db := pgtest.New(t)
+	appendMany(t, db, aggregates, perAggregate, "agg-")
+	sink := newConcurrencySink(1)
+	sink.delay = 15 * time.Millisecond // above a tenth of detach_after: sink-bound
+	cfg := testConfig()
+	cfg.Relays = 2
+	cfg.MaxInFlight = 4
+	var claims claimCounter
+	for range 3 {
+		pool := db.NewPool(t, 0, func(c *pgxpool.Config) { c.ConnConfig.Tracer = &claims })
+		startRelay(t, pool, sink, cfg, nil)
+	}
+
+	total := aggregates * perAggregate
+	testkit.Eventually(t, 60*time.Second, "every event delivered", func() bool { return sink.delivered() == total })
+	sink.checkOrder(t)
+	if claims.keptHeads.Load() == 0 {
+		t.Error("no claim read the heads of the aggregates its loop kept")
 	}
 }
