@@ -84,6 +84,12 @@ func New(cfg outbox.KafkaConfig, opts Options) (*Sink, error) {
 		// wire is the client's to finish whatever the timeout: Publish
 		// then gives up on the whole client (giveUp).
 		kgo.RecordDeliveryTimeout(max(cfg.PublishTimeout/2, time.Second)),
+		// That needs a metadata answer within the delivery timeout on every
+		// attempt. The client's default of 5 s between metadata queries let
+		// a retry of the same event time out before its topic was looked
+		// up again, without the topic's error, so it read as an outage and
+		// a poison event never reached max_attempts.
+		kgo.MetadataMinAge(metadataMinAge),
 		kgo.ProduceRequestTimeout(cfg.PublishTimeout),
 		// No lingering (franz-go's default is 10ms): the relay waits for
 		// each record's ack before it hands over the aggregate's next one,
@@ -266,6 +272,11 @@ func (s *Sink) abandon(c *kgo.Client) {
 	s.mu.Unlock()
 	c.Close()
 }
+
+// metadataMinAge is the least time between the client's metadata queries:
+// well within the shortest delivery timeout (1 s), at most four queries a
+// second while topics fail to load.
+const metadataMinAge = 250 * time.Millisecond
 
 // permanentErrors are the broker's refusals of the record itself.
 var permanentErrors = []error{kerr.MessageTooLarge, kerr.RecordListTooLarge, kerr.InvalidTopicException,
