@@ -21,18 +21,19 @@ import (
 var (
 	slowLatencies       = flag.String("latencies", "20ms,150ms,400ms,1s", "BenchmarkRelaySlowSink: the sink latencies, comma-separated")
 	slowAggregateCounts = flag.String("aggregates", "200,2000", "BenchmarkRelaySlowSink: the backlogs' numbers of aggregates, comma-separated")
+	slowShapes          = flag.String("shapes", "1x1,3x2", "BenchmarkRelaySlowSink: replicas x loops per replica, comma-separated")
 )
 
 // BenchmarkRelaySlowSink drains backlogs through a sink that answers every
 // publish after a fixed latency L, with 1 replica of 1 loop and with 3
-// replicas of 2 loops (relays in this process, a pool each), over 200 and
-// 2,000 aggregates (-aggregates), the backlog committed in 1 transaction
-// and in 10. It prints events/s min / median /
-// max over -rounds and the median ratio to the most any relay could do:
+// replicas of 2 loops (-shapes; relays in this process, a pool each), over
+// 200 and 2,000 aggregates (-aggregates), the backlog committed in 1
+// transaction and in 10. It prints events/s min / median / max over
+// -rounds and the median ratio to the most any relay could do:
 // min(max_in_flight x replicas, aggregates) / L, since one aggregate's
 // events go one at a time.
 //
-//	go test -run '^$' -bench RelaySlowSink -timeout 30m ./internal/outbox [-args -latencies=20ms,50ms -aggregates=10,10000 -rounds=3]
+//	go test -run '^$' -bench RelaySlowSink -timeout 30m ./internal/outbox [-args -latencies=20ms,50ms -aggregates=10,10000 -shapes=1x2 -rounds=3]
 func BenchmarkRelaySlowSink(b *testing.B) {
 	type shape struct {
 		latency         time.Duration
@@ -56,8 +57,16 @@ func BenchmarkRelaySlowSink(b *testing.B) {
 		}
 		aggregates = append(aggregates, n)
 	}
+	var replicasLoops [][2]int
+	for f := range strings.SplitSeq(*slowShapes, ",") {
+		var r, l int
+		if _, err := fmt.Sscanf(f, "%dx%d", &r, &l); err != nil || r < 1 || l < 1 {
+			b.Fatalf("-shapes: %q is not replicas x loops, such as 3x2", f)
+		}
+		replicasLoops = append(replicasLoops, [2]int{r, l})
+	}
 	for _, l := range latencies {
-		for _, rl := range [][2]int{{1, 1}, {3, 2}} {
+		for _, rl := range replicasLoops {
 			for _, aggs := range aggregates {
 				for _, txs := range []int{1, 10} {
 					shapes = append(shapes, shape{l, rl[0], rl[1], aggs, txs})
