@@ -136,6 +136,17 @@ func WithTaskKind[T river.JobArgs](w river.Worker[T]) Option {
 	}}
 }
 
+// WithOnReady adds a function that the worker starts, in a goroutine of
+// its own, once `run` is ready: migrations applied, jobs, relay and tasks
+// started. The operator commands (`config print`, `outbox stats`, ...)
+// never start it, so a program can start its own servers or producers
+// here instead of before Run. ctx is cancelled when shutdown begins
+// (SIGTERM or SIGINT); the worker waits for f to return, within the
+// shutdown budget, before Run returns.
+func WithOnReady(f func(ctx context.Context)) Option {
+	return Option{func(x *startup.Extensions) { x.OnReady = append(x.OnReady, f) }}
+}
+
 // WithSink adds an outbox sink, selected with outbox.sink=name
 // (APP_OUTBOX_SINK). newSink is called once, when the relay starts; an
 // error stops the worker. name must not be a built-in sink's (log,

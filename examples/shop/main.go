@@ -13,6 +13,7 @@ import (
 	"net"
 	"net/http"
 	"os"
+	"sync/atomic"
 	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -24,27 +25,14 @@ import (
 func main() { os.Exit(run()) }
 
 func run() int {
-	ctx := context.Background()
-	db, err := pgxpool.New(ctx, os.Getenv("APP_DATABASE_URL"))
+	// pgxpool connects on first use, so the operator commands (`shop config
+	// print`, `shop outbox stats`, ...) never reach the database through it.
+	db, err := pgxpool.New(context.Background(), os.Getenv("APP_DATABASE_URL"))
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "shop:", err)
 		return 78
 	}
 	defer db.Close()
-	if err := createTables(ctx, db); err != nil {
-		fmt.Fprintln(os.Stderr, "shop:", err)
-		return 69
-	}
-	ln, err := net.Listen("tcp", envOr("SHOP_ADDR", "127.0.0.1:8080"))
-	if err != nil {
-		fmt.Fprintln(os.Stderr, "shop:", err)
-		return 71
-	}
-	// The address, for whoever started the shop on port 0 (its test).
-	fmt.Println("shop listening on", ln.Addr())
-	srv := &http.Server{Handler: api(db), ReadHeaderTimeout: 5 * time.Second}
-	go func() { _ = srv.Serve(ln) }()
-	defer srv.Close()
 
 	return worker.Run(os.Args[1:],
 		worker.WithJob(worker.Job{Name: "close-stale-orders", Delay: 200 * time.Millisecond, Run: closeStaleOrders}),
@@ -52,8 +40,39 @@ func run() int {
 		worker.WithSink("ledger", func(ctx context.Context) (outbox.Sink, error) {
 			return newLedgerSink(ctx, os.Getenv("APP_DATABASE_URL"))
 		}),
+		// The shop's own API starts only when `run` is ready, and stops
+		// when shutdown begins.
+		worker.WithOnReady(func(ctx context.Context) { serveAPI(ctx, db) }),
 	)
 }
+
+// serveAPI creates the shop's tables and serves its API until ctx is
+// cancelled, then lets requests in progress finish.
+func serveAPI(ctx context.Context, db *pgxpool.Pool) {
+	if err := createTables(ctx, db); err != nil {
+		fmt.Fprintln(os.Stderr, "shop:", err)
+		return
+	}
+	schemaReady.Store(true)
+	ln, err := net.Listen("tcp", envOr("SHOP_ADDR", "127.0.0.1:8080"))
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "shop:", err)
+		return
+	}
+	// The address, for whoever started the shop on port 0 (its test).
+	fmt.Println("shop listening on", ln.Addr())
+	srv := &http.Server{Handler: api(db), ReadHeaderTimeout: 5 * time.Second}
+	go func() { _ = srv.Serve(ln) }()
+	<-ctx.Done()
+	sctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	_ = srv.Shutdown(sctx)
+	fmt.Println("shop stopped")
+}
+
+// schemaReady is set once the shop's tables exist: the job has nothing to
+// do before.
+var schemaReady atomic.Bool
 
 // createTables is the shop's own schema; the worker migrates its own.
 func createTables(ctx context.Context, db *pgxpool.Pool) error {

@@ -81,6 +81,9 @@ func appendEvent(ctx context.Context, tx pgx.Tx, orderID, eventType string) erro
 // through InTx, so its writes commit only while it holds its lease. It
 // records each sweep with the lease's fencing token.
 func closeStaleOrders(ctx context.Context) error {
+	if !schemaReady.Load() {
+		return nil
+	}
 	return worker.InTx(ctx, func(tx pgx.Tx) error {
 		tag, err := tx.Exec(ctx, "UPDATE shop_order SET closed = true WHERE NOT closed AND placed_at < now() - interval '1 day'")
 		if err != nil {

@@ -126,8 +126,39 @@ func TestShop(t *testing.T) {
 		if code := shop.stop(t); code != 0 {
 			t.Fatalf("exit code %d, want 0; output:\n%s", code, shop.stderr.String())
 		}
+		// Run returned only after the API's OnReady function did.
+		select {
+		case <-shop.stopped:
+		default:
+			t.Fatal("the worker exited before the shop's API stopped")
+		}
 	})
 	t.Logf("%d orders, %d events relayed through the ledger sink, %d tasks, rolled-back order x-9 left nothing", len(orders), events, len(orders))
+}
+
+// The operator commands never start the shop's API: it starts through
+// WithOnReady, which only `run` calls once it is ready.
+func TestOperatorCommandsStartNoAPI(t *testing.T) {
+	t.Parallel()
+	empty := t.TempDir() + "/worker.yaml"
+	if err := os.WriteFile(empty, nil, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	cmd := exec.Command(os.Args[0], "config", "print")
+	cmd.Env = append(os.Environ(),
+		"SHOP_TEST_RUN_MAIN=1",
+		"SHOP_ADDR=127.0.0.1:0",
+		"APP_CONFIG_FILE="+empty,
+		// Nothing listens there: the command must not need the database.
+		"APP_DATABASE_URL=postgres://shop@127.0.0.1:1/shop?connect_timeout=1",
+	)
+	out, err := cmd.Output()
+	if err != nil {
+		t.Fatalf("config print: %v\n%s", err, out)
+	}
+	if strings.Contains(string(out), "shop listening") || !strings.Contains(string(out), "outbox:") {
+		t.Fatalf("config print started the API, or printed no configuration:\n%s", out)
+	}
 }
 
 // newDatabase creates an empty database for the test, dropped at its end:
@@ -167,10 +198,11 @@ func newDatabase(t *testing.T) (string, *pgxpool.Pool) {
 }
 
 type shopProcess struct {
-	cmd    *exec.Cmd
-	addr   string
-	stderr *lockedBuffer
-	done   chan int
+	cmd     *exec.Cmd
+	addr    string
+	stderr  *lockedBuffer
+	done    chan int
+	stopped chan struct{} // closed when the shop's API says it stopped
 }
 
 // startShop runs the shop as a process, multi-instance with the postgres
@@ -196,7 +228,7 @@ func startShop(t *testing.T, dbURL string) *shopProcess {
 	if err != nil {
 		t.Fatal(err)
 	}
-	p := &shopProcess{cmd: cmd, stderr: &lockedBuffer{}, done: make(chan int, 1)}
+	p := &shopProcess{cmd: cmd, stderr: &lockedBuffer{}, done: make(chan int, 1), stopped: make(chan struct{})}
 	cmd.Stderr = p.stderr
 	if err := cmd.Start(); err != nil {
 		t.Fatal(err)
@@ -207,6 +239,9 @@ func startShop(t *testing.T, dbURL string) *shopProcess {
 		for sc.Scan() {
 			if a, ok := strings.CutPrefix(sc.Text(), "shop listening on "); ok {
 				addrs <- a
+			}
+			if sc.Text() == "shop stopped" {
+				close(p.stopped)
 			}
 		}
 		_, _ = io.Copy(io.Discard, stdout)

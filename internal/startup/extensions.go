@@ -26,6 +26,11 @@ type Extensions struct {
 	// Sinks are outbox sinks by the outbox.sink name that selects them.
 	// new is called once, when the relay starts.
 	Sinks map[string]func(ctx context.Context) (outbox.Sink, error)
+	// OnReady are started, each in a goroutine of its own, when `run` is
+	// ready, and never by the other commands. Their ctx is cancelled when
+	// shutdown begins; the worker waits for them to return, within the
+	// shutdown budget, before it exits.
+	OnReady []func(ctx context.Context)
 }
 
 // check refuses extensions that clash with what the worker has built in,
@@ -35,6 +40,11 @@ func (x Extensions) check() error {
 	if x.Jobs != nil {
 		if err := jobs.CheckSpecs(x.Jobs(nil)...); err != nil {
 			return configErrorf("%w", err)
+		}
+	}
+	for _, f := range x.OnReady {
+		if f == nil {
+			return configErrorf("an OnReady function is nil")
 		}
 	}
 	for _, name := range slices.Sorted(maps.Keys(x.Sinks)) {

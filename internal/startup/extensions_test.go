@@ -72,3 +72,13 @@ func TestExtensionJobMistakeIsAConfigError(t *testing.T) {
 		t.Fatalf("exit %d, stderr %q; want 78 naming the job and its delay", code, stderr.String())
 	}
 }
+
+// A nil OnReady function is a programming mistake, refused before anything
+// starts.
+func TestExtensionNilOnReadyIsAConfigError(t *testing.T) {
+	var stderr bytes.Buffer
+	ext := Extensions{OnReady: []func(context.Context){nil}}
+	if code := MainWith(ext, []string{"version"}, &bytes.Buffer{}, &stderr, nil); code != ExitConfig || !strings.Contains(stderr.String(), "OnReady") {
+		t.Fatalf("exit %d, stderr %q; want 78 naming OnReady", code, stderr.String())
+	}
+}

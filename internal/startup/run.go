@@ -172,14 +172,33 @@ func (runCmd) Run(e *cmdEnv) error {
 	ready.started.Store(true)
 	log.Info("worker ready", "http_addr", cfg.HTTP.Addr, "multi_instance", cfg.MultiInstance.Enabled,
 		"lock_provider", cfg.Lock.Provider)
+	hooks := startOnReady(ctx, e.ext.OnReady)
 
 	<-ctx.Done()
 	ready.draining.Store(true)
+	deadline := time.Now().Add(cfg.Shutdown.Timeout - time.Second)
 	// In-flight work gets the budget minus 1s; the last second is for
 	// handing back claims and leases and closing the pool.
 	shutdownAll(parts, cfg.Shutdown.Timeout-time.Second, log)
+	select {
+	case <-hooks:
+	case <-time.After(time.Until(deadline)):
+		log.Warn("an OnReady function did not return within the shutdown budget; exiting without it")
+	}
 	log.Info("worker stopped")
 	return nil
+}
+
+// startOnReady starts an embedding program's OnReady functions and
+// returns a channel closed when all of them have returned.
+func startOnReady(ctx context.Context, fns []func(context.Context)) <-chan struct{} {
+	var wg sync.WaitGroup
+	for _, f := range fns {
+		wg.Go(func() { f(ctx) })
+	}
+	done := make(chan struct{})
+	go func() { wg.Wait(); close(done) }()
+	return done
 }
 
 // listening is a server with its bound listener.
