@@ -39,7 +39,7 @@ import (
 // exactly as cmd/worker does: the same commands, configuration
 // (configs/worker.yaml and APP_* variables), SIGTERM and SIGINT handling,
 // and logs. It returns the process's exit code (0 for a clean shutdown,
-// 78 for invalid configuration, and so on; see the README), for os.Exit.
+// 78 for invalid configuration, and so on; see docs/operations.md), for os.Exit.
 // opts add Go jobs, Go task kinds and outbox sinks.
 func Run(args []string, opts ...Option) int {
 	var ext startup.Extensions

@@ -16,7 +16,7 @@ import (
 // connBudget is what one replica may hold with the default pool sizes,
 // multi-instance, jobs, tasks and the outbox all busy at once: 3 replicas
 // and a rolling-update surge then fit PostgreSQL's default max_connections
-// of 100 (README, "Connections").
+// of 100 (docs/operations.md, "Connections").
 const connBudget = 20
 
 // One replica with the defaults, every part saturated at once, never holds
@@ -60,7 +60,7 @@ func TestReplicaConnectionsStayWithinBudget(t *testing.T) {
 		"APP_LOG_LEVEL=warn", // the log sink's event lines still go to stdout
 		writeConfig(t, cfg.String()),
 	}
-	// The worker's own sum of its parts is the budget the README states.
+	// The worker's own sum of its parts is the budget docs/operations.md states.
 	if n := workerConns(env, nil); n != connBudget {
 		t.Fatalf("MaxDBConns = %d with the defaults, want the budget of %d", n, connBudget)
 	}

@@ -272,7 +272,7 @@ func checkFileKeys(fk *koanf.Koanf, defaults map[string]any, path string, lines 
 			continue
 		}
 		if _, ok := defaults[key]; !ok {
-			errs = append(errs, fmt.Errorf("%s: unknown key %q%s; known keys are listed in %s and the README",
+			errs = append(errs, fmt.Errorf("%s: unknown key %q%s; known keys are listed in %s and docs/configuration.md",
 				lines.at(strings.Split(key, ".")...), key, didYouMean(key, known), DefaultConfigFile))
 		}
 	}

@@ -143,9 +143,9 @@ func TestPrintConfigMasksSecrets(t *testing.T) {
 }
 
 // Every setting is documented: a commented default in configs/worker.yaml
-// (which must itself load cleanly) and a row in the README.
+// (which must itself load cleanly) and a row in docs/configuration.md.
 func TestEverySettingIsDocumented(t *testing.T) {
-	const yamlPath, readme = "../../configs/worker.yaml", "../../README.md"
+	const yamlPath, readme = "../../configs/worker.yaml", "../../docs/configuration.md"
 	if _, err := LoadConfig(yamlPath, nil); err != nil {
 		t.Fatalf("shipped config does not load: %v", err)
 	}
@@ -162,7 +162,7 @@ func TestEverySettingIsDocumented(t *testing.T) {
 			t.Errorf("%s is missing from configs/worker.yaml", s.Key)
 		}
 		if !bytes.Contains(doc, []byte("`"+s.Env()+"`")) {
-			t.Errorf("%s has no row in the README", s.Env())
+			t.Errorf("%s has no row in docs/configuration.md", s.Env())
 		}
 	}
 }

@@ -25,7 +25,7 @@ const (
 )
 
 // MaxDBConns is the most connections a replica with this configuration
-// holds at once, part by part as README "Connections" lists them: the main
+// holds at once, part by part as docs/operations.md "Connections" lists them: the main
 // pool, the readiness probe's, the outbox and lock listeners, the lease
 // pool, and River's pool with the LISTEN connection River keeps outside it.
 func (c *Config) MaxDBConns() int {

@@ -33,7 +33,7 @@ const (
 	// prometheusRuleFile is generated from deploy/prometheus's rule files.
 	prometheusRuleFile = "components/monitoring/prometheusrule.yaml"
 	// monitorSelectorLabel is the label the monitoring component's objects
-	// carry for a Prometheus to select them; the README names it.
+	// carry for a Prometheus to select them; docs/deploy.md names it.
 	monitorSelectorLabel, monitorSelectorValue = "release", "prometheus"
 	// uiPort is the port the NetworkPolicy opens to operators for River UI
 	// on its own address (ui.addr).
@@ -216,14 +216,14 @@ func TestKubernetesExampleOverlay(t *testing.T) {
 	if ep := mon.Spec.Endpoints; len(ep) != 1 || ep[0].Port != svc.Spec.Ports[0].Name || ep[0].Path != "/metrics" {
 		t.Errorf("ServiceMonitor endpoints %+v; want /metrics on the Service's port %s", ep, svc.Spec.Ports[0].Name)
 	}
-	readme := readFile(t, "../../README.md")
+	readme := readFile(t, "../../docs/deploy.md")
 	for _, m := range []metav1.ObjectMeta{mon.ObjectMeta, rule.ObjectMeta} {
 		if m.Labels[monitorSelectorLabel] != monitorSelectorValue {
 			t.Errorf("%s has labels %v; want %s: %s for a Prometheus to select it", m.Name, m.Labels, monitorSelectorLabel, monitorSelectorValue)
 		}
 	}
 	if !strings.Contains(readme, monitorSelectorLabel+": "+monitorSelectorValue) {
-		t.Errorf("the README does not document the monitoring selector label %s: %s", monitorSelectorLabel, monitorSelectorValue)
+		t.Errorf("docs/deploy.md does not document the monitoring selector label %s: %s", monitorSelectorLabel, monitorSelectorValue)
 	}
 	// The rules are deploy/prometheus's, group for group.
 	if want := prometheusRuleGroups(t); !reflect.DeepEqual(rule.Spec.Groups, want) {
@@ -233,7 +233,7 @@ func TestKubernetesExampleOverlay(t *testing.T) {
 	checkNetworkPolicy(t, objs, opsPort)
 }
 
-// An overlay customizes the deployment as the README shows: its own image
+// An overlay customizes the deployment as docs/deploy.md shows: its own image
 // with images:, its own worker.yaml (jobs configured without a rebuild),
 // and the label its Prometheus selects on.
 func TestKubernetesOverlayCustomizes(t *testing.T) {
@@ -280,12 +280,12 @@ jobs:
 		}
 	}
 
-	readme := readFile(t, "../../README.md")
+	readme := readFile(t, "../../docs/deploy.md")
 	for _, want := range []string{"kubectl apply -k deploy/kubernetes\n", "kubectl apply -k deploy/kubernetes/" + exampleOverlay,
 		"kubectl create secret generic worker-database", "- name: " + name, "behavior: replace",
 		"- target: {group: monitoring.coreos.com}"} {
 		if !strings.Contains(readme, want) {
-			t.Errorf("the README's Kubernetes section lacks %q", strings.TrimSpace(want))
+			t.Errorf("docs/deploy.md's Kubernetes section lacks %q", strings.TrimSpace(want))
 		}
 	}
 }
@@ -470,7 +470,7 @@ func manifestConfig(t *testing.T, pod corev1.PodSpec, cm *corev1.ConfigMap) *Con
 	vars := map[string]corev1.EnvVar{}
 	for _, e := range c.Env {
 		if strings.HasPrefix(e.Name, "APP_") && !known[e.Name] {
-			t.Errorf("%s is not a configuration key (see the README's table)", e.Name)
+			t.Errorf("%s is not a configuration key (see docs/configuration.md)", e.Name)
 		}
 		v := e.Value
 		if e.ValueFrom != nil {

@@ -401,20 +401,20 @@ func TestDashboardIsImportable(t *testing.T) {
 			t.Errorf("panel %q: %s drops the jobs that never succeeded (job_last_success_timestamp_seconds == 0)", p.Title, p.Targets[0].Expr)
 		}
 	}
-	// The README says which panels the Job variable narrows, by title.
-	readme, err := os.ReadFile("../../README.md")
+	// docs/deploy.md says which panels the Job variable narrows, by title.
+	page, err := os.ReadFile("../../docs/deploy.md")
 	if err != nil {
 		t.Fatal(err)
 	}
-	_, section, _ := strings.Cut(string(readme), "\n### Dashboard\n")
-	section, _, _ = strings.Cut(section, "\n### ")
+	_, section, _ := strings.Cut(string(page), "\n## Dashboard\n")
+	section, _, _ = strings.Cut(section, "\n## ")
 	for _, title := range byJobName {
 		if !strings.Contains(section, "*"+title+"*") {
-			t.Errorf("the README's Dashboard section does not name %q among the panels the Job variable narrows", title)
+			t.Errorf("docs/deploy.md's Dashboard section does not name %q among the panels the Job variable narrows", title)
 		}
 	}
 	if len(byJobName) == 0 || strings.Contains(section, "narrow every panel") {
-		t.Errorf("panels %v use $job_name; the README's Dashboard section must say which, not every panel", byJobName)
+		t.Errorf("panels %v use $job_name; docs/deploy.md's Dashboard section must say which, not every panel", byJobName)
 	}
 	for _, want := range []string{"Jobs", "Lock", "Outbox", "Process"} {
 		if !slices.Contains(rows, want) {

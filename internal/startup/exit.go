@@ -7,7 +7,7 @@ import (
 	"github.com/worker-dev/worker/internal/obs"
 )
 
-// Exit codes (sysexits), as documented in the README.
+// Exit codes (sysexits), as documented in docs/operations.md.
 const (
 	ExitOK          = 0
 	ExitInterrupted = 1  // a second signal during shutdown, or a signal to an operator command

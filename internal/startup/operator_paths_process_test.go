@@ -32,7 +32,7 @@ func checkLogLines(t *testing.T, out string) []map[string]any {
 	return lines
 }
 
-// The README: instance_id on every line, the first line is "worker
+// docs/operations.md: instance_id on every line, the first line is "worker
 // starting", and a misspelt APP_* variable is warned about. Ctrl-C (SIGINT)
 // stops the worker with exit 0, as SIGTERM does: `go run` exiting 1 after
 // Ctrl-C is go run's own doing (golang/go#40467).

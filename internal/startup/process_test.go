@@ -316,7 +316,7 @@ func TestUnreachableDatabaseExits69WithoutPassword(t *testing.T) {
 		t.Errorf("gave up after %s, before the %s budget was spent", took, budget)
 	}
 	out := p.out.String()
-	// The README: URLs in messages have their password, user and query
+	// docs/configuration.md: URLs in messages have their password, user and query
 	// string masked.
 	for _, secret := range []string{"hunter2", "app:", "user=app", "sslmode"} {
 		if strings.Contains(out, secret) {

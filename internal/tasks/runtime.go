@@ -38,7 +38,7 @@ type Options struct {
 // tasks running at the moment: each holds one for its run, and waits for
 // one when all are taken (http and go tasks hold none of these while they
 // run). A fixed size, rather than one connection per worker, keeps a
-// replica within its connection budget whatever max_workers says (README,
+// replica within its connection budget whatever max_workers says (docs/operations.md,
 // "Connections"). River's LISTEN connection is taken from the pool and
 // hijacked, so the server sees one more connection than this.
 const riverPoolConns = 4

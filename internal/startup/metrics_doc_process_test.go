@@ -14,30 +14,25 @@ import (
 	"github.com/worker-dev/worker/internal/testkit"
 )
 
-// readmeMetricRow is one row of the README's metrics table.
-type readmeMetricRow struct {
-	line   int      // in README.md
+// metricsDocRow is one row of docs/metrics.md's table.
+type metricsDocRow struct {
+	line   int      // in docs/metrics.md
 	labels []string // sorted
 }
 
-// readmeMetricRows reads the README's metrics table: each metric with the
+// metricsDocRows reads docs/metrics.md's table: each metric with the
 // rows that name it (more than one is a mistake the caller reports).
-func readmeMetricRows(t *testing.T) map[string][]readmeMetricRow {
+func metricsDocRows(t *testing.T) map[string][]metricsDocRow {
 	t.Helper()
-	b, err := os.ReadFile("../../README.md")
+	b, err := os.ReadFile("../../docs/metrics.md")
 	if err != nil {
 		t.Fatal(err)
 	}
 	backticked := regexp.MustCompile("`([a-z_]+)`")
-	rows := map[string][]readmeMetricRow{}
-	inSection := false
+	rows := map[string][]metricsDocRow{}
 	for i, line := range strings.Split(string(b), "\n") {
-		if strings.HasPrefix(line, "## ") {
-			inSection = line == "## Metrics"
-			continue
-		}
 		cols := strings.Split(line, "|")
-		if !inSection || len(cols) < 4 || !strings.HasPrefix(strings.TrimSpace(cols[1]), "`") {
+		if len(cols) < 4 || !strings.HasPrefix(strings.TrimSpace(cols[1]), "`") {
 			continue
 		}
 		labels := []string{}
@@ -46,19 +41,19 @@ func readmeMetricRows(t *testing.T) map[string][]readmeMetricRow {
 		}
 		slices.Sort(labels)
 		name := strings.Trim(strings.TrimSpace(cols[1]), "`")
-		rows[name] = append(rows[name], readmeMetricRow{line: i + 1, labels: labels})
+		rows[name] = append(rows[name], metricsDocRow{line: i + 1, labels: labels})
 	}
 	if len(rows) < 20 {
-		t.Fatalf("read %d rows from the README's metrics table", len(rows))
+		t.Fatalf("read %d rows from docs/metrics.md's table", len(rows))
 	}
 	return rows
 }
 
-// The README's metrics table is the worker's metrics: every family a worker
+// docs/metrics.md's table is the worker's metrics: every family a worker
 // with every part running exports (the Go, process and HTTP handler
 // collectors' aside) has exactly one row, with exactly its labels, and
 // every row is a metric it exports.
-func TestReadmeMetricsTableMatchesTheWorker(t *testing.T) {
+func TestMetricsDocMatchesTheWorker(t *testing.T) {
 	t.Parallel()
 	db := pgtest.New(t)
 	cfg := writeConfig(t, `jobs:
@@ -79,7 +74,7 @@ tasks:
 		return families["outbox_pending_size"] != nil && families["outbox_publisher_lag_seconds"] != nil && families["tasks"] != nil
 	})
 
-	rows := readmeMetricRows(t)
+	rows := metricsDocRows(t)
 	var missing, wrong, extra, twice []string
 	for _, name := range slices.Sorted(maps.Keys(families)) {
 		if strings.HasPrefix(name, "go_") || strings.HasPrefix(name, "process_") || strings.HasPrefix(name, "promhttp_") {
@@ -91,12 +86,12 @@ tasks:
 		case !ok:
 			missing = append(missing, fmt.Sprintf("| `%s` | %s | ... |", name, backtickList(labels)))
 		case len(doc) == 1 && !slices.Equal(doc[0].labels, labels):
-			wrong = append(wrong, fmt.Sprintf("README.md:%d: %s has the labels %v in the table, %v in /metrics", doc[0].line, name, doc[0].labels, labels))
+			wrong = append(wrong, fmt.Sprintf("docs/metrics.md:%d: %s has the labels %v in the table, %v in /metrics", doc[0].line, name, doc[0].labels, labels))
 		}
 	}
 	for _, name := range slices.Sorted(maps.Keys(rows)) {
 		if _, ok := families[name]; !ok {
-			extra = append(extra, fmt.Sprintf("README.md:%d: %s", rows[name][0].line, name))
+			extra = append(extra, fmt.Sprintf("docs/metrics.md:%d: %s", rows[name][0].line, name))
 		}
 		if len(rows[name]) > 1 {
 			var lines []string
@@ -110,9 +105,9 @@ tasks:
 		what string
 		list []string
 	}{
-		{"metrics the worker exports without a row in the README's metrics table (add these rows)", missing},
-		{"rows of the README's metrics table naming metrics the worker does not export (remove or rename them)", extra},
-		{"metrics with more than one row in the README's metrics table (keep one)", twice},
+		{"metrics the worker exports without a row in docs/metrics.md's table (add these rows)", missing},
+		{"rows of docs/metrics.md's table naming metrics the worker does not export (remove or rename them)", extra},
+		{"metrics with more than one row in docs/metrics.md's table (keep one)", twice},
 		{"rows whose labels differ from the exported ones", wrong},
 	} {
 		if len(problem.list) > 0 {
