@@ -25,7 +25,7 @@ apt_install() {
     as_root apt-get update -qq
     apt_updated=1
   fi
-  echo "installing $* with apt-get"
+  echo "installing $* with apt-get" >&2
   DEBIAN_FRONTEND=noninteractive as_root apt-get install -y -qq "$@" >/dev/null
 }
 
@@ -55,7 +55,7 @@ ensure_postgres() {
       as_root sed -i '1i host all postgres 127.0.0.1/32 trust\nhost all postgres ::1/128 trust' \
         "/etc/postgresql/$v/main/pg_hba.conf"
     fi
-    echo "starting PostgreSQL $v"
+    echo "starting PostgreSQL $v" >&2
     as_root pg_ctlcluster --skip-systemctl-redirect "$v" main start 2>/dev/null ||
       as_root pg_ctlcluster --skip-systemctl-redirect "$v" main reload || true
   done
@@ -72,7 +72,7 @@ ensure_rabbitmq() {
   command -v rabbitmq-server >/dev/null || BREW_HINT="rabbitmq && brew services start rabbitmq" apt_install rabbitmq-server
   # The package's install may have started it already.
   if ! rabbit_ready; then
-    echo "starting RabbitMQ"
+    echo "starting RabbitMQ" >&2
     as_root rabbitmq-server -detached
   fi
   wait_for 60 rabbit_ready || { echo "error: RabbitMQ did not start on 127.0.0.1:5672" >&2; exit 1; }
@@ -93,7 +93,7 @@ ensure_promtool() {
     echo "error: promtool is missing; install Prometheus's promtool (on macOS: brew install prometheus), then run this again." >&2
     exit 1
   fi
-  echo "extracting promtool from Debian's prometheus package"
+  echo "extracting promtool from Debian's prometheus package"  >&2
   local tmp
   tmp=$(mktemp -d)
   chmod 0755 "$tmp" # apt's download user must be able to write there
