@@ -31,6 +31,14 @@ func TestSinkTableValidates(t *testing.T) {
 		{[]string{"APP_OUTBOX_SINK=nats", "APP_OUTBOX_NATS_PUBLISH_TIMEOUT=15s"}, "outbox.in_flight_timeout=30s: want at least 2.5 x the nats sink's publish timeout (15s)"},
 		{[]string{"APP_OUTBOX_SINK=nats", "APP_OUTBOX_NATS_SUBJECT={prefix}.{aggregate}"}, `APP_OUTBOX_NATS_SUBJECT="{prefix}.{aggregate}": unknown placeholder {aggregate}`},
 		{[]string{"APP_OUTBOX_SINK=nats", "APP_OUTBOX_NATS_SUBJECT_PREFIX=a.>"}, `APP_OUTBOX_NATS_SUBJECT_PREFIX="a.>"`},
+		// The subject's first token is the operator's: an event value there
+		// could reach the server's own subjects ($JS.API..., _INBOX...).
+		{[]string{"APP_OUTBOX_SINK=nats", "APP_OUTBOX_NATS_SUBJECT={aggregate_type}.{aggregate_id}.{event_type}"},
+			`APP_OUTBOX_NATS_SUBJECT="{aggregate_type}.{aggregate_id}.{event_type}": the first token must be literal text`},
+		{[]string{"APP_OUTBOX_SINK=nats", "APP_OUTBOX_NATS_SUBJECT=_INBOX.{aggregate_type}"},
+			`APP_OUTBOX_NATS_SUBJECT="_INBOX.{aggregate_type}": the subject's first token "_INBOX" starts with "_": want one that starts with neither '$'`},
+		{[]string{"APP_OUTBOX_SINK=nats", "APP_OUTBOX_NATS_SUBJECT_PREFIX=$JS"},
+			`APP_OUTBOX_NATS_SUBJECT_PREFIX="$JS": the subject's first token "$JS" starts with "$"`},
 		{[]string{"APP_OUTBOX_SINK=nats", "APP_OUTBOX_NATS_TOKEN=t", "APP_OUTBOX_NATS_CREDS_FILE=/c"}, "user, token, nkey_seed_file and creds_file are alternatives"},
 		{[]string{"APP_OUTBOX_SINK=nats", "APP_OUTBOX_NATS_MAX_PENDING=0"}, "APP_OUTBOX_NATS_MAX_PENDING=0: want at least 1"},
 	} {
