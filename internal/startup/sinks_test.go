@@ -25,6 +25,10 @@ func TestSinkTableValidates(t *testing.T) {
 		{[]string{"APP_OUTBOX_SINK=rabbitmq", "APP_OUTBOX_RABBITMQ_PUBLISH_TIMEOUT=13s"}, "2.5 x the rabbitmq sink's publish timeout (13s)"},
 		{[]string{"APP_OUTBOX_SINK=rabbitmq", "APP_OUTBOX_RABBITMQ_ROUTING_KEY={type}"}, `APP_OUTBOX_RABBITMQ_ROUTING_KEY="{type}": unknown placeholder`},
 		{[]string{"APP_OUTBOX_SINK=rabbitmq", "APP_OUTBOX_RABBITMQ_URL=http://x"}, `APP_OUTBOX_RABBITMQ_URL="http://x"`},
+		// On the default exchange the routing key is a queue's name: an event
+		// value at its start would choose the queue.
+		{[]string{"APP_OUTBOX_SINK=rabbitmq", "APP_OUTBOX_RABBITMQ_EXCHANGE="},
+			`outbox.rabbitmq.routing_key="{aggregate_type}.{event_type}": with the default exchange (APP_OUTBOX_RABBITMQ_EXCHANGE="") the routing key is a queue's name, so it must start with literal text`},
 		{[]string{"APP_OUTBOX_SINK=rabbitmq", "APP_OUTBOX_RABBITMQ_DECLARE_EXCHANGE=true", "APP_OUTBOX_RABBITMQ_EXCHANGE_TYPE=fan"}, `APP_OUTBOX_RABBITMQ_EXCHANGE_TYPE="fan"`},
 		{[]string{"APP_OUTBOX_SINK=webhook"}, "outbox.webhook.url is empty"},
 		{[]string{"APP_OUTBOX_SINK=webhook", "APP_OUTBOX_WEBHOOK_URL=http://x", "APP_OUTBOX_WEBHOOK_TIMEOUT=20s"}, "outbox.in_flight_timeout=30s: want at least 2.5 x the webhook sink's publish timeout (20s)"},
