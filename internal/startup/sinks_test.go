@@ -21,6 +21,8 @@ func TestSinkTableValidates(t *testing.T) {
 		{[]string{"APP_OUTBOX_SINK=kafkaa"}, `APP_OUTBOX_SINK="kafkaa": want one of kafka, log, nats, rabbitmq, river, webhook`},
 		{[]string{"APP_OUTBOX_SINK=kafka", "APP_OUTBOX_KAFKA_TOPIC=a/{aggregate_type}"}, `APP_OUTBOX_KAFKA_TOPIC="a/{aggregate_type}"`},
 		{[]string{"APP_OUTBOX_SINK=kafka", "APP_OUTBOX_KAFKA_SASL_MECHANISM=GSSAPI"}, `APP_OUTBOX_KAFKA_SASL_MECHANISM="GSSAPI"`},
+		{[]string{"APP_OUTBOX_SINK=kafka", "APP_OUTBOX_KAFKA_TOPIC=__{aggregate_type}"},
+			`APP_OUTBOX_KAFKA_TOPIC="__{aggregate_type}": want a topic that starts with neither '_' nor '.': names starting with "__" are Kafka's own`},
 		{[]string{"APP_OUTBOX_SINK=kafka", "APP_OUTBOX_KAFKA_PUBLISH_TIMEOUT=20s"}, "2.5 x the kafka sink's publish timeout (20s)"},
 		{[]string{"APP_OUTBOX_SINK=rabbitmq", "APP_OUTBOX_RABBITMQ_PUBLISH_TIMEOUT=13s"}, "2.5 x the rabbitmq sink's publish timeout (13s)"},
 		{[]string{"APP_OUTBOX_SINK=rabbitmq", "APP_OUTBOX_RABBITMQ_ROUTING_KEY={type}"}, `APP_OUTBOX_RABBITMQ_ROUTING_KEY="{type}": unknown placeholder`},
