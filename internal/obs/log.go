@@ -13,14 +13,17 @@ import (
 // NewLogger builds the process logger. Every line carries instance_id, and
 // every string value passes through Mask, so a DSN password or a registered
 // secret cannot reach the output even if a caller logs it by mistake.
+// Durations read as Go's duration strings (see DurationText).
 func NewLogger(w io.Writer, format, level, instanceID string, secrets ...string) (*slog.Logger, error) {
 	var lv slog.Level
 	if err := lv.UnmarshalText([]byte(level)); err != nil {
 		return nil, fmt.Errorf("log level %q: want debug, info, warn or error", level)
 	}
 	m := NewMasker(secrets...)
-	opts := &slog.HandlerOptions{Level: lv, ReplaceAttr: func(_ []string, a slog.Attr) slog.Attr {
+	opts := &slog.HandlerOptions{Level: lv, ReplaceAttr: func(groups []string, a slog.Attr) slog.Attr {
 		switch a.Value.Kind() {
+		case slog.KindDuration:
+			a = DurationText(groups, a)
 		case slog.KindString:
 			a.Value = slog.StringValue(m.Mask(a.Value.String()))
 		case slog.KindAny:
@@ -48,6 +51,20 @@ func NewLogger(w io.Writer, format, level, instanceID string, secrets ...string)
 		return log, nil
 	}
 	return log.With("instance_id", instanceID), nil
+}
+
+// DurationText is a ReplaceAttr that writes a duration as Go's duration
+// string ("5s", "168h0m0s"). The JSON handler writes integer nanoseconds
+// (5000000000), which a reader takes for seconds or milliseconds, and which
+// differs from the lines that log a duration's String() and from every
+// duration in the configuration. It holds for slog.Duration and for a
+// time.Duration given as a key-value pair alike: slog turns both into
+// KindDuration.
+func DurationText(_ []string, a slog.Attr) slog.Attr {
+	if a.Value.Kind() == slog.KindDuration {
+		a.Value = slog.StringValue(a.Value.Duration().String())
+	}
+	return a
 }
 
 // Masker removes secrets from text: the user information and query string

@@ -8,6 +8,7 @@ import (
 	"log/slog"
 	"strings"
 	"testing"
+	"time"
 )
 
 // Secrets must not reach a log line however a caller hands them over.
@@ -102,5 +103,53 @@ func TestMaskDSN(t *testing.T) {
 		if again := MaskDSN(want); again != want {
 			t.Errorf("MaskDSN is not idempotent on %q: %q", want, again)
 		}
+	}
+}
+
+// Every duration reads as Go's duration string, however it was handed
+// over: the JSON handler alone writes integer nanoseconds.
+func TestLoggerWritesDurationsAsText(t *testing.T) {
+	var buf bytes.Buffer
+	log, err := NewLogger(&buf, "json", "info", "i")
+	if err != nil {
+		t.Fatal(err)
+	}
+	log.Warn("attr", slog.Duration("probe_backoff_max", 5*time.Second))
+	log.Warn("pair", "retry_in", 1500*time.Millisecond)
+	log.Warn("any", slog.Any("open_for", 168*time.Hour))
+	log.With("delay", time.Minute).Warn("with", slog.Group("g", "down_for", 250*time.Microsecond))
+	log.LogAttrs(t.Context(), slog.LevelWarn, "attrs", slog.Duration("zero", 0))
+
+	want := map[string]map[string]any{
+		"attr":  {"probe_backoff_max": "5s"},
+		"pair":  {"retry_in": "1.5s"},
+		"any":   {"open_for": "168h0m0s"},
+		"with":  {"delay": "1m0s", "g": map[string]any{"down_for": "250µs"}},
+		"attrs": {"zero": "0s"},
+	}
+	lines := strings.Split(strings.TrimSpace(buf.String()), "\n")
+	if len(lines) != len(want) {
+		t.Fatalf("want %d lines, got:\n%s", len(want), buf.String())
+	}
+	for _, l := range lines {
+		var m map[string]any
+		if err := json.Unmarshal([]byte(l), &m); err != nil {
+			t.Fatalf("not JSON: %s", l)
+		}
+		for k, v := range want[m["msg"].(string)] {
+			if fmt.Sprint(m[k]) != fmt.Sprint(v) {
+				t.Errorf("%s: %q is %#v, want %#v", l, k, m[k], v)
+			}
+		}
+	}
+
+	buf.Reset()
+	text, err := NewLogger(&buf, "text", "info", "i")
+	if err != nil {
+		t.Fatal(err)
+	}
+	text.Warn("text", "retry_in", 5*time.Second)
+	if !strings.Contains(buf.String(), "retry_in=5s") {
+		t.Errorf("text line: %s", buf.String())
 	}
 }

@@ -117,8 +117,8 @@ func TestNATSSinkWorker(t *testing.T) {
 }
 
 // A broker that stays unreachable exits 69 after connect_timeout, naming
-// the knob and hiding the password; a missing stream exits 78 naming the
-// key.
+// the knob and hiding the password; a missing stream, or a subject template
+// whose first token an event could choose, exits 78 naming the key.
 func TestNATSSinkStartFailures(t *testing.T) {
 	t.Parallel()
 	t.Run("unreachable", func(t *testing.T) {
@@ -151,6 +151,20 @@ func TestNATSSinkStartFailures(t *testing.T) {
 		}
 		if !strings.Contains(p.out.String(), "outbox.nats.stream") {
 			t.Errorf("the key is not named:\n%s", p.out.String())
+		}
+	})
+	t.Run("subject template reaching the server's subjects", func(t *testing.T) {
+		t.Parallel()
+		db := pgtest.New(t)
+		srv := startNATS(t, server.RANDOM_PORT, t.TempDir())
+		p := startWorker(t, []string{"APP_DATABASE_URL=" + db.URL, "APP_OUTBOX_SINK=nats", "APP_OUTBOX_NATS_URL=" + srv.ClientURL(),
+			"APP_OUTBOX_NATS_USER=relay", "APP_OUTBOX_NATS_PASSWORD=" + natsPassword, "APP_OUTBOX_NATS_CREATE_STREAM=true",
+			"APP_OUTBOX_NATS_SUBJECT={aggregate_type}.{aggregate_id}.{event_type}"})
+		if code := p.exitCode(t, 20*time.Second); code != 78 {
+			t.Fatalf("exit %d, want 78", code)
+		}
+		if out := p.out.String(); !strings.Contains(out, `APP_OUTBOX_NATS_SUBJECT=\"{aggregate_type}.{aggregate_id}.{event_type}\": the first token must be literal text`) {
+			t.Errorf("want the key and the rule named:\n%s", out)
 		}
 	})
 	t.Run("refused", func(t *testing.T) {

@@ -21,16 +21,30 @@ func TestSinkTableValidates(t *testing.T) {
 		{[]string{"APP_OUTBOX_SINK=kafkaa"}, `APP_OUTBOX_SINK="kafkaa": want one of kafka, log, nats, rabbitmq, river, webhook`},
 		{[]string{"APP_OUTBOX_SINK=kafka", "APP_OUTBOX_KAFKA_TOPIC=a/{aggregate_type}"}, `APP_OUTBOX_KAFKA_TOPIC="a/{aggregate_type}"`},
 		{[]string{"APP_OUTBOX_SINK=kafka", "APP_OUTBOX_KAFKA_SASL_MECHANISM=GSSAPI"}, `APP_OUTBOX_KAFKA_SASL_MECHANISM="GSSAPI"`},
+		{[]string{"APP_OUTBOX_SINK=kafka", "APP_OUTBOX_KAFKA_TOPIC=__{aggregate_type}"},
+			`APP_OUTBOX_KAFKA_TOPIC="__{aggregate_type}": want a topic that starts with neither '_' nor '.': names starting with "__" are Kafka's own`},
 		{[]string{"APP_OUTBOX_SINK=kafka", "APP_OUTBOX_KAFKA_PUBLISH_TIMEOUT=20s"}, "2.5 x the kafka sink's publish timeout (20s)"},
 		{[]string{"APP_OUTBOX_SINK=rabbitmq", "APP_OUTBOX_RABBITMQ_PUBLISH_TIMEOUT=13s"}, "2.5 x the rabbitmq sink's publish timeout (13s)"},
 		{[]string{"APP_OUTBOX_SINK=rabbitmq", "APP_OUTBOX_RABBITMQ_ROUTING_KEY={type}"}, `APP_OUTBOX_RABBITMQ_ROUTING_KEY="{type}": unknown placeholder`},
 		{[]string{"APP_OUTBOX_SINK=rabbitmq", "APP_OUTBOX_RABBITMQ_URL=http://x"}, `APP_OUTBOX_RABBITMQ_URL="http://x"`},
+		// On the default exchange the routing key is a queue's name: an event
+		// value at its start would choose the queue.
+		{[]string{"APP_OUTBOX_SINK=rabbitmq", "APP_OUTBOX_RABBITMQ_EXCHANGE="},
+			`outbox.rabbitmq.routing_key="{aggregate_type}.{event_type}": with the default exchange (APP_OUTBOX_RABBITMQ_EXCHANGE="") the routing key is a queue's name, so it must start with literal text`},
 		{[]string{"APP_OUTBOX_SINK=rabbitmq", "APP_OUTBOX_RABBITMQ_DECLARE_EXCHANGE=true", "APP_OUTBOX_RABBITMQ_EXCHANGE_TYPE=fan"}, `APP_OUTBOX_RABBITMQ_EXCHANGE_TYPE="fan"`},
 		{[]string{"APP_OUTBOX_SINK=webhook"}, "outbox.webhook.url is empty"},
 		{[]string{"APP_OUTBOX_SINK=webhook", "APP_OUTBOX_WEBHOOK_URL=http://x", "APP_OUTBOX_WEBHOOK_TIMEOUT=20s"}, "outbox.in_flight_timeout=30s: want at least 2.5 x the webhook sink's publish timeout (20s)"},
 		{[]string{"APP_OUTBOX_SINK=nats", "APP_OUTBOX_NATS_PUBLISH_TIMEOUT=15s"}, "outbox.in_flight_timeout=30s: want at least 2.5 x the nats sink's publish timeout (15s)"},
 		{[]string{"APP_OUTBOX_SINK=nats", "APP_OUTBOX_NATS_SUBJECT={prefix}.{aggregate}"}, `APP_OUTBOX_NATS_SUBJECT="{prefix}.{aggregate}": unknown placeholder {aggregate}`},
 		{[]string{"APP_OUTBOX_SINK=nats", "APP_OUTBOX_NATS_SUBJECT_PREFIX=a.>"}, `APP_OUTBOX_NATS_SUBJECT_PREFIX="a.>"`},
+		// The subject's first token is the operator's: an event value there
+		// could reach the server's own subjects ($JS.API..., _INBOX...).
+		{[]string{"APP_OUTBOX_SINK=nats", "APP_OUTBOX_NATS_SUBJECT={aggregate_type}.{aggregate_id}.{event_type}"},
+			`APP_OUTBOX_NATS_SUBJECT="{aggregate_type}.{aggregate_id}.{event_type}": the first token must be literal text`},
+		{[]string{"APP_OUTBOX_SINK=nats", "APP_OUTBOX_NATS_SUBJECT=_INBOX.{aggregate_type}"},
+			`APP_OUTBOX_NATS_SUBJECT="_INBOX.{aggregate_type}": the subject's first token "_INBOX" starts with "_": want one that starts with neither '$'`},
+		{[]string{"APP_OUTBOX_SINK=nats", "APP_OUTBOX_NATS_SUBJECT_PREFIX=$JS"},
+			`APP_OUTBOX_NATS_SUBJECT_PREFIX="$JS": the subject's first token "$JS" starts with "$"`},
 		{[]string{"APP_OUTBOX_SINK=nats", "APP_OUTBOX_NATS_TOKEN=t", "APP_OUTBOX_NATS_CREDS_FILE=/c"}, "user, token, nkey_seed_file and creds_file are alternatives"},
 		{[]string{"APP_OUTBOX_SINK=nats", "APP_OUTBOX_NATS_MAX_PENDING=0"}, "APP_OUTBOX_NATS_MAX_PENDING=0: want at least 1"},
 	} {

@@ -14,6 +14,8 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/worker-dev/worker/internal/obs"
 )
 
 // LogBuffer collects log output from several goroutines: slog handlers and
@@ -37,9 +39,11 @@ func (b *LogBuffer) String() string {
 
 // Logger returns a debug-level JSON slog.Logger writing into b. Tests log
 // into a buffer rather than t.Log because background goroutines may still
-// log for a moment after a test returns.
+// log for a moment after a test returns. Durations are written as the
+// process logger writes them (obs.DurationText), so tests read what
+// operators read.
 func (b *LogBuffer) Logger() *slog.Logger {
-	return slog.New(slog.NewJSONHandler(b, &slog.HandlerOptions{Level: slog.LevelDebug}))
+	return slog.New(slog.NewJSONHandler(b, &slog.HandlerOptions{Level: slog.LevelDebug, ReplaceAttr: obs.DurationText}))
 }
 
 // Lines returns the JSON log lines whose msg is msg ("" for all). Numbers

@@ -130,6 +130,21 @@ func (t *Template) Render(e outbox.Event) string {
 	return b.String()
 }
 
+// Prefix returns the literal text before the first event placeholder, and
+// whether the template has no event placeholder at all. That text is the
+// part of every name no event can choose, which is what a sink checks
+// against the names its broker keeps for itself.
+func (t *Template) Prefix() (text string, literal bool) {
+	var b strings.Builder
+	for _, p := range t.parts {
+		if p.field != nil {
+			return b.String(), false
+		}
+		b.WriteString(p.text)
+	}
+	return b.String(), true
+}
+
 // Pattern returns the template with every event placeholder replaced by
 // wildcard, for a check or a filter that must match every rendered name.
 func (t *Template) Pattern(wildcard string) string {

@@ -21,3 +21,27 @@ func TestAttributeKeysNameEveryAttribute(t *testing.T) {
 		}
 	}
 }
+
+// Prefix is the text before the first event value: fixed values count as
+// literal text.
+func TestTemplatePrefix(t *testing.T) {
+	t.Parallel()
+	for _, c := range []struct {
+		text, prefix string
+		literal      bool
+	}{
+		{"{prefix}.{aggregate_type}.{event_type}", "outbox.", false},
+		{"{aggregate_type}.{event_type}", "", false},
+		{"a{prefix}b{event_type}.c", "aoutboxb", false},
+		{"fixed.name", "fixed.name", true},
+		{"{prefix}", "outbox", true},
+	} {
+		tmpl, err := ParseTemplate("k", c.text, map[string]string{"prefix": "outbox"}, func(v string) string { return v })
+		if err != nil {
+			t.Fatal(err)
+		}
+		if prefix, literal := tmpl.Prefix(); prefix != c.prefix || literal != c.literal {
+			t.Errorf("%q: Prefix() = %q, %v; want %q, %v", c.text, prefix, literal, c.prefix, c.literal)
+		}
+	}
+}

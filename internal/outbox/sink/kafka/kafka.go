@@ -63,6 +63,11 @@ func New(cfg outbox.KafkaConfig, opts Options) (*Sink, error) {
 	if lit := topic.Pattern("x"); strings.Trim(lit, "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-") != "" {
 		return nil, fmt.Errorf("outbox.kafka.topic=%q: want letters, digits, '.', '_' and '-' around the placeholders", cfg.Topic)
 	}
+	if prefix, _ := topic.Prefix(); prefix != "" && (prefix[0] == '_' || prefix[0] == '.') {
+		return nil, fmt.Errorf("outbox.kafka.topic=%q: want a topic that starts with neither '_' nor '.': "+
+			`names starting with "__" are Kafka's own (__consumer_offsets, __transaction_state), a leading '_' marks a platform's (_schemas), `+
+			"and Kafka reads '.' as '_' when it compares names (\".\" and \"..\" are refused outright)", cfg.Topic)
+	}
 	log := opts.Logger
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
@@ -125,14 +130,31 @@ func mechanism(c outbox.KafkaConfig) sasl.Mechanism {
 
 // TopicPart escapes one value into legal topic characters: letters,
 // digits, '.' and '-' stay, every other byte (including '_', the escape
-// character) becomes _XY (its hex), and an empty value becomes "_".
+// character) becomes _XY (its hex), and so does a leading '.'; an empty
+// value becomes "_". So a value never renders as "." or ".." (names Kafka
+// refuses), and never starts with "__", "_." or "._": Kafka reads '.' as
+// '_' when it compares names, and "__" starts its own topics.
 func TopicPart(v string) string {
 	if v == "" {
 		return "_"
 	}
-	return strings.ReplaceAll(outbox.PercentEncode(v, func(c byte) bool {
+	part := strings.ReplaceAll(outbox.PercentEncode(v, func(c byte) bool {
 		return c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z' || c >= '0' && c <= '9' || c == '.' || c == '-'
 	}), "%", "_")
+	if part[0] == '.' {
+		return "_2E" + part[1:]
+	}
+	return part
+}
+
+// reservedTopic reports whether Kafka keeps topic for itself or refuses
+// it: "." and "..", and a name starting with "__" once '.' is read as '_'
+// (Kafka's own topics, and the names that collide with them). New refuses
+// templates whose fixed start makes one, and TopicPart keeps values from
+// it; only an empty value ("_") followed by '_' or '.' still could.
+func reservedTopic(topic string) bool {
+	us := func(c byte) bool { return c == '_' || c == '.' }
+	return topic == "." || len(topic) >= 2 && us(topic[0]) && us(topic[1])
 }
 
 // Key is the record key of e: its aggregate, so all of an aggregate's
@@ -206,6 +228,9 @@ func (s *Sink) Publish(ctx context.Context, e outbox.Event) error {
 	topic := s.topic.Render(e)
 	if len(topic) > maxTopic {
 		return outbox.Permanent(fmt.Errorf("kafka: event %s: topic %q is longer than %d bytes", e.EventID, topic, maxTopic))
+	}
+	if reservedTopic(topic) {
+		return outbox.Permanent(fmt.Errorf(`kafka: event %s: topic %q is Kafka's own (it starts with "__" once '.' is read as '_'); an empty value made it`, e.EventID, topic))
 	}
 	rec := &kgo.Record{Topic: topic, Key: Key(e), Value: e.Payload, Headers: headers(e)}
 	// franz-go times a record out only between attempts; a request on the

@@ -3,6 +3,7 @@ package kafka
 import (
 	"context"
 	"errors"
+	"fmt"
 	"net"
 	"os"
 	"strconv"
@@ -270,13 +271,75 @@ func TestTopicPart(t *testing.T) {
 		"Sales Order":   "Sales_20Order",
 		"a_b/c":         "a_5Fb_2Fc",
 		"":              "_",
+		// Never Kafka's own names, nor "." or "..".
+		"__consumer_offsets": "_5F_5Fconsumer_5Foffsets",
+		".":                  "_2E",
+		"..":                 "_2E.",
+		"._x":                "_2E_5Fx",
+		"a.":                 "a.",
 	} {
 		if got := TopicPart(in); got != want {
 			t.Errorf("TopicPart(%q) = %q, want %q", in, got, want)
 		}
+		if got := TopicPart(in); reservedTopic(got) || got == ".." {
+			t.Errorf("TopicPart(%q) = %q, a name Kafka keeps or refuses", in, got)
+		}
 	}
 	if _, err := New(config("x:1", "a/{aggregate_type}"), Options{}); err == nil || !strings.Contains(err.Error(), "outbox.kafka.topic") {
 		t.Errorf("a literal '/' in the template: %v", err)
+	}
+}
+
+// A template whose fixed start is '_' or '.' is refused naming the key and
+// the rule: "__" starts Kafka's own topics, '_' a platform's, and Kafka
+// reads '.' as '_' when it compares names.
+func TestTopicTemplateStaysOutOfReservedNames(t *testing.T) {
+	t.Parallel()
+	for _, c := range []struct {
+		topic string
+		ok    bool
+	}{
+		{"{aggregate_type}", true},
+		{"{aggregate_type}.{event_type}", true},
+		{"events.{aggregate_type}", true},
+		{"a_{aggregate_type}", true},
+		{"orders", true},
+		{"__consumer_offsets", false},
+		{"__transaction_state", false},
+		{"_schemas", false},
+		{"_{aggregate_type}", false},
+		{"__{aggregate_type}", false},
+		{".{aggregate_type}", false},
+		{".", false},
+		{"..", false},
+	} {
+		_, err := New(config("x:1", c.topic), Options{})
+		want := fmt.Sprintf(`outbox.kafka.topic=%q: want a topic that starts with neither '_' nor '.': names starting with "__" are Kafka's own`, c.topic)
+		switch {
+		case c.ok && err != nil:
+			t.Errorf("%q: %v", c.topic, err)
+		case !c.ok && (err == nil || !strings.Contains(err.Error(), want)):
+			t.Errorf("%q: got %v, want an error with %q", c.topic, err, want)
+		}
+	}
+}
+
+// An empty value ("_") followed by '_' or '.' is the one way left to a
+// name starting with "__" once '.' is read as '_': such an event is
+// refused before anything is sent, and it is permanent.
+func TestReservedTopicIsPermanent(t *testing.T) {
+	t.Parallel()
+	cl := startCluster(t)
+	s := connect(t, config(cl.brokers(), "{aggregate_type}.{event_type}"))
+	e := sinktest.Event("a", 0)
+	e.AggregateType, e.EventType = "", "consumer_offsets"
+	err := s.Publish(t.Context(), e)
+	if !outbox.IsPermanent(err) || !strings.Contains(err.Error(), `topic "_.consumer_5Foffsets" is Kafka's own`) {
+		t.Errorf("got %v, want a permanent refusal naming the topic", err)
+	}
+	e.AggregateType = "order"
+	if got, want := s.Topic(e), "order.consumer_5Foffsets"; got != want {
+		t.Errorf("topic %q, want %q", got, want)
 	}
 }
 

@@ -68,6 +68,9 @@ func New(cfg outbox.NATSConfig, opts Options) (*Sink, error) {
 	if err := validSubjectText("outbox.nats.subject", tmpl.Pattern("x")); err != nil {
 		return nil, err
 	}
+	if err := checkFirstToken(cfg, tmpl); err != nil {
+		return nil, err
+	}
 	log := opts.Logger
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
@@ -104,6 +107,35 @@ func validSubjectText(key, s string) error {
 	return nil
 }
 
+// checkFirstToken refuses a subject template whose first token an event
+// could choose, or one the server keeps for itself. The server answers
+// subjects starting with '$' ($JS.API.STREAM.DELETE..., $SYS, $KV, ...),
+// and '_' starts the reply subjects (_INBOX, where publish acks come back;
+// _R_ and _GR_, the server's own). With an event value as the first
+// token, a producer's row picks among them: ('$JS', 'API', 'INFO') is a
+// JetStream API request, and a stream made for '*.*.*' also stores the
+// acks sent to inboxes. A first token written by the operator keeps every
+// event in one namespace, which the stream's filter names.
+func checkFirstToken(cfg outbox.NATSConfig, tmpl *sink.Template) error {
+	prefix, literal := tmpl.Prefix()
+	first, _, whole := strings.Cut(prefix, ".")
+	if !whole && !literal {
+		return fmt.Errorf("%s=%q: the first token must be literal text, as in the default {prefix}.{aggregate_type}.{event_type}: "+
+			"an event value there would choose the subject's namespace, the server's own ($JS.API..., _INBOX...) included",
+			"outbox.nats.subject", cfg.Subject)
+	}
+	if strings.HasPrefix(first, "$") || strings.HasPrefix(first, "_") {
+		key, value := "outbox.nats.subject", cfg.Subject
+		if strings.HasPrefix(cfg.Subject, "{prefix}") {
+			key, value = "outbox.nats.subject_prefix", cfg.SubjectPrefix
+		}
+		return fmt.Errorf("%s=%q: the subject's first token %q starts with %q: "+
+			"want one that starts with neither '$' (the server's own subjects: $JS, $SYS, $KV, ...) nor '_' (reply subjects: _INBOX, ...)",
+			key, value, first, first[:1])
+	}
+	return nil
+}
+
 // Name implements outbox.Sink.
 func (s *Sink) Name() string { return outbox.SinkNATS }
 
@@ -112,15 +144,25 @@ func (s *Sink) Subject(e outbox.Event) string { return s.subject.Render(e) }
 
 // SubjectToken escapes one value so that it stays one subject token and
 // reads the same for every consumer: '%', '.', '*', '>', whitespace,
-// control characters and non-ASCII bytes become %XY (their hex), and an
-// empty value becomes "_" (the producer rules refuse empty keys anyway).
+// control characters and non-ASCII bytes become %XY (their hex), and so do
+// a leading '$' and '_', so that no value makes a token of the server's
+// namespaces ($JS, _INBOX) wherever it lands. An empty value becomes "_"
+// (the producer rules refuse empty keys anyway), which no other value
+// renders.
 func SubjectToken(v string) string {
 	if v == "" {
 		return "_"
 	}
-	return outbox.PercentEncode(v, func(c byte) bool {
+	tok := outbox.PercentEncode(v, func(c byte) bool {
 		return c > ' ' && c < 0x7f && c != '.' && c != '*' && c != '>'
 	})
+	switch tok[0] {
+	case '$':
+		return "%24" + tok[1:]
+	case '_':
+		return "%5F" + tok[1:]
+	}
+	return tok
 }
 
 // Connect connects and checks the stream, retrying until ctx ends. Its

@@ -292,6 +292,11 @@ func TestSubjectToken(t *testing.T) {
 		"50%":           "50%25",
 		"naïve":         "na%C3%AFve",
 		"":              "_",
+		"$JS":           "%24JS",
+		"_INBOX":        "%5FINBOX",
+		"_":             "%5F",
+		"a$b_c":         "a$b_c",
+		"%24":           "%2524",
 	} {
 		if got := SubjectToken(in); got != want {
 			t.Errorf("SubjectToken(%q) = %q, want %q", in, got, want)

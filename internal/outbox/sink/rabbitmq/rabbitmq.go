@@ -102,6 +102,11 @@ func New(cfg outbox.RabbitMQConfig, opts Options) (*Sink, error) {
 	if err != nil {
 		return nil, err
 	}
+	if cfg.Exchange == "" {
+		if err := checkQueueName(cfg.RoutingKey, key); err != nil {
+			return nil, err
+		}
+	}
 	log := opts.Logger
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
@@ -129,6 +134,29 @@ func New(cfg outbox.RabbitMQConfig, opts Options) (*Sink, error) {
 		}
 	}
 	return s, nil
+}
+
+// checkQueueName refuses a routing key template that lets an event choose
+// its queue on the default exchange, where the routing key is the name of
+// the queue the message goes to. An event value at its start could pick
+// any queue of the virtual host: another application's, or a client's
+// direct reply-to (amq.rabbitmq.reply-to...), answering a request it never
+// received. Names starting with "amq." are the broker's (amq.gen-...,
+// amq.rabbitmq.reply-to), so the literal start must not make one either.
+// On any other exchange a routing key only matches that exchange's
+// bindings, which the operator chose: it reaches nothing else.
+func checkQueueName(text string, key *sink.Template) error {
+	prefix, literal := key.Prefix()
+	switch {
+	case prefix == "" && !literal:
+		return fmt.Errorf(`outbox.rabbitmq.routing_key=%q: with the default exchange (outbox.rabbitmq.exchange="") the routing key is a queue's name, `+
+			`so it must start with literal text: an event value there would choose any queue of the virtual host (amq.rabbitmq.reply-to..., another application's); `+
+			`start it with a fixed name, or publish to an exchange`, text)
+	case strings.HasPrefix(prefix, "amq.") || !literal && strings.HasPrefix("amq.", prefix):
+		return fmt.Errorf(`outbox.rabbitmq.routing_key=%q: with the default exchange (outbox.rabbitmq.exchange="") the routing key is a queue's name, `+
+			`and queue names starting with "amq." are the broker's (amq.gen-..., amq.rabbitmq.reply-to): want a literal start that cannot begin "amq."`, text)
+	}
+	return nil
 }
 
 // RoutingWord escapes one value so that it stays one word of a topic

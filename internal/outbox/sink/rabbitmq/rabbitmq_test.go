@@ -246,6 +246,40 @@ func TestRoutingWord(t *testing.T) {
 	}
 }
 
+// On the default exchange the routing key names the queue: a template
+// that lets an event choose it, or that can begin "amq.", is refused
+// naming the key and the rule. On any other exchange the key only matches
+// that exchange's bindings, and any template goes.
+func TestDefaultExchangeQueueName(t *testing.T) {
+	t.Parallel()
+	for _, c := range []struct {
+		exchange, key string
+		want          string // "" when accepted
+	}{
+		{"outbox", "{aggregate_type}.{event_type}", ""},
+		{"amq.topic", "{aggregate_type}", ""},
+		{"", "outbox.{aggregate_type}", ""},
+		{"", "orders-{aggregate_type}", ""},
+		{"", "billing", ""},
+		{"", "amqueue.{aggregate_type}", ""},
+		{"", "{aggregate_type}.{event_type}", `outbox.rabbitmq.routing_key="{aggregate_type}.{event_type}": with the default exchange (outbox.rabbitmq.exchange="") the routing key is a queue's name, so it must start with literal text`},
+		{"", "{event_type}", "must start with literal text"},
+		{"", "amq.rabbitmq.reply-to.{aggregate_id}", `outbox.rabbitmq.routing_key="amq.rabbitmq.reply-to.{aggregate_id}": with the default exchange (outbox.rabbitmq.exchange="") the routing key is a queue's name, and queue names starting with "amq." are the broker's`},
+		{"", "amq.gen-x", `queue names starting with "amq." are the broker's`},
+		{"", "a{aggregate_type}.rabbitmq.reply-to", `queue names starting with "amq." are the broker's`}, // {aggregate_type} = "mq"
+	} {
+		cfg := outbox.DefaultRabbitMQConfig()
+		cfg.Exchange, cfg.RoutingKey = c.exchange, c.key
+		_, err := New(cfg, Options{})
+		switch {
+		case c.want == "" && err != nil:
+			t.Errorf("exchange %q, key %q: %v", c.exchange, c.key, err)
+		case c.want != "" && (err == nil || !strings.Contains(err.Error(), c.want)):
+			t.Errorf("exchange %q, key %q: got %v, want an error with %q", c.exchange, c.key, err, c.want)
+		}
+	}
+}
+
 func TestConnect(t *testing.T) {
 	t.Parallel()
 	requireBroker(t)
