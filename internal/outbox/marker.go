@@ -75,8 +75,9 @@ import (
 //     cannot reconnect within markerGrace looks dead.
 //
 // in_flight_timeout remains the backstop for an owner that is alive but
-// stuck (it keeps its marker), and for events that name no marker. A
-// reclaimed event's late completion by its first owner is refused by the
+// stuck (it keeps its marker), for events that name no marker, and for a
+// relay whose death no other relay saw. Once another relay has claimed a
+// reclaimed event, a late completion by its first owner is refused by the
 // compare-and-set on token and attempts (completeSQL).
 
 const (
@@ -253,12 +254,12 @@ func (r *Relay) markerSetup(ctx context.Context, conn *pgx.Conn) error {
 	}
 	r.marker.drawn(id)
 	if !unix && (atLeast(keepIdle, wantIdle) != nil || atLeast(userTimeout, silence.Milliseconds()) != nil) {
-		r.log.Warn("outbox relay marker not taken: the server cannot be told to keep its session through a silence; events this relay detaches wait for outbox.in_flight_timeout if it dies",
+		r.log.WarnContext(ctx, "outbox relay marker not taken: the server cannot be told to keep its session through a silence; events this relay detaches wait for outbox.in_flight_timeout if it dies",
 			"tcp_keepalives_idle", keepIdle, "tcp_user_timeout", userTimeout)
 		return nil
 	}
 	if !locked {
-		r.log.Warn("outbox relay marker not taken: another session holds it exclusively; events this relay detaches wait for outbox.in_flight_timeout if it dies",
+		r.log.WarnContext(ctx, "outbox relay marker not taken: another session holds it exclusively; events this relay detaches wait for outbox.in_flight_timeout if it dies",
 			"marker", id)
 		return nil
 	}
@@ -363,7 +364,7 @@ func (r *Relay) reclaim(ctx context.Context, conn *pgx.Conn, m int64) error {
 	if err != nil || len(tokens) == 0 {
 		return err
 	}
-	r.log.Info("outbox relay gone; its detached events reclaimed", "events", len(tokens),
+	r.log.InfoContext(ctx, "outbox relay gone; its detached events reclaimed", "events", len(tokens),
 		"owner", ownerOf(tokens[0]), "marker", m)
 	r.wakeAll()
 	// The other replicas' loops may be idle, every head they saw being in
