@@ -15,14 +15,23 @@ import (
 // anyway, so while it reconnects events are late by at most poll_interval.
 // LISTEN needs a session, so behind a transaction-mode pooler point the
 // worker at PostgreSQL directly or accept polling latency.
+//
+// The same session holds the relay's marker and watches the other relays'
+// (marker.go), so it lasts until the relay has stopped: while detached
+// publishes finish after claiming stopped, the marker must stay.
 func (r *Relay) listen() {
 	defer r.background.Done()
 	cfg := r.pool.Config().ConnConfig
 	cfg.RuntimeParams["application_name"] = "outbox-listener"
 	l := pglisten.Listener{Name: "outbox listener", Config: cfg, Channel: NotifyChannel, Log: r.log,
-		Fallback: "relays poll every outbox.poll_interval"}
+		Fallback: "relays poll every outbox.poll_interval", Hooks: r.markerHooks()}
+	ctx, cancel := context.WithCancel(context.WithoutCancel(r.hardCtx))
+	go func() {
+		<-r.stopped
+		cancel()
+	}()
 	// Rows inserted while nobody listened woke nobody: wake on connect.
-	l.Run(r.claimCtx, r.wakeAll, func(string) { r.wakeAll() })
+	l.Run(ctx, r.wakeAll, func(string) { r.wakeAll() })
 }
 
 // refreshMetrics keeps the table-derived gauges current: one grouped query

@@ -59,6 +59,10 @@ type Relay struct {
 	latency atomic.Int64
 	sinkUp  *breaker // open while the sink is unavailable (breaker.go)
 
+	marker marker       // this relay's, as its detaches name it (marker.go)
+	watch  *markerWatch // the listener session's view of the markers; the listener's alone
+	looks  atomic.Int64 // looks at the markers that succeeded
+
 	mu           sync.Mutex
 	started      bool
 	hardCtx      context.Context // publishes; cancelled when the shutdown budget is gone
@@ -738,7 +742,11 @@ func (r *Relay) queueFinish(b *pgx.Batch, out *outcomes) int {
 		for i, ev := range out.detached {
 			tids[i] = ev.tid
 		}
-		b.Queue(markInFlightSQL, tids, r.cfg.InFlightTimeout.Milliseconds(), out.token)
+		if id, pid, ok := r.marker.current(); ok {
+			b.Queue(markInFlightNamedSQL, tids, r.cfg.InFlightTimeout.Milliseconds(), out.token, id, int32(pid))
+		} else {
+			b.Queue(markInFlightSQL, tids, r.cfg.InFlightTimeout.Milliseconds(), out.token)
+		}
 	}
 	var back []pgtype.TID
 	for _, ev := range out.handBack {

@@ -196,6 +196,19 @@ SET status = 'IN_FLIGHT', attempts = attempts + 1,
     next_attempt_at = clock_timestamp() + $2 * interval '1 millisecond', claimed_by = $3
 WHERE ctid = ANY($1::tid[])`
 
+	// The same, naming the relay's marker $4 after the token (token@id)
+	// only if this statement sees it held by the relay's marker session,
+	// backend $5: an event detached once the marker lapsed names none
+	// (marker.go).
+	markInFlightNamedSQL = `
+UPDATE outbox_event
+SET status = 'IN_FLIGHT', attempts = attempts + 1,
+    next_attempt_at = clock_timestamp() + $2 * interval '1 millisecond',
+    claimed_by = $3 || CASE WHEN EXISTS (SELECT 1` + markerHolders + `
+                                         AND l.objid::bigint = $4::bigint AND l.pid = $5::integer)
+                            THEN '@' || $4::bigint ELSE '' END
+WHERE ctid = ANY($1::tid[])`
+
 	// The outcomes of detached publishes, written outside any batch, many
 	// at once: one row per event with its owner token, the attempt the
 	// IN_FLIGHT write counted, the new status (PUBLISHED, FAILED, DEAD, or
@@ -204,7 +217,8 @@ WHERE ctid = ANY($1::tid[])`
 	// on id, status, owner token and attempt: if the claim expired and
 	// another relay took the event over, or a hard stop handed it back,
 	// that row changes nothing. It returns the ids it changed. $7 is
-	// claimed_by for the rows that stay claimed by this instance.
+	// claimed_by for the rows that stay claimed by this instance. The
+	// detach may have named the relay's marker after the token (token@id).
 	completeSQL = `
 UPDATE outbox_event e
 SET status = c.status,
@@ -216,7 +230,8 @@ SET status = c.status,
     claimed_by = CASE WHEN c.status = 'PENDING' THEN NULL ELSE $7 END
 FROM unnest($1::bigint[], $2::text[], $3::integer[], $4::text[], $5::bigint[], $6::text[])
      AS c(id, token, attempts, status, delay_ms, err)
-WHERE e.id = c.id AND e.status = 'IN_FLIGHT' AND e.claimed_by = c.token AND e.attempts = c.attempts
+WHERE e.id = c.id AND e.status = 'IN_FLIGHT' AND e.attempts = c.attempts
+  AND (e.claimed_by = c.token OR starts_with(e.claimed_by, c.token || '@'))
 RETURNING e.id`
 
 	// Sets up the claim transaction and reads the database clock, which

@@ -44,13 +44,15 @@ func TestStoreClaimPlansUsePartialIndexes(t *testing.T) {
 	for name, c := range map[string]struct {
 		sql, args, uses string
 	}{
-		"window":               {windowSQL, "800", "outbox_event_unfinished_idx"},
-		"lock":                 {lockSQL(false), tids + ", 10, " + tids + ", " + tids + ", 10", "Tid Scan"},
-		"lock (block_on_dead)": {lockSQL(true), tids + ", 10, " + tids + ", " + tids + ", 10", "Tid Scan"},
-		"aggregate heads":      {aggregateHeadsSQL, "'', '', 800", "outbox_event_aggregate_idx"},
-		"mark published":       {markPublishedSQL, tids + ", 'x'", "Tid Scan"},
-		"gauges":               {gaugesSQL, "", "outbox_event_unfinished_idx"},
-		"reaper":               {reapSQL, "now(), 1000", "outbox_event_published_idx"},
+		"window":                {windowSQL, "800", "outbox_event_unfinished_idx"},
+		"lock":                  {lockSQL(false), tids + ", 10, " + tids + ", " + tids + ", 10", "Tid Scan"},
+		"lock (block_on_dead)":  {lockSQL(true), tids + ", 10, " + tids + ", " + tids + ", 10", "Tid Scan"},
+		"aggregate heads":       {aggregateHeadsSQL, "'', '', 800", "outbox_event_aggregate_idx"},
+		"mark published":        {markPublishedSQL, tids + ", 'x'", "Tid Scan"},
+		"mark in flight, named": {markInFlightNamedSQL, tids + ", 1000, 'x', 1, 1", "Tid Scan"},
+		"reclaim":               {reclaimSQL, "1", "outbox_event_in_flight_idx"},
+		"gauges":                {gaugesSQL, "", "outbox_event_unfinished_idx"},
+		"reaper":                {reapSQL, "now(), 1000", "outbox_event_published_idx"},
 	} {
 		conn, err := db.Pool.Acquire(ctx)
 		if err != nil {

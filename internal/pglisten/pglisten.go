@@ -31,6 +31,24 @@ type Listener struct {
 	// Fallback tells the log reader what happens while disconnected, e.g.
 	// "waiters fall back to polling".
 	Fallback string
+	Hooks    Hooks
+}
+
+// Hooks keep session state of the caller's on the listener's connection,
+// such as a session-level advisory lock. All are optional.
+type Hooks struct {
+	// Setup runs on the connection once LISTEN succeeded, before
+	// connected. Its error ends the session.
+	Setup func(ctx context.Context, conn *pgx.Conn) error
+	// Tick runs on the connection once connected has returned, then every
+	// Every, between waits for notifications. Its error ends the session. With a Tick the session
+	// does not ping the server after idle: Tick is its health check, and
+	// bounds its own statements.
+	Tick  func(ctx context.Context, conn *pgx.Conn) error
+	Every time.Duration
+	// Ended runs when a session whose Setup returned nil ends, before its
+	// connection is closed.
+	Ended func()
 }
 
 // Run keeps a session on l.Channel until ctx ends: it calls connected each
@@ -54,7 +72,7 @@ func (l Listener) Run(ctx context.Context, connected func(), notify func(payload
 	retry.Reset()
 	var downSince time.Time // zero while connected, and before the first session
 	for ctx.Err() == nil {
-		listening, err := Session(ctx, l.Config, l.Channel, idle, func() {
+		listening, err := runSession(ctx, l.Config, l.Channel, idle, l.Hooks, func() {
 			if !downSince.IsZero() {
 				log.Info(l.Name+" reconnected", "channel", l.Channel,
 					"down_for", time.Since(downSince).Round(time.Millisecond).String())
@@ -97,6 +115,11 @@ func (l Listener) Run(ctx context.Context, connected func(), notify func(payload
 // answer: a dead connection is noticed within twice idle.
 func Session(ctx context.Context, cfg *pgx.ConnConfig, channel string, idle time.Duration,
 	connected func(), notify func(payload string)) (listening bool, err error) {
+	return runSession(ctx, cfg, channel, idle, Hooks{}, connected, notify)
+}
+
+func runSession(ctx context.Context, cfg *pgx.ConnConfig, channel string, idle time.Duration, h Hooks,
+	connected func(), notify func(payload string)) (listening bool, err error) {
 	cctx, cancel := context.WithTimeout(ctx, connectTimeout)
 	defer cancel()
 	conn, err := pgx.ConnectConfig(cctx, cfg)
@@ -111,11 +134,34 @@ func Session(ctx context.Context, cfg *pgx.ConnConfig, channel string, idle time
 	if _, err := conn.Exec(cctx, "LISTEN "+pgx.Identifier{channel}.Sanitize()); err != nil {
 		return false, fmt.Errorf("listen: %w", err)
 	}
+	if h.Setup != nil {
+		if err := h.Setup(ctx, conn); err != nil {
+			return true, fmt.Errorf("setup: %w", err)
+		}
+		if h.Ended != nil {
+			defer h.Ended() // deferred after the close above: runs first
+		}
+	}
 	connected()
+	nextTick := time.Now() // the first Tick at once
+
 	for {
+		if h.Tick != nil && !time.Now().Before(nextTick) {
+			if err := h.Tick(ctx, conn); err != nil {
+				if ctx.Err() != nil {
+					return true, ctx.Err()
+				}
+				return true, err
+			}
+			nextTick = time.Now().Add(h.Every)
+		}
+		wait := idle
+		if h.Tick != nil {
+			wait = max(time.Until(nextTick), time.Millisecond)
+		}
 		// A wait that times out leaves the connection usable: pgx keeps a
 		// read deadline error from closing it.
-		wctx, cancel := context.WithTimeout(ctx, idle)
+		wctx, cancel := context.WithTimeout(ctx, wait)
 		n, err := conn.WaitForNotification(wctx)
 		timedOut := wctx.Err() != nil
 		cancel()
@@ -126,6 +172,8 @@ func Session(ctx context.Context, cfg *pgx.ConnConfig, channel string, idle time
 			return true, ctx.Err()
 		case !timedOut:
 			return true, err
+		case h.Tick != nil:
+			// Tick is the health check.
 		default:
 			pctx, cancel := context.WithTimeout(ctx, idle)
 			err := conn.Ping(pctx)

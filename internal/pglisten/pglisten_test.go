@@ -255,3 +255,82 @@ func TestRunLogsReconnectWithDowntime(t *testing.T) {
 		t.Fatal("no notification after the reconnect")
 	}
 }
+
+// Hooks run on the session's connection: Setup once LISTEN succeeded, Tick
+// at once and then every Every, and Ended when a session whose Setup
+// succeeded ends; an error of Tick ends the session, and Run starts a new
+// one, with Setup again.
+func TestRunHooks(t *testing.T) {
+	t.Parallel()
+	db := pgtest.New(t)
+	cfg, err := pgx.ParseConfig(db.URL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var (
+		mu                    sync.Mutex
+		setups, ticks, ends   int
+		setupPID, tickPIDs    []uint32
+		connectedAfterSetup   = true
+		payloads              = make(chan string, 10)
+		ended                 = make(chan struct{})
+		ctx, cancel           = context.WithCancel(context.Background())
+		errTickEndsTheSession = errors.New("the third tick fails")
+	)
+	l := Listener{Name: "hooks listener", Config: cfg, Channel: "pglisten_test", Hooks: Hooks{
+		Setup: func(ctx context.Context, conn *pgx.Conn) error {
+			mu.Lock()
+			defer mu.Unlock()
+			setups++
+			setupPID = append(setupPID, conn.PgConn().PID())
+			return nil
+		},
+		Tick: func(ctx context.Context, conn *pgx.Conn) error {
+			mu.Lock()
+			defer mu.Unlock()
+			ticks++
+			tickPIDs = append(tickPIDs, conn.PgConn().PID())
+			if ticks == 3 {
+				return errTickEndsTheSession
+			}
+			return conn.Ping(ctx)
+		},
+		Every: 20 * time.Millisecond,
+		Ended: func() {
+			mu.Lock()
+			defer mu.Unlock()
+			ends++
+		},
+	}}
+	go func() {
+		defer close(ended)
+		l.Run(ctx, func() {
+			mu.Lock()
+			defer mu.Unlock()
+			connectedAfterSetup = connectedAfterSetup && setups > 0
+		}, func(p string) { payloads <- p })
+	}()
+	t.Cleanup(func() { cancel(); <-ended })
+	testkit.Eventually(t, 15*time.Second, "a second session ticking", func() bool {
+		mu.Lock()
+		defer mu.Unlock()
+		return setups == 2 && ticks >= 5
+	})
+	notify(t, db, "with ticks")
+	select {
+	case got := <-payloads:
+		if got != "with ticks" {
+			t.Fatalf("payload %q", got)
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("no notification between ticks")
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	if ends != 1 || !connectedAfterSetup {
+		t.Errorf("Ended ran %d times, want 1; connected after Setup: %v", ends, connectedAfterSetup)
+	}
+	if tickPIDs[0] != setupPID[0] || tickPIDs[3] != setupPID[1] || setupPID[0] == setupPID[1] {
+		t.Errorf("ticks ran on %v, sessions set up on %v: want each tick on its session's connection", tickPIDs, setupPID)
+	}
+}
