@@ -40,7 +40,7 @@ pg_ready() { pg_isready -h 127.0.0.1 -p 5432 -q 2>/dev/null; }
 # ensure_postgres makes PostgreSQL answer on 127.0.0.1:5432 for the user
 # postgres without a password, which is what the worker's default URL and
 # the tests' use. A server it installs itself is a local development
-# cluster, so it trusts connections from this machine only.
+# cluster: it trusts every role, but only from this machine.
 ensure_postgres() {
   if command -v pg_isready >/dev/null && pg_ready; then return; fi
   local installed=""
@@ -51,8 +51,9 @@ ensure_postgres() {
   local v
   for v in $(ls /etc/postgresql); do
     if [ -n "$installed" ]; then
-      # First lines win in pg_hba.conf.
-      as_root sed -i '1i host all postgres 127.0.0.1/32 trust\nhost all postgres ::1/128 trust' \
+      # First lines win in pg_hba.conf. Every role: the tests log in with
+      # roles they create.
+      as_root sed -i '1i host all all 127.0.0.1/32 trust\nhost all all ::1/128 trust' \
         "/etc/postgresql/$v/main/pg_hba.conf"
     fi
     echo "starting PostgreSQL $v" >&2
