@@ -193,19 +193,13 @@ func startLoggedRelay(t *testing.T, pool *pgxpool.Pool, sink Sink, cfg Config, i
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := r.Start(context.Background()); err != nil {
-		t.Fatal(err)
-	}
+	// Registered first, so it runs after the shutdown and shows its lines.
 	t.Cleanup(func() {
-		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-		defer cancel()
-		if err := r.Shutdown(ctx); err != nil {
-			t.Errorf("shutdown of %s: %v", instance, err)
-		}
 		if t.Failed() {
 			t.Logf("%s logs:\n%s", instance, logs.String())
 		}
 	})
+	startBuilt(t, r, instance)
 	return r, logs
 }
 

@@ -33,6 +33,13 @@ func startRelay(tb testing.TB, pool *pgxpool.Pool, sink Sink, cfg Config, reg pr
 	if err != nil {
 		tb.Fatal(err)
 	}
+	startBuilt(tb, r, "test-relay")
+	return r
+}
+
+// startBuilt starts r and shuts it down when the test ends.
+func startBuilt(tb testing.TB, r *Relay, name string) {
+	tb.Helper()
 	if err := r.Start(context.Background()); err != nil {
 		tb.Fatal(err)
 	}
@@ -40,10 +47,9 @@ func startRelay(tb testing.TB, pool *pgxpool.Pool, sink Sink, cfg Config, reg pr
 		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 		defer cancel()
 		if err := r.Shutdown(ctx); err != nil {
-			tb.Errorf("shutdown: %v", err)
+			tb.Errorf("shutdown of %s: %v", name, err)
 		}
 	})
-	return r
 }
 
 type testWriter struct{ tb testing.TB }
