@@ -1,0 +1,422 @@
+package inbox
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"log/slog"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/worker-dev/worker/internal/obs"
+)
+
+// Consumer runs one inbox source's deliveries through the inbox: claim,
+// work, settle. It is the source's Handoff. Process may be called from
+// several goroutines at once (webhook requests); each call owns its batch.
+type Consumer struct {
+	name    string
+	pool    *pgxpool.Pool
+	handler Handler
+	key     KeySpec
+	cfg     Config
+	owner   string
+	log     *slog.Logger
+	m       *Metrics
+	health  *health
+
+	// afterCommit, when set, runs after a work commit and before its
+	// deliveries are settled: the failpoint the exactly-once test kills
+	// the process at.
+	afterCommit func()
+}
+
+// NewConsumer returns the consumer of source src, claiming as owner (the
+// instance id).
+func NewConsumer(pool *pgxpool.Pool, src SourceConfig, cfg Config, h Handler, owner string, log *slog.Logger, m *Metrics) *Consumer {
+	key, _ := ParseKey(src.Key) // Config.Validate checked it
+	log = log.With("inbox_source", src.Name)
+	m.initSource(src.Name)
+	return &Consumer{
+		name: src.Name, pool: pool, handler: h, key: key, cfg: cfg, owner: owner, log: log, m: m,
+		health:      newHealth(src.Name, log, m),
+		afterCommit: failpointAfterCommit(),
+	}
+}
+
+// Up reports the source connected.
+func (c *Consumer) Up() { c.health.up() }
+
+// Down reports the source unreachable; nothing is counted against its
+// messages.
+func (c *Consumer) Down(err error) { c.health.down(err) }
+
+// claim is one message this Process call holds: RECEIVED, PROCESSING or
+// FAILED under the call's token.
+type claim struct {
+	d        *Delivery
+	attempts int // failed tries so far
+	twins    []*Delivery
+}
+
+// batchState is one Process call: its token, and its deliveries' fates.
+type batchState struct {
+	c       *Consumer
+	token   int64
+	started time.Time
+	sources []string // scratch for key arrays
+	ids     []string
+}
+
+// Process claims, works and settles batch. It returns when every delivery
+// is settled, or when ctx ends (the rest come again from the source).
+func (c *Consumer) Process(ctx context.Context, batch []*Delivery) {
+	b := &batchState{c: c, started: time.Now()}
+	for _, d := range batch {
+		d.Message.Consumer = c.name
+		if d.Invalid == nil {
+			d.Invalid = c.key.Apply(&d.Message)
+		}
+	}
+	claims, err := b.receive(ctx, batch)
+	if err != nil {
+		c.databaseTrouble(err)
+		for _, d := range batch {
+			b.settle(ctx, d, Busy, c.cfg.BackoffBase)
+		}
+		return
+	}
+	failures := 0
+	for len(claims) > 0 && ctx.Err() == nil {
+		next, wait, err := b.round(ctx, claims)
+		if err != nil {
+			// The database, not the messages: their work rolled back, and
+			// no attempt is spent. Retry while the claim could still be ours.
+			c.databaseTrouble(err)
+			failures++
+			wait = obs.FullJitter(c.cfg.BackoffBase, c.cfg.BackoffMax, failures)
+			if time.Since(b.started)+wait > c.cfg.LeaseTTL*2/3 {
+				for _, cl := range claims {
+					b.settleClaim(ctx, cl, Busy, c.cfg.LeaseTTL)
+				}
+				return
+			}
+			next = claims
+		}
+		claims = next
+		if len(claims) > 0 && !sleep(ctx, wait) {
+			return
+		}
+	}
+}
+
+// receive claims the batch's messages in one transaction and settles, once
+// it commits, the deliveries it decided: duplicates, dead letters, busy
+// ones and those now waiting for an operator. It returns the rest,
+// claimed, in the source's order.
+func (b *batchState) receive(ctx context.Context, batch []*Delivery) ([]*claim, error) {
+	c := b.c
+	// One claim per key: a key twice in one batch (the relay published it
+	// twice) is settled like its first delivery.
+	byKey := map[[2]string]*claim{}
+	var claims []*claim
+	var valid, invalid []*Delivery
+	for _, d := range batch {
+		s, i := d.key()
+		if first, ok := byKey[[2]string{s, i}]; ok {
+			first.twins = append(first.twins, d)
+			continue
+		}
+		cl := &claim{d: d}
+		byKey[[2]string{s, i}] = cl
+		claims = append(claims, cl)
+		if d.Invalid != nil {
+			invalid = append(invalid, d)
+		} else {
+			valid = append(valid, d)
+		}
+	}
+
+	type decided struct {
+		cl      *claim
+		outcome Outcome
+		after   time.Duration
+	}
+	var settled []decided
+	owned := map[*claim]bool{}
+	var recovered []string
+
+	err := pgx.BeginFunc(ctx, c.pool, func(tx pgx.Tx) error {
+		settled, recovered = settled[:0], recovered[:0]
+		clear(owned)
+		if err := tx.QueryRow(ctx, `SELECT nextval('inbox_lease_token_seq')`).Scan(&b.token); err != nil {
+			return err
+		}
+		inserted := map[[2]string]bool{}
+		if len(valid) > 0 {
+			s, i := keyArrays(valid)
+			ok, ty, og, h, body := make([]string, len(valid)), make([]string, len(valid)), make([]string, len(valid)), make([]json.RawMessage, len(valid)), make([][]byte, len(valid))
+			for n, d := range valid {
+				ok[n], ty[n], og[n], h[n], body[n] = d.Message.OrderKey, d.Message.Type, d.Message.Origin, headersJSON(d.Message.Headers), d.Message.Body
+			}
+			if err := collectKeys(ctx, tx, inserted, insertReceived, c.name, s, i, c.owner, b.token, c.cfg.LeaseTTL, ok, ty, og, h, body); err != nil {
+				return err
+			}
+		}
+		if len(invalid) > 0 {
+			s, i := keyArrays(invalid)
+			e, og, h, body := make([]string, len(invalid)), make([]string, len(invalid)), make([]json.RawMessage, len(invalid)), make([][]byte, len(invalid))
+			for n, d := range invalid {
+				e[n], og[n], h[n], body[n] = d.Invalid.Error(), d.Message.Origin, headersJSON(d.Message.Headers), d.Message.Body
+			}
+			if err := collectKeys(ctx, tx, inserted, insertDead, c.name, s, i, e, og, h, body); err != nil {
+				return err
+			}
+		}
+		var existing []*claim
+		for _, cl := range claims {
+			s, i := cl.d.key()
+			switch {
+			case !inserted[[2]string{s, i}]:
+				existing = append(existing, cl)
+			case cl.d.Invalid != nil:
+				settled = append(settled, decided{cl, Dead, 0})
+			default:
+				owned[cl] = true
+			}
+		}
+		if len(existing) == 0 {
+			return nil
+		}
+		s, i := keyArrays(claimDeliveries(existing))
+		rows, err := tx.Query(ctx, lockExisting, c.name, s, i)
+		if err != nil {
+			return err
+		}
+		type row struct {
+			state   string
+			expired bool
+			left    float64
+		}
+		found := map[[2]string]row{}
+		for rows.Next() {
+			var k [2]string
+			var r row
+			var owner string
+			var token int64
+			if err := rows.Scan(&k[0], &k[1], &r.state, &owner, &token, &r.expired, &r.left); err != nil {
+				rows.Close()
+				return err
+			}
+			found[k] = r
+		}
+		if err := rows.Err(); err != nil {
+			return err
+		}
+		var takeover, recover []*claim
+		for _, cl := range existing {
+			s, i := cl.d.key()
+			r, ok := found[[2]string{s, i}]
+			switch {
+			case !ok: // its work is committing elsewhere now
+				settled = append(settled, decided{cl, Busy, time.Second})
+			case r.state == "PROCESSED" || r.state == "RESOLVED" || r.state == "DEAD" || r.state == "RECOVERY_REQUIRED":
+				settled = append(settled, decided{cl, Duplicate, 0})
+			case !r.expired:
+				settled = append(settled, decided{cl, Busy, time.Duration(r.left*float64(time.Second)) + time.Second})
+			case r.state == "PROCESSING":
+				recover = append(recover, cl)
+			default:
+				takeover = append(takeover, cl)
+			}
+		}
+		if len(takeover) > 0 {
+			s, i := keyArrays(claimDeliveries(takeover))
+			rows, err := tx.Query(ctx, takeOver, c.name, s, i, c.owner, b.token, c.cfg.LeaseTTL)
+			if err != nil {
+				return err
+			}
+			got := map[[2]string]int{}
+			for rows.Next() {
+				var k [2]string
+				var attempts int
+				if err := rows.Scan(&k[0], &k[1], &attempts); err != nil {
+					rows.Close()
+					return err
+				}
+				got[k] = attempts
+			}
+			if err := rows.Err(); err != nil {
+				return err
+			}
+			for _, cl := range takeover {
+				s, i := cl.d.key()
+				if attempts, ok := got[[2]string{s, i}]; ok {
+					cl.attempts = attempts
+					owned[cl] = true
+				} else {
+					settled = append(settled, decided{cl, Busy, time.Second})
+				}
+			}
+		}
+		if len(recover) > 0 {
+			s, i := keyArrays(claimDeliveries(recover))
+			rows, err := tx.Query(ctx, toRecovery, c.name, s, i)
+			if err != nil {
+				return err
+			}
+			for rows.Next() {
+				var k [2]string
+				var reason string
+				if err := rows.Scan(&k[0], &k[1], &reason); err != nil {
+					rows.Close()
+					return err
+				}
+				recovered = append(recovered, k[0]+"/"+k[1]+": "+reason)
+			}
+			if err := rows.Err(); err != nil {
+				return err
+			}
+			for _, cl := range recover {
+				settled = append(settled, decided{cl, Duplicate, 0})
+			}
+		}
+		return nil
+	})
+	if err != nil {
+		return nil, err
+	}
+	for _, r := range recovered {
+		c.log.Error("inbox message needs an operator: its processing lease expired before its work committed; it is not retried blindly (worker inbox recovery list)",
+			"error.code", obs.CodeJobDeadLetter, "message", r)
+	}
+	if len(recovered) > 0 {
+		c.m.recoveryFound.WithLabelValues(c.name).Add(float64(len(recovered)))
+	}
+	for _, s := range settled {
+		if s.outcome == Dead {
+			b.deadLettered(s.cl, s.cl.d.Invalid.Error())
+		}
+		b.settleClaim(ctx, s.cl, s.outcome, s.after)
+	}
+	var out []*claim
+	for _, cl := range claims {
+		if owned[cl] {
+			out = append(out, cl)
+		}
+	}
+	return out, nil
+}
+
+// collectKeys runs a statement returning (msg_source, msg_id) rows and
+// adds them to into.
+func collectKeys(ctx context.Context, tx pgx.Tx, into map[[2]string]bool, sql string, args ...any) error {
+	rows, err := tx.Query(ctx, sql, args...)
+	if err != nil {
+		return err
+	}
+	for rows.Next() {
+		var k [2]string
+		if err := rows.Scan(&k[0], &k[1]); err != nil {
+			rows.Close()
+			return err
+		}
+		into[k] = true
+	}
+	return rows.Err()
+}
+
+func claimDeliveries(cls []*claim) []*Delivery {
+	ds := make([]*Delivery, len(cls))
+	for n, cl := range cls {
+		ds[n] = cl.d
+	}
+	return ds
+}
+
+func keyArrays(ds []*Delivery) (sources, ids []string) {
+	sources, ids = make([]string, len(ds)), make([]string, len(ds))
+	for n, d := range ds {
+		sources[n], ids[n] = d.key()
+	}
+	return sources, ids
+}
+
+func headersJSON(h map[string]string) json.RawMessage {
+	if len(h) == 0 {
+		return json.RawMessage(`{}`)
+	}
+	b, _ := json.Marshal(h) // a map of strings always marshals
+	return b
+}
+
+// settleClaim settles a claim's delivery and its twins. A twin of a
+// message processed now is a duplicate.
+func (b *batchState) settleClaim(ctx context.Context, cl *claim, o Outcome, after time.Duration) {
+	b.settle(ctx, cl.d, o, after)
+	if o == Processed {
+		o = Duplicate
+	}
+	for _, t := range cl.twins {
+		b.settle(ctx, t, o, after)
+	}
+}
+
+// settle tells the source, and counts.
+func (b *batchState) settle(ctx context.Context, d *Delivery, o Outcome, after time.Duration) {
+	c := b.c
+	if o != Busy {
+		c.m.received.WithLabelValues(c.name, string(o)).Inc()
+	}
+	if o == Processed {
+		c.m.latency.WithLabelValues(c.name).Observe(time.Since(b.started).Seconds())
+	}
+	if d.Settle == nil {
+		return
+	}
+	// A failed ack is the source's trouble: the message comes again, and
+	// is then a duplicate.
+	if err := d.Settle(context.WithoutCancel(ctx), o, after); err != nil {
+		c.log.Warn("inbox could not settle a delivery with its source; it will come again and be a duplicate",
+			"event_id", d.Message.ID, "outcome", string(o), "error", err)
+	}
+}
+
+func (b *batchState) deadLettered(cl *claim, reason string) {
+	b.c.m.shared.DLQ.WithLabelValues(JobName(b.c.name)).Inc()
+	b.c.log.Error("inbox message dead-lettered", "error.code", obs.CodeJobDeadLetter,
+		"event_id", cl.d.Message.ID, "msg_source", cl.d.Message.Source, "reason", reason)
+}
+
+// databaseTrouble logs a failed inbox transaction: not the messages'
+// failure, and no attempt is spent.
+func (c *Consumer) databaseTrouble(err error) {
+	c.m.dbErrors.WithLabelValues(c.name).Inc()
+	c.log.Warn("inbox transaction failed; its messages wait with their attempts untouched", "error", err)
+}
+
+func sleep(ctx context.Context, d time.Duration) bool {
+	if d <= 0 {
+		return ctx.Err() == nil
+	}
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-t.C:
+		return true
+	case <-ctx.Done():
+		return false
+	}
+}
+
+// errLost is returned by a work transaction that found some of its claims
+// taken: it rolls back and runs again without them.
+var errLost = errors.New("inbox claim lost")
+
+func fmtKey(d *Delivery) string {
+	s, i := d.key()
+	return fmt.Sprintf("%s/%s", s, i)
+}

@@ -1,0 +1,72 @@
+package inbox
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"net/textproto"
+	"strings"
+)
+
+// KeySpec says where a foreign message, one without a CloudEvents id,
+// keeps its dedupe key (inbox.sources[].key).
+type KeySpec struct {
+	Header string // a header or property name, matched without case
+	Field  string // a top-level field of a JSON object body
+}
+
+// ParseKey reads "header:<name>", "field:<name>" or "".
+func ParseKey(s string) (KeySpec, error) {
+	kind, name, _ := strings.Cut(s, ":")
+	switch {
+	case s == "":
+		return KeySpec{}, nil
+	case kind == "header" && name != "":
+		return KeySpec{Header: name}, nil
+	case kind == "field" && name != "":
+		return KeySpec{Field: name}, nil
+	}
+	return KeySpec{}, fmt.Errorf("%q: want header:<name> or field:<name>, or nothing to use the CloudEvents id only", s)
+}
+
+// ErrNoKey is the reason a message without a dedupe key is dead-lettered.
+var ErrNoKey = errors.New("no dedupe key: the message has no CloudEvents id")
+
+// Apply fills m's key from the header or field k names when the source
+// found no CloudEvents id, and returns why m cannot be keyed, if it
+// cannot.
+func (k KeySpec) Apply(m *Message) error {
+	if m.ID != "" {
+		return nil
+	}
+	switch {
+	case k.Header != "":
+		want := textproto.CanonicalMIMEHeaderKey(k.Header)
+		for name, v := range m.Headers {
+			if textproto.CanonicalMIMEHeaderKey(name) == want && v != "" {
+				m.Source, m.ID = "", v
+				return nil
+			}
+		}
+		return fmt.Errorf("%w, and no header %s", ErrNoKey, k.Header)
+	case k.Field != "":
+		var obj map[string]json.RawMessage
+		if err := json.Unmarshal(m.Body, &obj); err != nil {
+			return fmt.Errorf("%w, and the body is not a JSON object to read field %s from", ErrNoKey, k.Field)
+		}
+		raw, ok := obj[k.Field]
+		if !ok {
+			return fmt.Errorf("%w, and the body has no field %s", ErrNoKey, k.Field)
+		}
+		var s string
+		if json.Unmarshal(raw, &s) != nil {
+			s = string(raw) // a number or other scalar keys by its JSON text
+		}
+		if s == "" || s == "null" {
+			return fmt.Errorf("%w, and field %s is empty", ErrNoKey, k.Field)
+		}
+		m.Source, m.ID = "", s
+		return nil
+	}
+	return ErrNoKey
+}

@@ -1,0 +1,311 @@
+package inbox
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/worker-dev/worker/internal/obs"
+)
+
+// round runs the work of claims once. It marks them PROCESSING in a commit
+// of its own, runs every message's handler in one work transaction that
+// ends by marking them PROCESSED, and settles what that commit decided. It
+// returns the claims to run again (failed, or held behind a failure of
+// their order key) and the wait before that.
+func (b *batchState) round(ctx context.Context, claims []*claim) (next []*claim, wait time.Duration, err error) {
+	c := b.c
+	s, i := keyArrays(claimDeliveries(claims))
+	rows, err := c.pool.Query(ctx, begin, c.name, s, i, c.owner, b.token, c.cfg.LeaseTTL)
+	if err != nil {
+		return nil, 0, err
+	}
+	attempts := map[[2]string]int{}
+	for rows.Next() {
+		var k [2]string
+		var a int
+		if err := rows.Scan(&k[0], &k[1], &a); err != nil {
+			rows.Close()
+			return nil, 0, err
+		}
+		attempts[k] = a
+	}
+	if err := rows.Err(); err != nil {
+		return nil, 0, err
+	}
+	began := time.Now()
+	var run, lost []*claim
+	for _, cl := range claims {
+		s, i := cl.d.key()
+		if a, ok := attempts[[2]string{s, i}]; ok {
+			cl.attempts = a
+			run = append(run, cl)
+		} else {
+			lost = append(lost, cl)
+		}
+	}
+	if err := b.settleLost(ctx, lost); err != nil {
+		return nil, 0, err
+	}
+
+	// The work may run for 2/3 of the lease: the last third leaves room
+	// for the commit before another replica may find the lease expired.
+	wctx, cancel := context.WithDeadline(ctx, began.Add(c.cfg.LeaseTTL*2/3))
+	defer cancel()
+	var res workResult
+	for isolate := false; ; {
+		res, err = b.work(wctx, run, isolate)
+		var hf *handlerFailure
+		switch {
+		case errors.As(err, &hf) && !isolate:
+			// Rare: run again with a savepoint per message, so that only
+			// the failing ones roll back.
+			isolate = true
+			continue
+		case errors.Is(err, errLost):
+			if err := b.settleLost(ctx, res.lost); err != nil {
+				return nil, 0, err
+			}
+			run = without(run, res.lost)
+			continue
+		case err != nil && wctx.Err() != nil && ctx.Err() == nil:
+			// The work ran out of its share of the lease: it failed, each
+			// of its messages spends an attempt.
+			res, err = b.timedOut(ctx, run, time.Since(began))
+		}
+		break
+	}
+	if err != nil {
+		return nil, 0, err
+	}
+	if len(res.done) > 0 && c.afterCommit != nil {
+		c.afterCommit()
+	}
+	for _, cl := range res.done {
+		b.settleClaim(ctx, cl, Processed, 0)
+	}
+	for _, f := range res.dead {
+		b.deadLettered(f.cl, f.err.Error())
+		b.settleClaim(ctx, f.cl, Dead, 0)
+	}
+	for _, f := range res.failed {
+		c.m.received.WithLabelValues(c.name, string(Failed)).Inc()
+		c.m.shared.Retry.WithLabelValues(JobName(c.name), obs.RetryScheduled).Inc()
+		c.log.Warn("inbox message's work failed; it is retried after a backoff", "event_id", f.cl.d.Message.ID,
+			"attempt", f.cl.attempts+1, "max_attempts", c.cfg.MaxAttempts, "retry_in", f.wait.String(), "error", f.err)
+		wait = max(wait, f.wait)
+		next = append(next, f.cl)
+	}
+	return append(next, res.held...), wait, nil
+}
+
+// failure is one message whose work failed in a round.
+type failure struct {
+	cl   *claim
+	err  error
+	wait time.Duration // before its retry
+}
+
+// workResult is what a work transaction committed.
+type workResult struct {
+	done   []*claim
+	failed []failure // FAILED, to retry
+	dead   []failure // out of attempts
+	held   []*claim  // not run: an earlier message of their order key failed
+	lost   []*claim  // taken from this claim before the commit (errLost)
+}
+
+// handlerFailure aborts a work transaction run without savepoints.
+type handlerFailure struct{ err error }
+
+func (h *handlerFailure) Error() string { return h.err.Error() }
+
+// work runs run's handlers in one transaction and commits. Without
+// isolate, the first failure rolls everything back (handlerFailure), and
+// the caller runs again with isolate: a savepoint per message.
+func (b *batchState) work(ctx context.Context, run []*claim, isolate bool) (res workResult, err error) {
+	c := b.c
+	err = pgx.BeginFunc(ctx, c.pool, func(tx pgx.Tx) error {
+		res = workResult{}
+		var failed []failure
+		blocked := map[string]bool{}
+		for _, cl := range run {
+			m := cl.d.Message
+			if m.OrderKey != "" && blocked[m.OrderKey] {
+				res.held = append(res.held, cl)
+				continue
+			}
+			m.Attempt = cl.attempts + 1
+			var herr error
+			if isolate {
+				herr = pgx.BeginFunc(ctx, tx, func(sp pgx.Tx) error { return c.handler.Handle(ctx, sp, m) })
+			} else if herr = c.handler.Handle(ctx, tx, m); herr != nil {
+				return &handlerFailure{herr}
+			}
+			if herr != nil {
+				if tx.Conn().IsClosed() || ctx.Err() != nil {
+					return herr // the database or the deadline, not this message
+				}
+				if m.OrderKey != "" {
+					blocked[m.OrderKey] = true
+				}
+				failed = append(failed, failure{cl: cl, err: herr})
+				continue
+			}
+			res.done = append(res.done, cl)
+		}
+		if len(res.done) > 0 {
+			got := map[[2]string]bool{}
+			s, i := keyArrays(claimDeliveries(res.done))
+			if err := collectKeys(ctx, tx, got, markProcessed, c.name, s, i, c.owner, b.token); err != nil {
+				return err
+			}
+			for _, cl := range res.done {
+				if s, i := cl.d.key(); !got[[2]string{s, i}] {
+					res.lost = append(res.lost, cl)
+				}
+			}
+			if len(res.lost) > 0 {
+				return errLost
+			}
+		}
+		if err := b.recordFailures(ctx, tx, failed, &res); err != nil {
+			return err
+		}
+		if len(res.held) > 0 {
+			s, i := keyArrays(claimDeliveries(res.held))
+			if _, err := tx.Exec(ctx, release, c.name, s, i, c.owner, b.token); err != nil {
+				return err
+			}
+		}
+		return nil
+	})
+	return res, err
+}
+
+// recordFailures writes failed work: FAILED with its backoff, or DEAD.
+func (b *batchState) recordFailures(ctx context.Context, tx pgx.Tx, failed []failure, res *workResult) error {
+	if len(failed) == 0 {
+		return nil
+	}
+	c := b.c
+	s, i := keyArrays(failedDeliveries(failed))
+	errs, waits, permanent := make([]string, len(failed)), make([]float64, len(failed)), make([]bool, len(failed))
+	for n := range failed {
+		failed[n].wait = obs.FullJitter(c.cfg.BackoffBase, c.cfg.BackoffMax, failed[n].cl.attempts+1)
+		errs[n], waits[n], permanent[n] = failed[n].err.Error(), failed[n].wait.Seconds(), isPermanent(failed[n].err)
+	}
+	rows, err := tx.Query(ctx, markFailed, c.name, s, i, c.owner, b.token, errs, waits, c.cfg.MaxAttempts, c.cfg.LeaseTTL, permanent)
+	if err != nil {
+		return err
+	}
+	state := map[[2]string]string{}
+	for rows.Next() {
+		var k [2]string
+		var st string
+		var attempts int
+		if err := rows.Scan(&k[0], &k[1], &st, &attempts); err != nil {
+			rows.Close()
+			return err
+		}
+		state[k] = st
+	}
+	if err := rows.Err(); err != nil {
+		return err
+	}
+	for _, f := range failed {
+		s, i := f.cl.d.key()
+		switch state[[2]string{s, i}] {
+		case "DEAD":
+			res.dead = append(res.dead, f)
+		case "FAILED":
+			f.cl.attempts++
+			res.failed = append(res.failed, f)
+		default:
+			res.lost = append(res.lost, f.cl)
+		}
+	}
+	if len(res.lost) > 0 {
+		return errLost
+	}
+	return nil
+}
+
+// timedOut records every message of run as failed: their work ran past
+// its share of the lease and rolled back.
+func (b *batchState) timedOut(ctx context.Context, run []*claim, took time.Duration) (res workResult, err error) {
+	failed := make([]failure, len(run))
+	for n, cl := range run {
+		failed[n] = failure{cl: cl, err: fmt.Errorf("the batch's work ran for %s, past 2/3 of inbox.lease_ttl, and rolled back", took.Round(time.Millisecond))}
+	}
+	err = pgx.BeginFunc(ctx, b.c.pool, func(tx pgx.Tx) error {
+		res = workResult{}
+		return b.recordFailures(ctx, tx, failed, &res)
+	})
+	if errors.Is(err, errLost) {
+		err = b.settleLost(ctx, res.lost)
+	}
+	return res, err
+}
+
+// settleLost settles claims this call no longer holds: the state their row
+// is in says what to tell the source.
+func (b *batchState) settleLost(ctx context.Context, lost []*claim) error {
+	if len(lost) == 0 {
+		return nil
+	}
+	c := b.c
+	s, i := keyArrays(claimDeliveries(lost))
+	rows, err := c.pool.Query(ctx, states, c.name, s, i)
+	if err != nil {
+		return err
+	}
+	state := map[[2]string]string{}
+	for rows.Next() {
+		var k [2]string
+		var st string
+		if err := rows.Scan(&k[0], &k[1], &st); err != nil {
+			rows.Close()
+			return err
+		}
+		state[k] = st
+	}
+	if err := rows.Err(); err != nil {
+		return err
+	}
+	for _, cl := range lost {
+		s, i := cl.d.key()
+		switch state[[2]string{s, i}] {
+		case "PROCESSED", "RESOLVED", "DEAD", "RECOVERY_REQUIRED":
+			b.settleClaim(ctx, cl, Duplicate, 0)
+		default:
+			b.settleClaim(ctx, cl, Busy, time.Second)
+		}
+	}
+	return nil
+}
+
+func without(run, gone []*claim) []*claim {
+	drop := map[*claim]bool{}
+	for _, cl := range gone {
+		drop[cl] = true
+	}
+	var out []*claim
+	for _, cl := range run {
+		if !drop[cl] {
+			out = append(out, cl)
+		}
+	}
+	return out
+}
+
+func failedDeliveries(fs []failure) []*Delivery {
+	ds := make([]*Delivery, len(fs))
+	for n, f := range fs {
+		ds[n] = f.cl.d
+	}
+	return ds
+}
