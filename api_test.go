@@ -16,7 +16,7 @@ import (
 )
 
 // publicPackages are the directories of the module's public packages.
-var publicPackages = []string{".", "outbox", "tasks"}
+var publicPackages = []string{".", "inbox", "outbox", "tasks"}
 
 var updateAPI = flag.Bool("update-api", false, "rewrite api.txt with the current public API")
 

@@ -28,6 +28,8 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/riverqueue/river"
 
+	"github.com/worker-dev/worker/inbox"
+	iinbox "github.com/worker-dev/worker/internal/inbox"
 	ijobs "github.com/worker-dev/worker/internal/jobs"
 	ioutbox "github.com/worker-dev/worker/internal/outbox"
 	"github.com/worker-dev/worker/internal/startup"
@@ -145,6 +147,22 @@ func WithTaskKind[T river.JobArgs](w river.Worker[T]) Option {
 // shutdown budget, before Run returns.
 func WithOnReady(f func(ctx context.Context)) Option {
 	return Option{func(x *startup.Extensions) { x.OnReady = append(x.OnReady, f) }}
+}
+
+// WithInboxHandler adds a Go inbox handler, which inbox sources select with
+// handler.kind: name. handle does one message's work in tx, the
+// transaction that also records the message as processed, so the work is
+// done once however often the message is delivered. It may write
+// outgoing events in tx with outbox.Append. An error rolls the work back;
+// the message is retried with backoff, then dead-lettered (at once for
+// inbox.Permanent). name must not be sql or river.
+func WithInboxHandler(name string, handle func(ctx context.Context, tx pgx.Tx, m inbox.Message) error) Option {
+	return Option{func(x *startup.Extensions) {
+		if x.InboxHandlers == nil {
+			x.InboxHandlers = map[string]iinbox.Handler{}
+		}
+		x.InboxHandlers[name] = iinbox.HandlerFunc(handle)
+	}}
 }
 
 // WithSink adds an outbox sink, selected with outbox.sink=name

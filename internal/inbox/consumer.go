@@ -28,6 +28,11 @@ type Consumer struct {
 	m       *Metrics
 	health  *health
 
+	// hard ends the work in progress: at the end of the shutdown budget.
+	// A source's own context ending (shutdown begins) stops retries and
+	// waits, but lets a transaction under way commit.
+	hard context.Context
+
 	// afterCommit, when set, runs after a work commit and before its
 	// deliveries are settled: the failpoint the exactly-once test kills
 	// the process at.
@@ -43,6 +48,7 @@ func NewConsumer(pool *pgxpool.Pool, src SourceConfig, cfg Config, h Handler, ow
 	return &Consumer{
 		name: src.Name, pool: pool, handler: h, key: key, cfg: cfg, owner: owner, log: log, m: m,
 		health:      newHealth(src.Name, log, m),
+		hard:        context.Background(),
 		afterCommit: failpointAfterCommit(),
 	}
 }
@@ -74,6 +80,9 @@ type batchState struct {
 // Process claims, works and settles batch. It returns when every delivery
 // is settled, or when ctx ends (the rest come again from the source).
 func (c *Consumer) Process(ctx context.Context, batch []*Delivery) {
+	work, cancel := context.WithCancel(context.WithoutCancel(ctx))
+	defer cancel()
+	defer context.AfterFunc(c.hard, cancel)()
 	b := &batchState{c: c, started: time.Now()}
 	for _, d := range batch {
 		d.Message.Consumer = c.name
@@ -81,17 +90,17 @@ func (c *Consumer) Process(ctx context.Context, batch []*Delivery) {
 			d.Invalid = c.key.Apply(&d.Message)
 		}
 	}
-	claims, err := b.receive(ctx, batch)
+	claims, err := b.receive(work, batch)
 	if err != nil {
 		c.databaseTrouble(err)
 		for _, d := range batch {
-			b.settle(ctx, d, Busy, c.cfg.BackoffBase)
+			b.settle(work, d, Busy, c.cfg.BackoffBase)
 		}
 		return
 	}
 	failures := 0
 	for len(claims) > 0 && ctx.Err() == nil {
-		next, wait, err := b.round(ctx, claims)
+		next, wait, err := b.round(work, claims)
 		if err != nil {
 			// The database, not the messages: their work rolled back, and
 			// no attempt is spent. Retry while the claim could still be ours.
@@ -100,7 +109,7 @@ func (c *Consumer) Process(ctx context.Context, batch []*Delivery) {
 			wait = obs.FullJitter(c.cfg.BackoffBase, c.cfg.BackoffMax, failures)
 			if time.Since(b.started)+wait > c.cfg.LeaseTTL*2/3 {
 				for _, cl := range claims {
-					b.settleClaim(ctx, cl, Busy, c.cfg.LeaseTTL)
+					b.settleClaim(work, cl, Busy, c.cfg.LeaseTTL)
 				}
 				return
 			}

@@ -95,7 +95,7 @@ func (b *batchState) round(ctx context.Context, claims []*claim) (next []*claim,
 		c.m.received.WithLabelValues(c.name, string(Failed)).Inc()
 		c.m.shared.Retry.WithLabelValues(JobName(c.name), obs.RetryScheduled).Inc()
 		c.log.Warn("inbox message's work failed; it is retried after a backoff", "event_id", f.cl.d.Message.ID,
-			"attempt", f.cl.attempts+1, "max_attempts", c.cfg.MaxAttempts, "retry_in", f.wait.String(), "error", f.err)
+			"attempt", f.cl.attempts, "max_attempts", c.cfg.MaxAttempts, "retry_in", f.wait.String(), "error", f.err)
 		wait = max(wait, f.wait)
 		next = append(next, f.cl)
 	}

@@ -22,6 +22,7 @@ import (
 	"github.com/knadh/koanf/providers/file"
 	"github.com/knadh/koanf/v2"
 
+	"github.com/worker-dev/worker/internal/inbox"
 	"github.com/worker-dev/worker/internal/jobs"
 	"github.com/worker-dev/worker/internal/obs"
 	"github.com/worker-dev/worker/internal/outbox"
@@ -62,6 +63,7 @@ type Config struct {
 		MaxSize int `koanf:"max_size"`
 	} `koanf:"async_executor"`
 	Outbox outbox.Config     `koanf:"outbox"`
+	Inbox  inbox.Config      `koanf:"inbox"`
 	Tasks  tasks.Config      `koanf:"tasks"`
 	UI     UIConfig          `koanf:"ui"`
 	Jobs   []jobs.Definition `koanf:"jobs"`
@@ -129,6 +131,7 @@ func settings() []setting {
 	// field added there is a key here too (and the docs test asks for its
 	// rows).
 	all = append(all, flatten("outbox", reflect.ValueOf(outbox.DefaultConfig()))...)
+	all = append(all, flatten("inbox", reflect.ValueOf(inbox.DefaultConfig()))...)
 	return append(all, flatten("tasks", reflect.ValueOf(tasks.DefaultConfig()))...)
 }
 
@@ -245,6 +248,9 @@ func loadConfig(path string, environ []string, ext Extensions) (*Config, error) 
 	if err := k.UnmarshalWithConf("", &cfg, koanf.UnmarshalConf{DecoderConfig: dec}); err != nil {
 		return nil, configErrorf("%w", err)
 	}
+	if cfg.Inbox.Sources, err = loadInboxSources(k, environ); err != nil {
+		return nil, err
+	}
 	cfg.ext = ext
 	if cfg.Instance.ID == "" {
 		cfg.Instance.ID = defaultInstanceID()
@@ -268,7 +274,7 @@ func checkFileKeys(fk *koanf.Koanf, defaults map[string]any, path string, lines 
 	var errs []error
 	known := slices.Sorted(maps.Keys(defaults))
 	for _, key := range fk.Keys() {
-		if key == "jobs" || strings.HasPrefix(key, "jobs.") || isTaskListKey(key) || isRoutesKey(key) {
+		if key == "jobs" || strings.HasPrefix(key, "jobs.") || isTaskListKey(key) || isRoutesKey(key) || key == inboxSourcesKey {
 			continue
 		}
 		if _, ok := defaults[key]; !ok {
@@ -448,6 +454,9 @@ func (c *Config) validate(source func(string) string) error {
 	}
 	if err := c.Tasks.Validate(); err != nil {
 		return configErrorf("%v", err)
+	}
+	if err := c.validateInbox(); err != nil {
+		return err
 	}
 	if c.Outbox.Sink == outbox.SinkRiver {
 		if _, err := tasks.NewOutboxSink(c.Tasks, c.Outbox.River.Routes); err != nil {

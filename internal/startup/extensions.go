@@ -9,6 +9,7 @@ import (
 
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/worker-dev/worker/internal/inbox"
 	"github.com/worker-dev/worker/internal/jobs"
 	"github.com/worker-dev/worker/internal/outbox"
 	"github.com/worker-dev/worker/internal/tasks"
@@ -26,6 +27,9 @@ type Extensions struct {
 	// Sinks are outbox sinks by the outbox.sink name that selects them.
 	// new is called once, when the relay starts.
 	Sinks map[string]func(ctx context.Context) (outbox.Sink, error)
+	// InboxHandlers are Go inbox handlers, by the name that
+	// inbox.sources[].handler.kind selects them with.
+	InboxHandlers map[string]inbox.Handler
 	// OnReady are started, each in a goroutine of its own, when `run` is
 	// ready, and never by the other commands. Their ctx is cancelled when
 	// shutdown begins; the worker waits for them to return, within the

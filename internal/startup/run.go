@@ -263,7 +263,7 @@ func shutdownAll(parts []component, budget time.Duration, log *slog.Logger) {
 
 func newLogger(e *cmdEnv, cfg *Config) (*slog.Logger, error) {
 	log, err := obs.NewLogger(e.Stderr, cfg.Log.Format, cfg.Log.Level, cfg.Instance.ID,
-		logSecrets(cfg.Database.URL, append(sinkSecrets(cfg.Outbox), cfg.UI.Password)...)...)
+		logSecrets(cfg.Database.URL, append(append(sinkSecrets(cfg.Outbox), inboxSecrets(cfg.Inbox)...), cfg.UI.Password)...)...)
 	if err != nil {
 		return nil, configErrorf("%w", err)
 	}

@@ -207,7 +207,14 @@ func brokerError(err error, timeoutKey string, timeout time.Duration) error {
 // and tokens, also where they sit in a URL.
 func sinkSecrets(c outbox.Config) []string {
 	secrets := []string{c.Webhook.Secret, c.NATS.Password, c.NATS.Token, c.Kafka.SASLPassword}
-	for raw := range strings.SplitSeq(c.NATS.URL+","+c.RabbitMQ.URL, ",") {
+	return append(secrets, urlSecrets(c.NATS.URL+","+c.RabbitMQ.URL)...)
+}
+
+// urlSecrets are the passwords (or tokens, nats://token@host) in a
+// comma-separated list of broker URLs.
+func urlSecrets(urls string) []string {
+	var secrets []string
+	for raw := range strings.SplitSeq(urls, ",") {
 		if u, err := url.Parse(strings.TrimSpace(raw)); err == nil && u.User != nil {
 			if p, ok := u.User.Password(); ok {
 				secrets = append(secrets, p)

@@ -97,6 +97,13 @@ func wire(ctx context.Context, cfg *Config, pool *pgxpool.Pool, log *slog.Logger
 		}
 		parts = append(parts, rt)
 	}
+	in, err := newInbox(cfg, pool, log, reg)
+	if err != nil {
+		return nil, cleanup, err
+	}
+	if in != nil {
+		parts = append(parts, in)
+	}
 	// The outbox reaper runs even where the relay is off: retention is a
 	// property of the table, not of this replica.
 	specs = append(specs, jobs.Spec{

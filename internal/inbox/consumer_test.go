@@ -1,0 +1,247 @@
+package inbox_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"os"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/worker-dev/worker/internal/inbox"
+	"github.com/worker-dev/worker/internal/pgtest"
+)
+
+// settled records what the consumer told the source.
+type settled struct {
+	mu       sync.Mutex
+	outcomes map[string][]inbox.Outcome
+}
+
+func (s *settled) delivery(id string, body string) *inbox.Delivery {
+	return &inbox.Delivery{
+		Message: inbox.Message{Source: "orders", ID: id, OrderKey: "orders/" + body, Body: []byte(`{"n":"` + body + `"}`)},
+		Settle: func(_ context.Context, o inbox.Outcome, _ time.Duration) error {
+			s.mu.Lock()
+			defer s.mu.Unlock()
+			s.outcomes[id] = append(s.outcomes[id], o)
+			return nil
+		},
+	}
+}
+
+func (s *settled) of(id string) []inbox.Outcome {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return append([]inbox.Outcome(nil), s.outcomes[id]...)
+}
+
+func testConfig() inbox.Config {
+	cfg := inbox.DefaultConfig()
+	cfg.BackoffBase, cfg.BackoffMax = time.Millisecond, 5*time.Millisecond
+	cfg.LeaseTTL = 2 * time.Second
+	return cfg
+}
+
+// newConsumer returns a consumer on its own database whose sql handler
+// counts each message's work in the table work.
+func newConsumer(t *testing.T, db *pgtest.DB, owner string, cfg inbox.Config, h inbox.Handler) *inbox.Consumer {
+	t.Helper()
+	m, err := inbox.NewMetrics(prometheus.NewRegistry())
+	if err != nil {
+		t.Fatal(err)
+	}
+	src := inbox.SourceConfig{Name: "test", Kind: inbox.KindNATS}
+	return inbox.NewConsumer(db.Pool, src, cfg, h, owner, slog.New(slog.NewTextHandler(os.Stderr, nil)), m)
+}
+
+func workDB(t *testing.T) *pgtest.DB {
+	db := pgtest.New(t)
+	if _, err := db.Pool.Exec(context.Background(), `CREATE TABLE work (id text, n text, at serial)`); err != nil {
+		t.Fatal(err)
+	}
+	return db
+}
+
+var countWork = inbox.SQLHandler{SQL: `INSERT INTO work (id, n) VALUES (@id, @body_json::jsonb->>'n')`}
+
+func workCount(t *testing.T, db *pgtest.DB, id string) int {
+	t.Helper()
+	var n int
+	if err := db.Pool.QueryRow(context.Background(), `SELECT count(*) FROM work WHERE id = $1`, id).Scan(&n); err != nil {
+		t.Fatal(err)
+	}
+	return n
+}
+
+func state(t *testing.T, db *pgtest.DB, id string) string {
+	t.Helper()
+	var s string
+	if err := db.Pool.QueryRow(context.Background(), `SELECT state FROM inbox_message WHERE msg_id = $1`, id).Scan(&s); err != nil {
+		t.Fatal(err)
+	}
+	return s
+}
+
+func TestProcessedOnceAndDuplicatesAcked(t *testing.T) {
+	t.Parallel()
+	db := workDB(t)
+	c := newConsumer(t, db, "a", testConfig(), countWork)
+	s := &settled{outcomes: map[string][]inbox.Outcome{}}
+	ctx := context.Background()
+	// The same id twice in one batch, and again in a later batch.
+	c.Process(ctx, []*inbox.Delivery{s.delivery("1", "x"), s.delivery("2", "y"), s.delivery("1", "x")})
+	c.Process(ctx, []*inbox.Delivery{s.delivery("1", "x")})
+	if n := workCount(t, db, "1"); n != 1 {
+		t.Fatalf("message 1's work ran %d times, want 1", n)
+	}
+	if got := s.of("1"); fmt.Sprint(got) != "[processed duplicate duplicate]" {
+		t.Fatalf("message 1 settled %v", got)
+	}
+	if st := state(t, db, "2"); st != "PROCESSED" {
+		t.Fatalf("message 2 is %s", st)
+	}
+}
+
+func TestFailureRetriedThenDead(t *testing.T) {
+	t.Parallel()
+	db := workDB(t)
+	var calls sync.Map
+	h := inbox.HandlerFunc(func(ctx context.Context, tx pgx.Tx, m inbox.Message) error {
+		n, _ := calls.LoadOrStore(m.ID, new(int))
+		*n.(*int)++
+		switch m.ID {
+		case "flaky":
+			if m.Attempt < 2 {
+				return errors.New("not yet")
+			}
+		case "bad":
+			return errors.New("always")
+		}
+		return countWork.Handle(ctx, tx, m)
+	})
+	cfg := testConfig()
+	c := newConsumer(t, db, "a", cfg, h)
+	s := &settled{outcomes: map[string][]inbox.Outcome{}}
+	c.Process(context.Background(), []*inbox.Delivery{s.delivery("ok", "a"), s.delivery("flaky", "b"), s.delivery("bad", "c")})
+	if workCount(t, db, "ok") != 1 || workCount(t, db, "flaky") != 1 || workCount(t, db, "bad") != 0 {
+		t.Fatal("work not applied once for ok and flaky, never for bad")
+	}
+	if st := state(t, db, "bad"); st != "DEAD" {
+		t.Fatalf("bad is %s, want DEAD after %d attempts", st, cfg.MaxAttempts)
+	}
+	if got := s.of("bad"); fmt.Sprint(got) != "[dead]" {
+		t.Fatalf("bad settled %v", got)
+	}
+	if n, _ := calls.Load("bad"); *n.(*int) < cfg.MaxAttempts {
+		t.Fatalf("bad tried %d times", *n.(*int))
+	}
+}
+
+func TestOrderKeyHeldBehindFailure(t *testing.T) {
+	t.Parallel()
+	db := workDB(t)
+	failed := false
+	h := inbox.HandlerFunc(func(ctx context.Context, tx pgx.Tx, m inbox.Message) error {
+		if m.ID == "1" && !failed {
+			failed = true
+			return errors.New("once")
+		}
+		return countWork.Handle(ctx, tx, m)
+	})
+	c := newConsumer(t, db, "a", testConfig(), h)
+	s := &settled{outcomes: map[string][]inbox.Outcome{}}
+	// 1 and 2 share an order key: 2 must not be applied before 1.
+	c.Process(context.Background(), []*inbox.Delivery{s.delivery("1", "k"), s.delivery("2", "k")})
+	var ids []string
+	rows, _ := db.Pool.Query(context.Background(), `SELECT id FROM work ORDER BY at`)
+	ids, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	if err != nil {
+		t.Fatal(err)
+	}
+	if fmt.Sprint(ids) != "[1 2]" {
+		t.Fatalf("work order %v, want [1 2]", ids)
+	}
+}
+
+func TestUnkeyedDeadLettered(t *testing.T) {
+	t.Parallel()
+	db := workDB(t)
+	c := newConsumer(t, db, "a", testConfig(), countWork)
+	s := &settled{outcomes: map[string][]inbox.Outcome{}}
+	d := s.delivery("", "z")
+	c.Process(context.Background(), []*inbox.Delivery{d})
+	c.Process(context.Background(), []*inbox.Delivery{s.delivery("", "z")})
+	var n int
+	var reason string
+	if err := db.Pool.QueryRow(context.Background(),
+		`SELECT count(*), max(last_error) FROM inbox_message WHERE state = 'DEAD'`).Scan(&n, &reason); err != nil {
+		t.Fatal(err)
+	}
+	if n != 1 || reason == "" {
+		t.Fatalf("%d DEAD rows (reason %q), want 1 with a reason", n, reason)
+	}
+	if got := s.of(""); fmt.Sprint(got) != "[dead duplicate]" {
+		t.Fatalf("settled %v", got)
+	}
+}
+
+// A claim whose holder stopped before its work began (RECEIVED) is taken
+// over once its lease expires; one whose work began (PROCESSING) goes to
+// an operator, and its holder's late commit is refused.
+func TestExpiredLeases(t *testing.T) {
+	t.Parallel()
+	db := workDB(t)
+	ctx := context.Background()
+	cfg := testConfig()
+	cfg.LeaseTTL = time.Second
+	// A handler that stops the first holder mid-work until released.
+	release := make(chan struct{})
+	entered := make(chan struct{}, 1)
+	slow := inbox.HandlerFunc(func(ctx context.Context, tx pgx.Tx, m inbox.Message) error {
+		if m.ID == "stuck" {
+			entered <- struct{}{}
+			<-release
+		}
+		return countWork.Handle(ctx, tx, m)
+	})
+	a := newConsumer(t, db, "a", cfg, slow)
+	b := newConsumer(t, db, "b", cfg, countWork)
+	s := &settled{outcomes: map[string][]inbox.Outcome{}}
+
+	// RECEIVED by a dead replica: insert the claim as a receive would.
+	if _, err := db.Pool.Exec(ctx, `INSERT INTO inbox_message (consumer, msg_source, msg_id, owner, lease_token, lease_until)
+		VALUES ('test', 'orders', 'orphan', 'gone', 1, now() - interval '1 second')`); err != nil {
+		t.Fatal(err)
+	}
+	b.Process(ctx, []*inbox.Delivery{s.delivery("orphan", "o")})
+	if workCount(t, db, "orphan") != 1 || state(t, db, "orphan") != "PROCESSED" {
+		t.Fatal("an expired RECEIVED claim was not taken over")
+	}
+
+	done := make(chan struct{})
+	go func() {
+		a.Process(ctx, []*inbox.Delivery{s.delivery("stuck", "s")})
+		close(done)
+	}()
+	<-entered
+	// a's lease expires while its work runs; b gets the redelivery.
+	deadline := time.Now().Add(10 * time.Second)
+	for state(t, db, "stuck") != "RECOVERY_REQUIRED" {
+		if time.Now().After(deadline) {
+			t.Fatal("the expired PROCESSING claim never went to RECOVERY_REQUIRED")
+		}
+		b.Process(ctx, []*inbox.Delivery{s.delivery("stuck", "s")})
+		time.Sleep(100 * time.Millisecond)
+	}
+	close(release)
+	<-done
+	if n := workCount(t, db, "stuck"); n != 0 {
+		t.Fatalf("the stuck message's work committed %d times after its lease expired, want 0", n)
+	}
+}

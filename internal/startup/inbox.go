@@ -1,0 +1,179 @@
+package startup
+
+import (
+	"log/slog"
+	"maps"
+	"reflect"
+	"slices"
+	"strings"
+
+	"github.com/go-viper/mapstructure/v2"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/knadh/koanf/v2"
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/worker-dev/worker/internal/inbox"
+)
+
+// inboxSourcesKey is the YAML-only list of inbox sources.
+const inboxSourcesKey = "inbox.sources"
+
+// sourceKinds builds an inbox source of each kind, without connecting:
+// NewRunner's sources connect when they run.
+var sourceKinds = map[string]func(src inbox.SourceConfig, cfg inbox.Config, log *slog.Logger, instance string) (inbox.Source, error){}
+
+// loadInboxSources reads inbox.sources: each entry starts from
+// inbox.DefaultSource, then its YAML keys, then its environment variables,
+// APP_INBOX_SOURCES_<NAME>_<KEY> (name upper-cased, '-' as '_'; key as in
+// the entry, '.' as '_'), so that a secret never has to be in the file.
+func loadInboxSources(k *koanf.Koanf, environ []string) ([]inbox.SourceConfig, error) {
+	raw := k.Get(inboxSourcesKey)
+	if raw == nil {
+		return nil, nil
+	}
+	list, ok := raw.([]any)
+	if !ok {
+		return nil, configErrorf("%s must be a list of source entries", inboxSourcesKey)
+	}
+	keys := flatten("", reflect.ValueOf(inbox.DefaultSource()))
+	var out []inbox.SourceConfig
+	for i, entry := range list {
+		s := inbox.DefaultSource()
+		if err := decodeInto(entry, &s); err != nil {
+			return nil, configErrorf("%s[%d]: %w", inboxSourcesKey, i, err)
+		}
+		prefix := "APP_INBOX_SOURCES_" + strings.ToUpper(strings.ReplaceAll(s.Name, "-", "_")) + "_"
+		over := map[string]any{}
+		for _, kv := range environ {
+			name, v, _ := strings.Cut(kv, "=")
+			rest, ok := strings.CutPrefix(name, prefix)
+			if !ok || s.Name == "" {
+				continue
+			}
+			key := ""
+			for _, st := range keys {
+				k := strings.TrimPrefix(st.Key, ".")
+				if strings.ToUpper(strings.ReplaceAll(k, ".", "_")) == rest {
+					key = k
+				}
+			}
+			if key == "" {
+				return nil, configErrorf("%s is not a key of inbox source %q", name, s.Name)
+			}
+			setPath(over, strings.Split(key, "."), v)
+		}
+		if len(over) > 0 {
+			if err := decodeInto(over, &s); err != nil {
+				return nil, configErrorf("%s[%d] (%s*): %w", inboxSourcesKey, i, prefix, err)
+			}
+		}
+		out = append(out, s)
+	}
+	return out, nil
+}
+
+// decodeInto decodes a YAML or environment map onto v, keeping the
+// fields it does not name, and refusing keys v does not have.
+func decodeInto(in any, v any) error {
+	dec, err := mapstructure.NewDecoder(&mapstructure.DecoderConfig{
+		DecodeHook:       mapstructure.StringToTimeDurationHookFunc(),
+		WeaklyTypedInput: true,
+		ErrorUnused:      true,
+		Result:           v,
+		TagName:          "koanf",
+	})
+	if err != nil {
+		return err
+	}
+	return dec.Decode(in)
+}
+
+func setPath(m map[string]any, path []string, v string) {
+	for _, p := range path[:len(path)-1] {
+		next, ok := m[p].(map[string]any)
+		if !ok {
+			next = map[string]any{}
+			m[p] = next
+		}
+		m = next
+	}
+	m[path[len(path)-1]] = v
+}
+
+// validateInbox checks the inbox section: its scalar keys, each source's
+// handler (a Go handler must be registered), and each source's own
+// section, by building it.
+func (c *Config) validateInbox() error {
+	if err := c.Inbox.Validate(); err != nil {
+		return configErrorf("%w", err)
+	}
+	for i, s := range c.Inbox.Sources {
+		switch s.Handler.Kind {
+		case inbox.HandlerSQL, inbox.HandlerRiver:
+		default:
+			if _, ok := c.ext.InboxHandlers[s.Handler.Kind]; !ok {
+				return configErrorf("%s[%d].handler.kind=%q: want sql, river, or a Go handler registered with worker.WithInboxHandler (have %s)",
+					inboxSourcesKey, i, s.Handler.Kind, strings.Join(c.ext.inboxHandlerNames(), ", "))
+			}
+		}
+		build, ok := sourceKinds[s.Kind]
+		if !ok {
+			continue // Validate named the kinds
+		}
+		if _, err := build(s, c.Inbox, slog.New(slog.DiscardHandler), c.Instance.ID); err != nil {
+			return configErrorf("%s[%d] (%s): %w", inboxSourcesKey, i, s.Name, err)
+		}
+	}
+	return nil
+}
+
+// inboxHandler returns the handler of source s.
+func (c *Config) inboxHandler(s inbox.SourceConfig) inbox.Handler {
+	switch s.Handler.Kind {
+	case inbox.HandlerSQL:
+		return inbox.SQLHandler{SQL: s.Handler.SQL}
+	case inbox.HandlerRiver:
+		return inbox.RiverHandler{Kind: s.Handler.TaskKind, Queue: s.Handler.Queue}
+	}
+	return c.ext.InboxHandlers[s.Handler.Kind]
+}
+
+// newInbox builds the inbox runner of the configured sources, or nil when
+// there are none.
+func newInbox(cfg *Config, pool *pgxpool.Pool, log *slog.Logger, reg prometheus.Registerer) (*inbox.Runner, error) {
+	if len(cfg.Inbox.Sources) == 0 {
+		return nil, nil
+	}
+	m, err := inbox.NewMetrics(reg)
+	if err != nil {
+		return nil, err
+	}
+	var parts []inbox.Part
+	for _, s := range cfg.Inbox.Sources {
+		src, err := sourceKinds[s.Kind](s, cfg.Inbox, log.With("inbox_source", s.Name), cfg.Instance.ID)
+		if err != nil {
+			return nil, configErrorf("%s (%s): %w", inboxSourcesKey, s.Name, err)
+		}
+		parts = append(parts, inbox.Part{Config: s, Source: src, Handler: cfg.inboxHandler(s)})
+	}
+	return inbox.NewRunner(pool, cfg.Inbox, parts, cfg.Instance.ID, log, m), nil
+}
+
+// inboxSecrets are the inbox sources' secrets, masked in every log line.
+func inboxSecrets(c inbox.Config) []string {
+	var secrets []string
+	for _, s := range c.Sources {
+		secrets = append(secrets, s.NATS.Password, s.NATS.Token, s.Kafka.SASLPassword)
+		secrets = append(secrets, strings.Fields(s.Webhook.Secret)...)
+		secrets = append(secrets, urlSecrets(s.NATS.URL+","+s.RabbitMQ.URL)...)
+	}
+	return secrets
+}
+
+func (x Extensions) inboxHandlerNames() []string {
+	names := slices.Sorted(maps.Keys(x.InboxHandlers))
+	if len(names) == 0 {
+		return []string{"none"}
+	}
+	return names
+}
