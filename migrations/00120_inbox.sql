@@ -41,6 +41,11 @@ CREATE TABLE inbox_message (
 CREATE INDEX inbox_message_finished_idx ON inbox_message (state, finished_at)
     WHERE finished_at IS NOT NULL;
 
+-- Claims in progress whose lease expired are found through this index,
+-- which holds only unfinished rows: a few per message in flight.
+CREATE INDEX inbox_message_lease_idx ON inbox_message (lease_until)
+    WHERE finished_at IS NULL;
+
 CREATE SEQUENCE inbox_lease_token_seq;
 
 -- +goose Down

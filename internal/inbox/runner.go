@@ -17,6 +17,8 @@ type Runner struct {
 	consumers []*Consumer
 	sources   []Source
 	hk        *Housekeeper
+	pool      *pgxpool.Pool
+	cfg       Config
 	log       *slog.Logger
 	probeMax  time.Duration
 
@@ -37,6 +39,8 @@ func NewRunner(pool *pgxpool.Pool, cfg Config, parts []Part, owner string, log *
 	hard, hardCancel := context.WithCancel(context.Background())
 	r := &Runner{
 		hk:         NewHousekeeper(pool, cfg, log, m),
+		pool:       pool,
+		cfg:        cfg,
 		log:        log,
 		probeMax:   cfg.ProbeBackoffMax,
 		hardCancel: hardCancel,
@@ -57,6 +61,51 @@ func (r *Runner) Start(ctx context.Context) error {
 	for n, src := range r.sources {
 		c := r.consumers[n]
 		r.wg.Go(func() { r.keep(ctx, c, src) })
+	}
+	r.wg.Go(func() { r.sweepLoop(ctx) })
+	return nil
+}
+
+// sweepLoop runs orphaned claims every half lease: see orphans.
+func (r *Runner) sweepLoop(ctx context.Context) {
+	t := time.NewTicker(r.cfg.LeaseTTL / 2)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+		if err := r.sweep(ctx); err != nil && ctx.Err() == nil {
+			r.log.Warn("inbox sweep of expired claims failed; it runs again", "error", err)
+		}
+	}
+}
+
+// sweep runs one batch of orphaned claims through their consumers. It
+func (r *Runner) sweep(ctx context.Context) error {
+	rows, err := r.pool.Query(ctx, orphans, r.cfg.BatchSize)
+	if err != nil {
+		return err
+	}
+	byConsumer := map[string][]*Delivery{}
+	for rows.Next() {
+		var consumer string
+		var m Message
+		if err := rows.Scan(&consumer, &m.Source, &m.ID, &m.Type, &m.OrderKey, &m.Origin, &m.Headers, &m.Body); err != nil {
+			rows.Close()
+			return err
+		}
+		byConsumer[consumer] = append(byConsumer[consumer], &Delivery{Message: m})
+	}
+	if err := rows.Err(); err != nil {
+		return err
+	}
+	for _, c := range r.consumers {
+		if batch := byConsumer[c.name]; len(batch) > 0 {
+			c.log.Info("inbox runs expired claims from their stored messages", "messages", len(batch))
+			c.Process(ctx, batch)
+		}
 	}
 	return nil
 }
@@ -96,7 +145,10 @@ func (r *Runner) Shutdown(ctx context.Context) error {
 		return nil
 	case <-ctx.Done():
 		r.hardCancel()
-		<-done
+		select { // a source that ignores its context must not hold the exit
+		case <-done:
+		case <-time.After(time.Second):
+		}
 		return fmt.Errorf("inbox: work under way was cut off at the end of the shutdown budget")
 	}
 }

@@ -101,3 +101,15 @@ RETURNING m.msg_source, m.msg_id, m.state, m.attempts`
 // release puts rows whose work did not run (held behind a failure of
 // their order key) back to RECEIVED, so a takeover may run them.
 const release = `UPDATE inbox_message SET state = 'RECEIVED' WHERE ` + held + ` AND state = 'PROCESSING'`
+
+// orphans reads claims whose lease expired before their work began or
+// after it failed, whatever their source does: a replica that died with
+// them, a webhook sender that gave up, or an operator's requeue (owner
+// 'operator', worker inbox dead retry). The sweep runs them from their
+// stored message.
+const orphans = `
+SELECT consumer, msg_source, msg_id, msg_type, order_key, origin, headers, coalesce(body, '')
+  FROM inbox_message
+ WHERE finished_at IS NULL AND lease_until <= now() AND state IN ('RECEIVED', 'FAILED')
+ ORDER BY lease_until
+ LIMIT $1`
