@@ -1,0 +1,312 @@
+package startup_test
+
+import (
+	"fmt"
+	"strconv"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/nats-io/nats-server/v2/server"
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+	"github.com/twmb/franz-go/pkg/kfake"
+
+	"github.com/worker-dev/worker/internal/inbox"
+	"github.com/worker-dev/worker/internal/pgtest"
+	"github.com/worker-dev/worker/internal/testkit"
+)
+
+// The inbox's promise, end to end through real binaries: a producer's
+// transactions write events, a publishing worker relays them to a broker
+// (and is killed now and then, so it publishes some twice), two consuming
+// workers' inboxes apply each event's work with a sql handler, and each
+// consumer is killed again and again right after a work commit, before its
+// acknowledgement, so the broker redelivers what was done. Every event's
+// work must be applied exactly once; with Kafka, whose partitions keep
+// each aggregate's order across consumers, in order too.
+func TestInboxExactlyOnceNATS(t *testing.T) {
+	t.Parallel()
+	store := t.TempDir()
+	srv, err := server.NewServer(&server.Options{Host: "127.0.0.1", Port: server.RANDOM_PORT, JetStream: true, StoreDir: store, NoSigs: true, NoLog: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv.Start()
+	if !srv.ReadyForConnections(10 * time.Second) {
+		t.Fatal("nats-server did not start")
+	}
+	t.Cleanup(func() { srv.Shutdown(); srv.WaitForShutdown() })
+	runInboxExactlyOnce(t, inboxRun{
+		publisher: []string{"APP_OUTBOX_SINK=nats", "APP_OUTBOX_NATS_URL=" + srv.ClientURL(), "APP_OUTBOX_NATS_CREATE_STREAM=true"},
+		source: fmt.Sprintf(`{name: shop, kind: nats, nats: {url: %q, stream: OUTBOX, consumer: shop, create_consumer: true, ack_wait: 5s}}`,
+			srv.ClientURL()),
+	})
+}
+
+func TestInboxExactlyOnceKafka(t *testing.T) {
+	t.Parallel()
+	cluster, err := kfake.NewCluster(kfake.NumBrokers(1), kfake.SeedTopics(4, "order"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(cluster.Close)
+	brokers := strings.Join(cluster.ListenAddrs(), ",")
+	runInboxExactlyOnce(t, inboxRun{
+		publisher: []string{"APP_OUTBOX_SINK=kafka", "APP_OUTBOX_KAFKA_BROKERS=" + brokers},
+		source:    fmt.Sprintf(`{name: shop, kind: kafka, kafka: {brokers: %q, topics: order, group: shop}}`, brokers),
+		ordered:   true,
+	})
+}
+
+type inboxRun struct {
+	publisher []string // the publishing worker's sink settings
+	source    string   // the consumers' inbox source entry, YAML
+	ordered   bool     // the source keeps each aggregate's order
+}
+
+const (
+	inboxEvents     = 10000
+	inboxAggregates = 200
+	inboxKills      = 6 // of each consumer, between commit and ack
+)
+
+func runInboxExactlyOnce(t *testing.T, run inboxRun) {
+	producerDB, consumerDB := pgtest.New(t), pgtest.New(t)
+	ctx := t.Context()
+	if _, err := consumerDB.Pool.Exec(ctx, `CREATE TABLE applied (
+		event_id text NOT NULL, aggregate text NOT NULL, seq int NOT NULL, at bigserial)`); err != nil {
+		t.Fatal(err)
+	}
+	cfg := writeConfig(t, `outbox: {enabled: false}
+inbox:
+  lease_ttl: 5s
+  backoff_base: 10ms
+  backoff_max: 100ms
+  sources:
+    - `+run.source+`
+      handler:
+        kind: sql
+        sql: INSERT INTO applied (event_id, aggregate, seq) VALUES (@id, @order_key, (@body_json::jsonb->>'seq')::int)
+`)
+	// The consumers, each restarted after its failpoint kills it.
+	var mu sync.Mutex
+	kills := 0
+	consumers := make([]*proc, 2)
+	startConsumer := func(i, killAfter int) *proc {
+		env := []string{"APP_DATABASE_URL=" + consumerDB.URL, cfg, "APP_INSTANCE_ID=consumer-" + strconv.Itoa(i)}
+		if killAfter > 0 {
+			env = append(env, inbox.FailpointKillAfterCommit+"="+strconv.Itoa(killAfter))
+		}
+		return startWorker(t, env)
+	}
+	for i := range consumers {
+		consumers[i] = startConsumer(i, 5+i*3)
+		consumers[i].waitReady(t, 30*time.Second)
+		go func() {
+			for k := 1; ; k++ {
+				p := func() *proc { mu.Lock(); defer mu.Unlock(); return consumers[i] }()
+				select {
+				case <-p.done:
+				case <-ctx.Done():
+					return
+				}
+				if ctx.Err() != nil {
+					return
+				}
+				next := 0
+				if k < inboxKills {
+					next = 10 + 7*k + i
+				}
+				mu.Lock()
+				kills++
+				consumers[i] = startConsumer(i, next)
+				mu.Unlock()
+				if next == 0 {
+					return
+				}
+			}
+		}()
+	}
+
+	// The publisher, killed a few times mid-run: what it published and
+	// had not marked is published again.
+	pubEnv := append([]string{"APP_DATABASE_URL=" + producerDB.URL, "APP_OUTBOX_IN_FLIGHT_TIMEOUT=2s"}, run.publisher...)
+	publisher := startWorker(t, pubEnv)
+	publisher.waitReady(t, 30*time.Second)
+	prod := startProducerOf(t, producerDB, inboxEvents, inboxAggregates)
+	for range 2 {
+		testkit.Eventually(t, 60*time.Second, "the publisher to make progress", func() bool {
+			var n int
+			_ = producerDB.Pool.QueryRow(ctx, `SELECT count(*) FROM outbox_event WHERE status = 'PUBLISHED'`).Scan(&n)
+			return n > 0
+		})
+		_ = publisher.cmd.Process.Kill()
+		<-publisher.done
+		publisher = startWorker(t, pubEnv)
+	}
+	<-prod.done
+	if prod.err != nil {
+		t.Fatal(prod.err)
+	}
+
+	count := func(sql string) int {
+		var n int
+		if err := consumerDB.Pool.QueryRow(ctx, sql).Scan(&n); err != nil {
+			t.Fatal(err)
+		}
+		return n
+	}
+	testkit.Eventually(t, 4*time.Minute, "every event's work to be applied", func() bool {
+		return count(`SELECT count(DISTINCT event_id) FROM applied`) == inboxEvents
+	})
+	// Let redeliveries in flight arrive before counting doubles.
+	testkit.Eventually(t, 30*time.Second, "no claim in progress", func() bool {
+		return count(`SELECT count(*) FROM inbox_message WHERE finished_at IS NULL`) == 0
+	})
+	total, distinct := count(`SELECT count(*) FROM applied`), count(`SELECT count(DISTINCT event_id) FROM applied`)
+	doubled := total - distinct
+	var published int
+	_ = producerDB.Pool.QueryRow(ctx, `SELECT count(*) FROM outbox_event`).Scan(&published)
+	mu.Lock()
+	k := kills
+	last := append([]*proc(nil), consumers...)
+	mu.Unlock()
+	recovery := count(`SELECT count(*) FROM inbox_message WHERE state = 'RECOVERY_REQUIRED'`)
+	// The last incarnations' count of duplicates settled: the
+	// redeliveries of what their predecessors committed.
+	var duplicates float64
+	for _, p := range last {
+		_, body := p.get("/metrics")
+		n, _ := sample(body, `inbox_received_total{outcome="duplicate",source="shop"}`)
+		duplicates += n
+	}
+	t.Logf("%d events (%d rows in the publisher's outbox), %d applied once, %d doubled, %d missing, %d consumer kills, %d recovery_required, %.0f duplicates acknowledged by the last consumers",
+		inboxEvents, published, distinct, doubled, inboxEvents-distinct, k, recovery, duplicates)
+	if doubled != 0 || distinct != inboxEvents {
+		t.Fatalf("%d events' work applied more than once, %d missing", doubled, inboxEvents-distinct)
+	}
+	if k < 2 {
+		t.Fatalf("the consumers were killed %d times between commit and ack; the test proves nothing without it", k)
+	}
+	if run.ordered {
+		outOfOrder := count(`SELECT count(*) FROM (
+			SELECT seq < lag(seq) OVER (PARTITION BY aggregate ORDER BY at) AS back FROM applied) s WHERE back`)
+		if outOfOrder != 0 {
+			t.Fatalf("%d events applied before an earlier event of their aggregate", outOfOrder)
+		}
+	}
+}
+
+// producerOf inserts total events over aggregates, each with its sequence
+// in its aggregate, in transactions of 50.
+type producerOf struct {
+	err  error
+	done chan struct{}
+}
+
+func startProducerOf(t *testing.T, db *pgtest.DB, total, aggregates int) *producerOf {
+	p := &producerOf{done: make(chan struct{})}
+	go func() {
+		defer close(p.done)
+		for g := 0; g < total; g += 50 {
+			_, err := db.Pool.Exec(t.Context(), `INSERT INTO outbox_event (aggregate_type, aggregate_id, event_type, payload)
+				SELECT 'order', 'o-' || (i % $2), 'order.step', jsonb_build_object('seq', i / $2)
+				FROM generate_series($1::int, $1::int + 49) i`, g, aggregates)
+			if err != nil {
+				p.err = err
+				return
+			}
+		}
+	}()
+	return p
+}
+
+// A consumer stopped (SIGSTOP) in the middle of a message's work, past its
+// processing lease: the other consumer, given the redelivery, hands the
+// message to an operator (RECOVERY_REQUIRED) instead of running it again,
+// and the stopped one, resumed, cannot commit its late work.
+func TestInboxExpiredProcessingLeaseNeedsAnOperator(t *testing.T) {
+	t.Parallel()
+	srv, err := server.NewServer(&server.Options{Host: "127.0.0.1", Port: server.RANDOM_PORT, JetStream: true, StoreDir: t.TempDir(), NoSigs: true, NoLog: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv.Start()
+	if !srv.ReadyForConnections(10 * time.Second) {
+		t.Fatal("nats-server did not start")
+	}
+	t.Cleanup(func() { srv.Shutdown(); srv.WaitForShutdown() })
+	db := pgtest.New(t)
+	ctx := t.Context()
+	if _, err := db.Pool.Exec(ctx, `CREATE TABLE applied (event_id text NOT NULL)`); err != nil {
+		t.Fatal(err)
+	}
+	nc, err := nats.Connect(srv.ClientURL())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer nc.Close()
+	js, _ := jetstream.New(nc)
+	if _, err := js.CreateStream(ctx, jetstream.StreamConfig{Name: "IN", Subjects: []string{"in.>"}}); err != nil {
+		t.Fatal(err)
+	}
+	cfg := writeConfig(t, fmt.Sprintf(`outbox: {enabled: false}
+inbox:
+  lease_ttl: 6s
+  sources:
+    - name: shop
+      kind: nats
+      nats: {url: %q, stream: IN, consumer: shop, create_consumer: true, ack_wait: 2s}
+      handler:
+        kind: sql
+        sql: >-
+          WITH s AS (SELECT pg_sleep(3))
+          INSERT INTO applied (event_id) SELECT @id FROM s
+`, srv.ClientURL()))
+	env := func(id string) []string {
+		return []string{"APP_DATABASE_URL=" + db.URL, cfg, "APP_INSTANCE_ID=" + id}
+	}
+	a := startWorker(t, env("a"))
+	a.waitReady(t, 30*time.Second)
+	msg := nats.NewMsg("in.order")
+	msg.Header.Set("ce-id", "m-1")
+	msg.Header.Set("ce-source", "shop")
+	msg.Data = []byte(`{}`)
+	if _, err := js.PublishMsg(ctx, msg); err != nil {
+		t.Fatal(err)
+	}
+	count := func(sql string) int {
+		var n int
+		if err := db.Pool.QueryRow(ctx, sql).Scan(&n); err != nil {
+			t.Fatal(err)
+		}
+		return n
+	}
+	testkit.Eventually(t, 20*time.Second, "a's work to start", func() bool {
+		return count(`SELECT count(*) FROM pg_stat_activity WHERE query LIKE 'WITH s AS (SELECT pg_sleep%'`) == 1
+	})
+	if err := a.cmd.Process.Signal(syscall.SIGSTOP); err != nil {
+		t.Fatal(err)
+	}
+	b := startWorker(t, env("b"))
+	b.waitReady(t, 30*time.Second)
+	testkit.Eventually(t, 30*time.Second, "the message to need an operator", func() bool {
+		return count(`SELECT count(*) FROM inbox_message WHERE msg_id = 'm-1' AND state = 'RECOVERY_REQUIRED'`) == 1
+	})
+	if err := a.cmd.Process.Signal(syscall.SIGCONT); err != nil {
+		t.Fatal(err)
+	}
+	// a resumes, finishes its statement and tries to commit: refused.
+	testkit.Eventually(t, 20*time.Second, "a's late work to end", func() bool {
+		return count(`SELECT count(*) FROM pg_stat_activity WHERE query LIKE 'WITH s AS (SELECT pg_sleep%' AND state <> 'idle'`) == 0
+	})
+	if n := count(`SELECT count(*) FROM applied`); n != 0 {
+		t.Fatalf("the message's work was applied %d times after its processing lease expired; want 0 until an operator acts", n)
+	}
+	if st := count(`SELECT count(*) FROM inbox_message WHERE msg_id = 'm-1' AND state = 'RECOVERY_REQUIRED'`); st != 1 {
+		t.Fatal("the late commit changed the message's state")
+	}
+}
