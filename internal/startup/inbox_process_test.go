@@ -299,9 +299,12 @@ inbox:
 	if err := a.cmd.Process.Signal(syscall.SIGCONT); err != nil {
 		t.Fatal(err)
 	}
-	// a resumes, finishes its statement and tries to commit: refused.
+	// a resumes, finishes its statement and tries to commit: refused, it
+	// settles its delivery as a message an operator has.
 	testkit.Eventually(t, 20*time.Second, "a's late work to end", func() bool {
-		return count(`SELECT count(*) FROM pg_stat_activity WHERE query LIKE 'WITH s AS (SELECT pg_sleep%' AND state <> 'idle'`) == 0
+		_, body := a.get("/metrics")
+		n, _ := sample(body, `inbox_received_total{outcome="duplicate",source="shop"}`)
+		return n == 1
 	})
 	if n := count(`SELECT count(*) FROM applied`); n != 0 {
 		t.Fatalf("the message's work was applied %d times after its processing lease expired; want 0 until an operator acts", n)
