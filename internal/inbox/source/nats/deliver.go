@@ -1,0 +1,118 @@
+package nats
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net/url"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/worker-dev/worker/internal/inbox"
+)
+
+// process hands one batch to the inbox and keeps its messages from
+// redelivery while the inbox works on them. The messages the inbox left
+// unsettled (ctx ended) are nak'd, so that another replica may take them
+// at once rather than after ack_wait.
+func (s *Source) process(ctx context.Context, h inbox.Handoff, msgs []jetstream.Msg, ackWait time.Duration) {
+	batch := make([]*inbox.Delivery, len(msgs))
+	for i, m := range msgs {
+		batch[i] = delivery(m)
+	}
+	stop := keepAlive(msgs, ackWait/3)
+	h.Process(ctx, batch)
+	stop()
+	for _, m := range msgs {
+		// An acked or nak'd message says so (ErrMsgAlreadyAckd) without
+		// a word to the server.
+		_ = m.Nak()
+	}
+}
+
+// keepAlive sends an "in progress" ack for every message not yet settled,
+// every interval, until stop is called: the inbox may hold a batch through
+// retries and backoff longer than the consumer's ack wait.
+func keepAlive(msgs []jetstream.Msg, interval time.Duration) (stop func()) {
+	done := make(chan struct{})
+	var wg sync.WaitGroup
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		t := time.NewTicker(max(interval, 10*time.Millisecond))
+		defer t.Stop()
+		for {
+			select {
+			case <-done:
+				return
+			case <-t.C:
+			}
+			for _, m := range msgs {
+				// Settled ones refuse locally (ErrMsgAlreadyAckd).
+				if err := m.InProgress(); err != nil && !errors.Is(err, jetstream.ErrMsgAlreadyAckd) {
+					break // the connection is gone; the session ends after Process
+				}
+			}
+		}
+	}()
+	return func() {
+		close(done)
+		wg.Wait()
+	}
+}
+
+// delivery maps a message as the outbox's NATS sink publishes it: the
+// dedupe key from ce-source and ce-id, the order key from ce-source and
+// ce-subject (the aggregate). A message without ce-id keeps ID "": the
+// inbox applies the source's configured key or dead-letters it, under its
+// stream position.
+func delivery(m jetstream.Msg) *inbox.Delivery {
+	hdr := m.Headers()
+	msg := inbox.Message{
+		Source:  ceValue(hdr, "ce-source"),
+		ID:      ceValue(hdr, "ce-id"),
+		Type:    ceValue(hdr, "ce-type"),
+		Origin:  m.Subject(),
+		Headers: make(map[string]string, len(hdr)),
+		Body:    m.Data(),
+	}
+	if subject := ceValue(hdr, "ce-subject"); subject != "" {
+		msg.OrderKey = msg.Source + "/" + subject
+	}
+	for k, v := range hdr {
+		msg.Headers[k] = strings.Join(v, ", ")
+	}
+	d := &inbox.Delivery{Message: msg, Settle: settle(m)}
+	if md, err := m.Metadata(); err == nil {
+		d.Ref = fmt.Sprintf("%s/%d", md.Stream, md.Sequence.Stream)
+	}
+	return d
+}
+
+// ceValue reads a CloudEvents attribute header; the sink percent-encodes
+// the values, as the HTTP binding does.
+func ceValue(h nats.Header, name string) string {
+	v := h.Get(name)
+	if u, err := url.PathUnescape(v); err == nil {
+		return u
+	}
+	return v
+}
+
+// settle acks what the inbox has decided (processed, duplicate, dead) and
+// naks a busy message with the delay the inbox asks for. A fire-and-forget
+// ack is enough: one lost redelivers the message, and the redelivery is a
+// duplicate.
+func settle(m jetstream.Msg) func(context.Context, inbox.Outcome, time.Duration) error {
+	return func(_ context.Context, o inbox.Outcome, after time.Duration) error {
+		switch o {
+		case inbox.Processed, inbox.Duplicate, inbox.Dead:
+			return m.Ack()
+		}
+		return m.NakWithDelay(after)
+	}
+}

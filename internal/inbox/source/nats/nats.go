@@ -1,0 +1,336 @@
+package nats
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"os"
+	"strings"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+	"github.com/nats-io/nkeys"
+
+	"github.com/worker-dev/worker/internal/inbox"
+	"github.com/worker-dev/worker/internal/obs"
+	"github.com/worker-dev/worker/internal/outbox/sink"
+)
+
+const (
+	// idleWait bounds one pull that waits for a message when none is
+	// waiting, so that Run notices a lost connection or its end soon.
+	idleWait = 5 * time.Second
+	// probeBase is the first wait before a reconnect.
+	probeBase = 100 * time.Millisecond
+)
+
+// Source consumes a JetStream durable pull consumer into the inbox.
+type Source struct {
+	cfg      inbox.NATSSource
+	section  string // inbox.sources[<name>].nats, for errors
+	name     string
+	batch    int
+	probeMax time.Duration
+	shownURL string // cfg.URL without credentials
+	log      *slog.Logger
+}
+
+var _ inbox.Source = (*Source)(nil)
+
+// New checks src's nats section and returns the source; Run connects.
+// batch_size and probe_backoff_max come from cfg.
+func New(src inbox.SourceConfig, cfg inbox.Config, log *slog.Logger) (*Source, error) {
+	section := "inbox.sources[" + src.Name + "].nats"
+	if err := validate(section, src.NATS); err != nil {
+		return nil, err
+	}
+	if log == nil {
+		log = slog.New(slog.DiscardHandler)
+	}
+	return &Source{
+		cfg:      src.NATS,
+		section:  section,
+		name:     src.Name,
+		batch:    max(cfg.BatchSize, 1),
+		probeMax: max(cfg.ProbeBackoffMax, probeBase),
+		shownURL: sink.RedactURLs(src.NATS.URL),
+		log:      log.With("inbox_source", src.Name, "source_kind", inbox.KindNATS),
+	}, nil
+}
+
+func validate(section string, c inbox.NATSSource) error {
+	badName := func(s string) bool { return s == "" || strings.ContainsAny(s, ".*> \t\r\n") }
+	switch {
+	case c.URL == "":
+		return fmt.Errorf("%s.url is empty: want nats://host:4222 (or a comma-separated list)", section)
+	case badName(c.Stream):
+		return fmt.Errorf("%s.stream=%q: want a stream name without '.', '*', '>' or whitespace", section, c.Stream)
+	case badName(c.Consumer):
+		return fmt.Errorf("%s.consumer=%q: want a durable consumer name without '.', '*', '>' or whitespace", section, c.Consumer)
+	case strings.ContainsAny(c.FilterSubject, " \t\r\n"):
+		return fmt.Errorf("%s.filter_subject=%q: want a subject without whitespace", section, c.FilterSubject)
+	case c.ConnectTimeout < 100*time.Millisecond:
+		return fmt.Errorf("%s.connect_timeout=%s: want at least 100ms", section, c.ConnectTimeout)
+	case c.CreateConsumer && c.AckWait < time.Second:
+		return fmt.Errorf("%s.ack_wait=%s: want at least 1s", section, c.AckWait)
+	case c.CreateConsumer && c.MaxAckPending < 1:
+		return fmt.Errorf("%s.max_ack_pending=%d: want at least 1", section, c.MaxAckPending)
+	case c.Password != "" && c.User == "":
+		return fmt.Errorf("%s.password is set without %s.user", section, section)
+	case (c.TLSCertFile == "") != (c.TLSKeyFile == ""):
+		return fmt.Errorf("%s.tls_cert_file and %s.tls_key_file: set both for a client certificate, or neither", section, section)
+	}
+	methods := 0
+	for _, set := range []bool{c.User != "", c.Token != "", c.NKeySeedFile != "", c.CredsFile != ""} {
+		if set {
+			methods++
+		}
+	}
+	if methods > 1 {
+		return fmt.Errorf("%s: user, token, nkey_seed_file and creds_file are alternatives; set one", section)
+	}
+	return nil
+}
+
+// Run implements inbox.Source. Each session connects, finds the consumer
+// and fetches until the connection fails; then the source is down, and
+// the next session starts after a jittered backoff.
+func (s *Source) Run(ctx context.Context, h inbox.Handoff) error {
+	opts, err := s.options()
+	if err != nil {
+		return fmt.Errorf("%w: %w", sink.ErrSetup, err)
+	}
+	for failures := 0; ; {
+		err := s.session(ctx, h, opts, &failures)
+		switch {
+		case ctx.Err() != nil:
+			return nil
+		case errors.Is(err, sink.ErrSetup), errors.Is(err, sink.ErrRefused):
+			return err
+		}
+		h.Down(err)
+		failures++
+		if !sleep(ctx, obs.FullJitter(probeBase, s.probeMax, failures)) {
+			return nil
+		}
+	}
+}
+
+// session is one connection: it returns when the connection fails or ctx
+// ends. failures is reset once the consumer is found.
+func (s *Source) session(ctx context.Context, h inbox.Handoff, opts []nats.Option, failures *int) error {
+	conn, err := nats.Connect(s.cfg.URL, opts...)
+	if err != nil {
+		if verdict := sink.TLSVerdict(s.section, err); verdict != nil {
+			return fmt.Errorf("nats %s: %w", s.shownURL, verdict)
+		}
+		if refused(err) {
+			return fmt.Errorf("%w: nats %s: %w", sink.ErrRefused, s.shownURL, err)
+		}
+		return fmt.Errorf("nats %s: %w", s.shownURL, err)
+	}
+	defer conn.Close()
+	js, err := jetstream.New(conn)
+	if err != nil {
+		return err
+	}
+	cons, ackWait, err := s.consumer(ctx, js)
+	if err != nil {
+		return err
+	}
+	h.Up()
+	*failures = 0
+	for {
+		msgs, err := s.fetch(ctx, cons)
+		switch {
+		case ctx.Err() != nil:
+			return ctx.Err()
+		case err != nil:
+			return fmt.Errorf("nats %s: fetching from %s/%s: %w", s.shownURL, s.cfg.Stream, s.cfg.Consumer, err)
+		case conn.IsClosed():
+			return fmt.Errorf("nats %s: %w", s.shownURL, nats.ErrConnectionClosed)
+		}
+		if len(msgs) > 0 {
+			s.process(ctx, h, msgs, ackWait)
+		}
+	}
+}
+
+// options are the connection's options: credentials and TLS as the
+// outbox's NATS sink builds them. The client does not reconnect by itself:
+// a lost connection ends the session, and Run reconnects with the inbox's
+// backoff and reports the outage.
+func (s *Source) options() ([]nats.Option, error) {
+	log := s.log
+	opts := []nats.Option{
+		nats.Name("worker inbox " + s.name),
+		nats.NoReconnect(),
+		nats.Timeout(s.cfg.ConnectTimeout),
+		nats.ErrorHandler(func(_ *nats.Conn, _ *nats.Subscription, err error) { log.Warn("nats error", "error", err.Error()) }),
+	}
+	c := s.cfg
+	switch {
+	case c.User != "":
+		opts = append(opts, nats.UserInfo(c.User, c.Password))
+	case c.Token != "":
+		opts = append(opts, nats.Token(c.Token))
+	case c.CredsFile != "":
+		if err := checkCreds(c.CredsFile); err != nil {
+			return nil, fmt.Errorf("%s.creds_file=%q: %w", s.section, c.CredsFile, err)
+		}
+		opts = append(opts, nats.UserCredentials(c.CredsFile))
+	case c.NKeySeedFile != "":
+		o, err := nats.NkeyOptionFromSeed(c.NKeySeedFile)
+		if err != nil {
+			// The library's text never quotes the seed, only the file.
+			return nil, fmt.Errorf("%s.nkey_seed_file=%q: %w", s.section, c.NKeySeedFile, err)
+		}
+		opts = append(opts, o)
+	}
+	// Loaded once here so that an unusable file stops the start instead of
+	// passing for an unreachable server; the client loads the files again
+	// at every connect.
+	if _, err := sink.TLSConfig(s.section, c.TLSCAFile, c.TLSCertFile, c.TLSKeyFile); err != nil {
+		return nil, err
+	}
+	if c.TLSCAFile != "" {
+		opts = append(opts, nats.RootCAs(c.TLSCAFile))
+	}
+	if c.TLSCertFile != "" {
+		opts = append(opts, nats.ClientCert(c.TLSCertFile, c.TLSKeyFile))
+	}
+	return opts, nil
+}
+
+// checkCreds reads the creds file once, so that a missing file or one
+// without a user seed stops the start; the errors name the problem, never
+// the contents.
+func checkCreds(path string) error {
+	raw, err := os.ReadFile(path)
+	if err != nil {
+		return err
+	}
+	defer clear(raw)
+	kp, err := nkeys.ParseDecoratedUserNKey(raw)
+	if err != nil {
+		return err
+	}
+	kp.Wipe()
+	return nil
+}
+
+// refused reports whether a failed connect is the server refusing the
+// credentials, or a TLS handshake one side rejects.
+func refused(err error) bool {
+	// Under TLS 1.3 the server checks the client certificate after the
+	// client's side of the handshake is done, and may close the connection
+	// before its alert is read; nats.go words that case so.
+	return errors.Is(err, nats.ErrAuthorization) ||
+		errors.Is(err, nats.ErrTLS) && strings.Contains(err.Error(), "closed by remote after TLS handshake")
+}
+
+// consumer finds the durable consumer, creating or updating it first when
+// create_consumer is set, and returns it with its ack wait.
+func (s *Source) consumer(ctx context.Context, js jetstream.JetStream) (jetstream.Consumer, time.Duration, error) {
+	ctx, cancel := context.WithTimeout(ctx, s.cfg.ConnectTimeout)
+	defer cancel()
+	stream, err := js.Stream(ctx, s.cfg.Stream)
+	switch {
+	case errors.Is(err, jetstream.ErrStreamNotFound):
+		return nil, 0, fmt.Errorf("%w: %s.stream=%q does not exist on %s", sink.ErrSetup, s.section, s.cfg.Stream, s.shownURL)
+	case errors.Is(err, jetstream.ErrJetStreamNotEnabled), errors.Is(err, jetstream.ErrJetStreamNotEnabledForAccount):
+		return nil, 0, fmt.Errorf("%w: %s.url=%s: JetStream is not enabled for this account", sink.ErrSetup, s.section, s.shownURL)
+	case err != nil:
+		return nil, 0, fmt.Errorf("nats %s: stream %s: %w", s.shownURL, s.cfg.Stream, err)
+	}
+	var cons jetstream.Consumer
+	if s.cfg.CreateConsumer {
+		cons, err = stream.CreateOrUpdateConsumer(ctx, jetstream.ConsumerConfig{
+			Durable:       s.cfg.Consumer,
+			AckPolicy:     jetstream.AckExplicitPolicy,
+			AckWait:       s.cfg.AckWait,
+			MaxAckPending: s.cfg.MaxAckPending,
+			FilterSubject: s.cfg.FilterSubject,
+			// A message nak'd busy comes back until its claim settles:
+			// the inbox, not the server, decides when it is done.
+			MaxDeliver: -1,
+		})
+		if refusedConfig(err) {
+			return nil, 0, fmt.Errorf("%w: %s.create_consumer: the server refused consumer %q on stream %q: %w",
+				sink.ErrSetup, s.section, s.cfg.Consumer, s.cfg.Stream, err)
+		}
+	} else {
+		cons, err = stream.Consumer(ctx, s.cfg.Consumer)
+		if errors.Is(err, jetstream.ErrConsumerNotFound) {
+			return nil, 0, fmt.Errorf("%w: %s.consumer=%q does not exist on stream %q; create it (a durable pull consumer with explicit ack) or set %s.create_consumer=true",
+				sink.ErrSetup, s.section, s.cfg.Consumer, s.cfg.Stream, s.section)
+		}
+	}
+	if err != nil {
+		return nil, 0, fmt.Errorf("nats %s: consumer %s/%s: %w", s.shownURL, s.cfg.Stream, s.cfg.Consumer, err)
+	}
+	info := cons.CachedInfo().Config
+	switch {
+	case info.DeliverSubject != "":
+		return nil, 0, fmt.Errorf("%w: %s.consumer=%q is a push consumer (deliver subject %q); want a pull consumer", sink.ErrSetup, s.section, s.cfg.Consumer, info.DeliverSubject)
+	case info.AckPolicy != jetstream.AckExplicitPolicy:
+		return nil, 0, fmt.Errorf("%w: %s.consumer=%q has ack policy %s; want explicit, so that a message is acknowledged only after the inbox commit",
+			sink.ErrSetup, s.section, s.cfg.Consumer, info.AckPolicy)
+	}
+	return cons, info.AckWait, nil
+}
+
+// refusedConfig reports whether the server answered a consumer request
+// with a refusal of the request itself (4xx), which no retry changes.
+func refusedConfig(err error) bool {
+	var api *jetstream.APIError
+	return errors.As(err, &api) && api.Code >= 400 && api.Code < 500
+}
+
+// fetch returns the next batch: the messages waiting, at most batch_size,
+// in one request. When none is waiting it waits for one, at most
+// idleWait, and then takes what else is waiting with it.
+func (s *Source) fetch(ctx context.Context, cons jetstream.Consumer) ([]jetstream.Msg, error) {
+	msgs, err := collect(cons.FetchNoWait(s.batch))
+	if err != nil || len(msgs) > 0 {
+		return msgs, err
+	}
+	wctx, cancel := context.WithTimeout(ctx, idleWait)
+	defer cancel()
+	msgs, err = collect(cons.Fetch(1, jetstream.FetchContext(wctx)))
+	switch {
+	case ctx.Err() != nil:
+		return nil, ctx.Err()
+	case errors.Is(err, context.DeadlineExceeded):
+		return nil, nil
+	case err != nil || len(msgs) == 0 || s.batch == 1:
+		return msgs, err
+	}
+	more, err := collect(cons.FetchNoWait(s.batch - 1))
+	return append(msgs, more...), err
+}
+
+// collect reads a fetch's messages until the server ends the request.
+func collect(b jetstream.MessageBatch, err error) ([]jetstream.Msg, error) {
+	if err != nil {
+		return nil, err
+	}
+	var msgs []jetstream.Msg
+	for m := range b.Messages() {
+		msgs = append(msgs, m)
+	}
+	return msgs, b.Error()
+}
+
+func sleep(ctx context.Context, d time.Duration) bool {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-t.C:
+		return true
+	case <-ctx.Done():
+		return false
+	}
+}
