@@ -36,7 +36,7 @@ type Consumer struct {
 	// afterCommit, when set, runs after a work commit and before its
 	// deliveries are settled: the failpoint the exactly-once test kills
 	// the process at.
-	afterCommit func()
+	afterCommit func(unacked int)
 }
 
 // NewConsumer returns the consumer of source src, claiming as owner (the

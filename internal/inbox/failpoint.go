@@ -1,6 +1,7 @@
 package inbox
 
 import (
+	"fmt"
 	"os"
 	"strconv"
 	"sync/atomic"
@@ -12,14 +13,16 @@ import (
 // that commit decided. Unset, it costs nothing.
 const FailpointKillAfterCommit = "WORKER_FAILPOINT_INBOX_KILL_AFTER_COMMIT"
 
-func failpointAfterCommit() func() {
+func failpointAfterCommit() func(unacked int) {
 	n, err := strconv.Atoi(os.Getenv(FailpointKillAfterCommit))
 	if err != nil || n < 1 {
 		return nil
 	}
 	var commits atomic.Int64
-	return func() {
+	return func(unacked int) {
 		if commits.Add(1) == int64(n) {
+			// The test counts what the kill left for the source to redeliver.
+			fmt.Fprintf(os.Stderr, "failpoint: killed after a commit, %d deliveries unacknowledged\n", unacked)
 			if p, err := os.FindProcess(os.Getpid()); err == nil {
 				_ = p.Kill()
 			}

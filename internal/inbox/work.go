@@ -82,7 +82,7 @@ func (b *batchState) round(ctx context.Context, claims []*claim) (next []*claim,
 		return nil, 0, err
 	}
 	if len(res.done) > 0 && c.afterCommit != nil {
-		c.afterCommit()
+		c.afterCommit(len(res.done) + len(res.dead))
 	}
 	for _, cl := range res.done {
 		b.settleClaim(ctx, cl, Processed, 0)

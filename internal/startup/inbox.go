@@ -13,6 +13,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/worker-dev/worker/internal/inbox"
+	natssource "github.com/worker-dev/worker/internal/inbox/source/nats"
 )
 
 // inboxSourcesKey is the YAML-only list of inbox sources.
@@ -20,7 +21,11 @@ const inboxSourcesKey = "inbox.sources"
 
 // sourceKinds builds an inbox source of each kind, without connecting:
 // NewRunner's sources connect when they run.
-var sourceKinds = map[string]func(src inbox.SourceConfig, cfg inbox.Config, log *slog.Logger, instance string) (inbox.Source, error){}
+var sourceKinds = map[string]func(src inbox.SourceConfig, cfg inbox.Config, log *slog.Logger, instance string) (inbox.Source, error){
+	inbox.KindNATS: func(src inbox.SourceConfig, cfg inbox.Config, log *slog.Logger, _ string) (inbox.Source, error) {
+		return natssource.New(src, cfg, log)
+	},
+}
 
 // loadInboxSources reads inbox.sources: each entry starts from
 // inbox.DefaultSource, then its YAML keys, then its environment variables,
