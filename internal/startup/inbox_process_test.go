@@ -58,7 +58,7 @@ func TestInboxExactlyOnceKafka(t *testing.T) {
 		publisher: []string{"APP_OUTBOX_SINK=kafka", "APP_OUTBOX_KAFKA_BROKERS=" + brokers},
 		source: fmt.Sprintf(`kind: kafka
       kafka: {brokers: %q, topics: order, group: shop}`, brokers),
-		ordered:   true,
+		ordered: true,
 	})
 }
 
