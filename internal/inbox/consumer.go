@@ -293,6 +293,29 @@ func (b *batchState) receive(ctx context.Context, batch []*Delivery) ([]*claim, 
 				settled = append(settled, decided{cl, Duplicate, 0})
 			}
 		}
+		// A message behind a busy one of its order key must wait with it,
+		// or it would overtake it. Its claim is let go at once, so that
+		// its next delivery, here or elsewhere, takes it over.
+		busyKeys := map[string]bool{}
+		for _, d := range settled {
+			if d.outcome == Busy && d.cl.d.Message.OrderKey != "" {
+				busyKeys[d.cl.d.Message.OrderKey] = true
+			}
+		}
+		var behind []*claim
+		for _, cl := range claims {
+			if owned[cl] && busyKeys[cl.d.Message.OrderKey] {
+				behind = append(behind, cl)
+				delete(owned, cl)
+				settled = append(settled, decided{cl, Busy, time.Second})
+			}
+		}
+		if len(behind) > 0 {
+			s, i := keyArrays(claimDeliveries(behind))
+			if _, err := tx.Exec(ctx, letGo, c.name, s, i, c.owner, b.token); err != nil {
+				return err
+			}
+		}
 		return nil
 	})
 	if err != nil {

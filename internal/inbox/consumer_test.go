@@ -245,3 +245,33 @@ func TestExpiredLeases(t *testing.T) {
 		t.Fatalf("the stuck message's work committed %d times after its lease expired, want 0", n)
 	}
 }
+
+// A message whose earlier message of the same order key is busy (another
+// replica holds it) waits too, instead of overtaking it.
+func TestBehindABusyMessageWaits(t *testing.T) {
+	t.Parallel()
+	db := workDB(t)
+	ctx := context.Background()
+	c := newConsumer(t, db, "a", testConfig(), countWork)
+	s := &settled{outcomes: map[string][]inbox.Outcome{}}
+	// "1" is held by replica b, its lease live.
+	if _, err := db.Pool.Exec(ctx, `INSERT INTO inbox_message (consumer, msg_source, msg_id, owner, lease_token, lease_until)
+		VALUES ('test', 'orders', '1', 'b', 1, now() + interval '1 minute')`); err != nil {
+		t.Fatal(err)
+	}
+	c.Process(ctx, []*inbox.Delivery{s.delivery("1", "k"), s.delivery("2", "k"), s.delivery("3", "other")})
+	if fmt.Sprint(s.of("1"), s.of("2"), s.of("3")) != "[busy] [busy] [processed]" {
+		t.Fatalf("settled %v %v %v; want 2 to wait behind the busy 1", s.of("1"), s.of("2"), s.of("3"))
+	}
+	if workCount(t, db, "2") != 0 {
+		t.Fatal("2 overtook 1")
+	}
+	// 2's claim was let go: its next delivery runs it once 1 is done.
+	if _, err := db.Pool.Exec(ctx, `UPDATE inbox_message SET state = 'PROCESSED', finished_at = now(), owner = NULL, lease_token = NULL, lease_until = NULL WHERE msg_id = '1'`); err != nil {
+		t.Fatal(err)
+	}
+	c.Process(ctx, []*inbox.Delivery{s.delivery("2", "k")})
+	if workCount(t, db, "2") != 1 {
+		t.Fatal("2 was not run on its next delivery")
+	}
+}

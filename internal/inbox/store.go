@@ -98,6 +98,10 @@ UPDATE inbox_message m
    AND m.owner = $4 AND m.lease_token = $5 AND m.state = 'PROCESSING'
 RETURNING m.msg_source, m.msg_id, m.state, m.attempts`
 
+// letGo ends this claim's lease at once: the message waits behind a busy
+// one of its order key, and its next delivery takes it over.
+const letGo = `UPDATE inbox_message SET lease_until = now() WHERE ` + held + ` AND state = 'RECEIVED'`
+
 // release puts rows whose work did not run (held behind a failure of
 // their order key) back to RECEIVED, so a takeover may run them.
 const release = `UPDATE inbox_message SET state = 'RECEIVED' WHERE ` + held + ` AND state = 'PROCESSING'`
