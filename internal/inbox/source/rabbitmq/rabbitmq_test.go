@@ -72,8 +72,13 @@ func TestOutboxEventsProcessedOnceInOrder(t *testing.T) {
 		SELECT seq < lag(seq) OVER (PARTITION BY order_key ORDER BY n) AS back FROM work) x WHERE back`); got != 0 {
 		t.Errorf("%d events did their work before an earlier event of their aggregate", got)
 	}
-	if got := readyCount(t, queue); got != 0 {
-		t.Errorf("%d messages back in the queue after the source stopped: they were not acknowledged", got)
+	// Every message was acknowledged, or comes again as a duplicate: a
+	// quorum queue may drop acks sent just before the connection closes
+	// (rabbitmq-server#10327). A second run takes what came back.
+	run(t, newSource(t, queue, ""), &watch{t: t, f: f})
+	testkit.Eventually(t, 30*time.Second, "the queue to be empty", func() bool { return readyCount(t, queue) == 0 })
+	if got := f.count(t, `SELECT count(*) FROM work`); got != n {
+		t.Errorf("%d pieces of work for %d events after a second run", got, n)
 	}
 	if got := f.received(t, inbox.Processed); got != n {
 		t.Errorf("inbox_received_total{processed} = %d, want %d", got, n)
