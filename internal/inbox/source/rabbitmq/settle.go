@@ -1,0 +1,122 @@
+package rabbitmq
+
+import (
+	"cmp"
+	"context"
+	"fmt"
+	"slices"
+	"sync"
+	"time"
+
+	amqp "github.com/rabbitmq/amqp091-go"
+
+	"github.com/worker-dev/worker/internal/inbox"
+)
+
+// process hands ds to the inbox as one batch and settles each delivery
+// with the broker as the inbox decides, after its commit.
+func (s *Source) process(ctx context.Context, h inbox.Handoff, ds []amqp.Delivery) {
+	var b busy
+	batch := make([]*inbox.Delivery, len(ds))
+	for i := range ds {
+		batch[i] = &inbox.Delivery{Message: message(&ds[i], s.cfg.Queue), Settle: b.settler(&ds[i])}
+	}
+	h.Process(ctx, batch)
+	b.requeue(ctx)
+}
+
+// busy collects a batch's deliveries the inbox could not take now
+// (another claim holds them, or the database is failing).
+type busy struct {
+	mu    sync.Mutex
+	ds    []*amqp.Delivery
+	after time.Duration
+}
+
+// settler returns d's Delivery.Settle: an outcome the inbox committed is
+// acknowledged at once; a busy delivery waits for requeue.
+func (b *busy) settler(d *amqp.Delivery) func(context.Context, inbox.Outcome, time.Duration) error {
+	return func(_ context.Context, o inbox.Outcome, after time.Duration) error {
+		switch o {
+		case inbox.Processed, inbox.Duplicate, inbox.Dead:
+			if err := d.Ack(false); err != nil {
+				return fmt.Errorf("rabbitmq: ack delivery %d: %w", d.DeliveryTag, err)
+			}
+			return nil
+		}
+		b.mu.Lock()
+		defer b.mu.Unlock()
+		b.ds = append(b.ds, d)
+		b.after = max(b.after, after)
+		return nil
+	}
+}
+
+// requeue hands the busy deliveries back to the queue once the longest of
+// their waits has passed. Requeued at once they would come straight back,
+// and the consumer would spin on them; waiting here instead of consuming
+// on also keeps the queue's order, which a single active consumer is
+// there for. They go back in the order they came. If ctx ends first,
+// closing the connection returns them.
+func (b *busy) requeue(ctx context.Context) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if len(b.ds) == 0 || !sleep(ctx, b.after) {
+		return
+	}
+	slices.SortFunc(b.ds, func(x, y *amqp.Delivery) int { return cmp.Compare(x.DeliveryTag, y.DeliveryTag) })
+	for _, d := range b.ds {
+		if d.Nack(false, true) != nil {
+			return // the channel is gone, and with it every unacknowledged delivery
+		}
+	}
+}
+
+// message maps a delivery the way the outbox's rabbitmq sink publishes:
+// the CloudEvents attributes as cloudEvents: application properties (the
+// AMQP binding, which also allows cloudEvents_ for JMS), message_id = the
+// event id. The key is the CloudEvents id, else message_id; a message
+// with neither keeps ID "" for the inbox's configured key, or its dead
+// letter.
+func message(d *amqp.Delivery, queue string) inbox.Message {
+	h := make(map[string]string, len(d.Headers)+2)
+	for k, v := range d.Headers {
+		h[k] = text(v)
+	}
+	// The message's own properties win over application properties that
+	// borrow their names.
+	if d.MessageId != "" {
+		h["message_id"] = d.MessageId
+	}
+	if d.RoutingKey != "" {
+		h["routing_key"] = d.RoutingKey
+	}
+	ce := func(name string) string { return cmp.Or(h["cloudEvents:"+name], h["cloudEvents_"+name]) }
+	m := inbox.Message{
+		Source:  ce("source"),
+		ID:      cmp.Or(ce("id"), d.MessageId),
+		Type:    cmp.Or(ce("type"), d.Type),
+		Origin:  queue,
+		Headers: h,
+		Body:    d.Body,
+	}
+	if subject := ce("subject"); m.Source != "" || subject != "" {
+		m.OrderKey = m.Source + "/" + subject
+	}
+	return m
+}
+
+// text is an AMQP field value as a string.
+func text(v any) string {
+	switch v := v.(type) {
+	case string:
+		return v
+	case []byte:
+		return string(v)
+	case time.Time:
+		return v.UTC().Format(time.RFC3339Nano)
+	case nil:
+		return ""
+	}
+	return fmt.Sprint(v)
+}

@@ -1,0 +1,189 @@
+package webhook
+
+import (
+	"bytes"
+	"context"
+	"crypto/hmac"
+	"crypto/rand"
+	"crypto/sha256"
+	"encoding/base64"
+	"encoding/json"
+	"io"
+	"net/http"
+	"strconv"
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/worker-dev/worker/internal/inbox"
+	"github.com/worker-dev/worker/internal/pgtest"
+	"github.com/worker-dev/worker/internal/testkit"
+)
+
+// workSQL is the sql handler of the tests: one row of work per message.
+const workSQL = `INSERT INTO work (msg_source, msg_id, order_key) VALUES (@source, @id, @order_key)`
+
+// fixture is one test's inbox: a database with a work table, the consumer
+// of source "hook", and the source serving it on a local port.
+type fixture struct {
+	db     *pgtest.DB
+	reg    *prometheus.Registry
+	c      *inbox.Consumer
+	src    *Source
+	url    string // the source's POST URL
+	secret string // whsec_ secret the source verifies with
+	key    []byte
+}
+
+// setup tunes a fixture before it starts: the source's section and
+// options, and the handler (the sql handler when nil).
+type setup struct {
+	cfg     inbox.WebhookSource
+	opts    Options
+	handler inbox.Handler
+}
+
+func newFixture(t testing.TB, tweak ...func(*setup)) *fixture {
+	t.Helper()
+	key := make([]byte, 24)
+	_, _ = rand.Read(key)
+	f := &fixture{db: pgtest.New(t), reg: prometheus.NewRegistry(), key: key, secret: "whsec_" + base64.StdEncoding.EncodeToString(key)}
+	if _, err := f.db.Pool.Exec(context.Background(), `CREATE TABLE work (
+		n bigserial PRIMARY KEY, msg_source text, msg_id text, order_key text)`); err != nil {
+		t.Fatal(err)
+	}
+	st := setup{cfg: inbox.DefaultSource().Webhook, opts: Options{Name: "hook"}}
+	st.cfg.Addr, st.cfg.Path, st.cfg.Secret = "127.0.0.1:0", "/inbox", f.secret
+	for _, tw := range tweak {
+		tw(&st)
+	}
+	if st.handler == nil {
+		st.handler = inbox.SQLHandler{SQL: workSQL}
+	}
+	m, err := inbox.NewMetrics(f.reg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg := inbox.DefaultConfig()
+	cfg.BackoffBase, cfg.BackoffMax = 10*time.Millisecond, 100*time.Millisecond
+	sc := inbox.SourceConfig{Name: "hook", Kind: inbox.KindWebhook, Handler: inbox.HandlerConfig{Kind: inbox.HandlerSQL, SQL: workSQL}}
+	logs := &testkit.LogBuffer{}
+	t.Cleanup(func() {
+		if t.Failed() {
+			t.Logf("consumer log:\n%s", logs.String())
+		}
+	})
+	f.c = inbox.NewConsumer(f.db.Pool, sc, cfg, st.handler, "test-instance", logs.Logger(), m)
+	if f.src, err = New(st.cfg, st.opts); err != nil {
+		t.Fatal(err)
+	}
+	return f
+}
+
+// start runs the source until the returned stop is called or t ends.
+func (f *fixture) start(t testing.TB) (stop func()) {
+	t.Helper()
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- f.src.Run(ctx, f.c) }()
+	testkit.Eventually(t, 10*time.Second, "the source to listen", func() bool {
+		select {
+		case err := <-done:
+			t.Fatalf("Run returned before listening: %v", err)
+		default:
+		}
+		return f.src.Addr() != ""
+	})
+	f.url = "http://" + f.src.Addr() + f.src.cfg.Path
+	stopped := false
+	stop = func() {
+		if stopped {
+			return
+		}
+		stopped = true
+		cancel()
+		select {
+		case err := <-done:
+			if err != nil {
+				t.Errorf("Run after ctx ended: %v", err)
+			}
+		case <-time.After(20 * time.Second):
+			t.Error("Run did not return within 20s of ctx ending")
+		}
+	}
+	t.Cleanup(stop)
+	return stop
+}
+
+// signed returns the Standard Webhooks headers of body, signed with key
+// at ts, plus the CloudEvents headers of id.
+func signed(key []byte, id string, ts time.Time, body []byte) http.Header {
+	t := strconv.FormatInt(ts.Unix(), 10)
+	mac := hmac.New(sha256.New, key)
+	mac.Write([]byte(id + "." + t + "."))
+	mac.Write(body)
+	h := http.Header{}
+	h.Set("Content-Type", "application/json")
+	h.Set("Webhook-Id", id)
+	h.Set("Webhook-Timestamp", t)
+	h.Set("Webhook-Signature", "v1,"+base64.StdEncoding.EncodeToString(mac.Sum(nil)))
+	h.Set("Ce-Specversion", "1.0")
+	h.Set("Ce-Id", id)
+	h.Set("Ce-Source", "order")
+	h.Set("Ce-Type", "order.updated")
+	h.Set("Ce-Subject", "o-1")
+	return h
+}
+
+// response is an answer, read.
+type response struct {
+	code       int
+	retryAfter string
+	body       reply
+}
+
+func post(t testing.TB, url string, h http.Header, body []byte) response {
+	t.Helper()
+	req, err := http.NewRequest(http.MethodPost, url, bytes.NewReader(body))
+	if err != nil {
+		t.Fatal(err)
+	}
+	req.Header = h
+	return do(t, req)
+}
+
+func do(t testing.TB, req *http.Request) response {
+	t.Helper()
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	a := response{code: resp.StatusCode, retryAfter: resp.Header.Get("Retry-After")}
+	if len(b) > 0 {
+		if err := json.Unmarshal(b, &a.body); err != nil {
+			t.Errorf("answer %d is not JSON: %q", resp.StatusCode, b)
+		}
+	}
+	return a
+}
+
+// count runs a query returning one number.
+func (f *fixture) count(t testing.TB, q string, args ...any) int {
+	t.Helper()
+	var n int
+	if err := f.db.Pool.QueryRow(context.Background(), q, args...).Scan(&n); err != nil {
+		t.Fatal(err)
+	}
+	return n
+}
+
+// nothingStored checks that no work was done and no inbox row written.
+func (f *fixture) nothingStored(t testing.TB) {
+	t.Helper()
+	if n := f.count(t, `SELECT (SELECT count(*) FROM work) + (SELECT count(*) FROM inbox_message)`); n != 0 {
+		t.Errorf("%d rows of work or inbox", n)
+	}
+}

@@ -1,0 +1,222 @@
+// Package webhook is the HTTP inbox source (inbox.sources[].kind:
+// webhook): a server of its own that takes Standard Webhooks POSTs
+// (https://www.standardwebhooks.com), such as the outbox's webhook sink
+// sends, each request a batch of one. The answer says what the inbox
+// committed, so a sender retries exactly what it must:
+//
+//	200 processed: the work committed now
+//	200 or 409 (duplicate_status) duplicate: the work had committed before
+//	200 dead: dead-lettered in the inbox (out of attempts, or a permanent
+//	    failure); an operator takes it from there (worker inbox dead),
+//	    and a resend would only be a duplicate
+//	400 the message has no key at all: nothing was stored
+//	401 a missing, stale or wrong signature: nothing was stored
+//	405 not a POST; 413 a body over max_body
+//	503 busy (another claim holds it, or the database failed), the server
+//	    full, or the request's timeout ended first: Retry-After says when
+//	    to send it again
+//
+// The body of every answer from the inbox is a JSON object naming the
+// outcome. A 2xx comes only after the commit.
+package webhook
+
+import (
+	"cmp"
+	"context"
+	"encoding/base64"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"net/http"
+	"strings"
+	"sync"
+	"time"
+
+	"golang.org/x/net/netutil"
+
+	"github.com/worker-dev/worker/internal/inbox"
+	"github.com/worker-dev/worker/internal/outbox/sink"
+)
+
+// Server limits. A request is a small head and a body of at most
+// max_body; the slowest part is the inbox's work, bounded by the source's
+// timeout.
+const (
+	readHeaderTimeout = 5 * time.Second
+	readTimeout       = 15 * time.Second // head and body
+	idleTimeout       = 60 * time.Second
+	maxHeaderBytes    = 32 << 10
+	// DefaultMaxInFlight bounds the requests in the inbox at once. Each
+	// holds its body (up to max_body) and takes database connections; past
+	// it a request is answered 503 at once, before its body is read.
+	DefaultMaxInFlight = 64
+	// DefaultMaxConns bounds open connections: each costs a goroutine and
+	// its buffers even while idle. Past it, new connections wait in the
+	// kernel's backlog until one closes.
+	DefaultMaxConns = 1024
+	// shutdownGrace is how long requests in flight may finish at shutdown
+	// before their work is cancelled (they answer 503, and the sender
+	// retries).
+	shutdownGrace = 10 * time.Second
+	// secretPrefix marks a Standard Webhooks secret: the HMAC key is the
+	// base64-decoded rest.
+	secretPrefix = "whsec_"
+)
+
+// Options are what the source needs beside its configuration section.
+type Options struct {
+	// Name is the inbox source's name, for errors.
+	Name string
+	// MaxInFlight and MaxConns override DefaultMaxInFlight and
+	// DefaultMaxConns when positive.
+	MaxInFlight int
+	MaxConns    int
+	// Logger receives the server's own errors (a failed TLS handshake, a
+	// broken connection); nil discards them.
+	Logger *slog.Logger
+}
+
+// Source serves one path. Run may be called once at a time.
+type Source struct {
+	cfg      inbox.WebhookSource
+	section  string
+	keys     [][]byte
+	slots    chan struct{}
+	maxConns int
+	log      *slog.Logger
+	now      func() time.Time
+
+	mu   sync.Mutex
+	addr string // once listening
+}
+
+var _ inbox.Source = (*Source)(nil)
+
+// New checks cfg and returns a source that is not listening yet.
+func New(cfg inbox.WebhookSource, opts Options) (*Source, error) {
+	s := &Source{
+		cfg:      cfg,
+		section:  fmt.Sprintf("inbox.sources[%s].webhook", opts.Name),
+		slots:    make(chan struct{}, cmp.Or(max(opts.MaxInFlight, 0), DefaultMaxInFlight)),
+		maxConns: cmp.Or(max(opts.MaxConns, 0), DefaultMaxConns),
+		log:      opts.Logger,
+		now:      time.Now,
+	}
+	if s.log == nil {
+		s.log = slog.New(slog.DiscardHandler)
+	}
+	switch {
+	case cfg.Addr == "":
+		return nil, fmt.Errorf("%s.addr is empty: want host:port to listen on, such as :8081", s.section)
+	case !strings.HasPrefix(cfg.Path, "/") || strings.ContainsAny(cfg.Path, "{} \t"):
+		return nil, fmt.Errorf("%s.path=%q: want an absolute path without braces or spaces, such as /inbox", s.section, cfg.Path)
+	case cfg.Tolerance <= 0:
+		return nil, fmt.Errorf("%s.tolerance=%s: want a positive duration such as 5m", s.section, cfg.Tolerance)
+	case cfg.MaxBody < 1:
+		return nil, fmt.Errorf("%s.max_body=%d: want a positive number of bytes", s.section, cfg.MaxBody)
+	case cfg.DuplicateStatus != http.StatusOK && cfg.DuplicateStatus != http.StatusConflict:
+		return nil, fmt.Errorf("%s.duplicate_status=%d: want 200 (the sender stops) or 409", s.section, cfg.DuplicateStatus)
+	case cfg.Timeout <= 0:
+		return nil, fmt.Errorf("%s.timeout=%s: want a positive duration such as 30s", s.section, cfg.Timeout)
+	}
+	var err error
+	if s.keys, err = parseSecrets(cfg.Secret); err != nil {
+		return nil, fmt.Errorf("%s.secret: %w", s.section, err)
+	}
+	return s, nil
+}
+
+// parseSecrets returns the HMAC keys of a space-separated list of secrets
+// (several while one is rotated). A whsec_ secret is base64, as Standard
+// Webhooks issues them; any other is used as raw bytes, as the outbox's
+// webhook sink does. Errors never quote the value.
+func parseSecrets(list string) ([][]byte, error) {
+	var keys [][]byte
+	for _, secret := range strings.Fields(list) {
+		b64, ok := strings.CutPrefix(secret, secretPrefix)
+		if !ok {
+			keys = append(keys, []byte(secret))
+			continue
+		}
+		key, err := base64.StdEncoding.DecodeString(b64)
+		if err != nil || len(key) == 0 {
+			return nil, errors.New("a secret starting with whsec_ must continue with standard base64 of the key bytes")
+		}
+		keys = append(keys, key)
+	}
+	if len(keys) == 0 {
+		// Unsigned requests would let anyone who reaches the port put work
+		// into the database.
+		return nil, errors.New("empty: the receiver verifies every request's webhook-signature; give the secret the sender signs with")
+	}
+	return keys, nil
+}
+
+// Addr is the address the source listens on, "" until it does.
+func (s *Source) Addr() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.addr
+}
+
+// Run implements inbox.Source: it listens, reports h.Up, and serves until
+// ctx ends, then shuts the server down, giving requests in flight
+// shutdownGrace to finish. A listen error (an address in use, a port
+// refused) wraps sink.ErrSetup.
+func (s *Source) Run(ctx context.Context, h inbox.Handoff) error {
+	ln, err := net.Listen("tcp", s.cfg.Addr)
+	if err != nil {
+		return fmt.Errorf("%w: %s.addr=%q: %w", sink.ErrSetup, s.section, s.cfg.Addr, err)
+	}
+	s.mu.Lock()
+	s.addr = ln.Addr().String()
+	s.mu.Unlock()
+
+	// Requests' contexts end when their grace at shutdown does, not when
+	// ctx does: Shutdown lets them finish first.
+	base, cancelRequests := context.WithCancel(context.WithoutCancel(ctx))
+	defer cancelRequests()
+	pattern := "POST " + s.cfg.Path
+	if strings.HasSuffix(pattern, "/") {
+		pattern += "{$}" // the path itself, not the tree below it
+	}
+	mux := http.NewServeMux()
+	mux.Handle(pattern, &handler{s: s, h: h})
+	srv := &http.Server{
+		Handler:           mux,
+		ReadHeaderTimeout: readHeaderTimeout,
+		ReadTimeout:       readTimeout,
+		// From the end of the head: the body, the inbox's work, the answer.
+		WriteTimeout:   readTimeout + s.cfg.Timeout + 5*time.Second,
+		IdleTimeout:    idleTimeout,
+		MaxHeaderBytes: maxHeaderBytes,
+		BaseContext:    func(net.Listener) context.Context { return base },
+		ErrorLog:       slog.NewLogLogger(s.log.Handler(), slog.LevelWarn),
+	}
+	served := make(chan error, 1)
+	go func() { served <- srv.Serve(netutil.LimitListener(ln, s.maxConns)) }()
+	h.Up()
+
+	select {
+	case err := <-served:
+		// Serve retries temporary accept errors itself; this one is not.
+		h.Down(err)
+		return fmt.Errorf("%s: serving on %s: %w", s.section, s.cfg.Addr, err)
+	case <-ctx.Done():
+	}
+	sctx, cancel := context.WithTimeout(context.Background(), shutdownGrace)
+	defer cancel()
+	if srv.Shutdown(sctx) != nil {
+		// Out of grace: end their work, which rolls back, and give them a
+		// moment to answer 503 before the connections close.
+		cancelRequests()
+		last, cancel := context.WithTimeout(context.Background(), time.Second)
+		defer cancel()
+		if srv.Shutdown(last) != nil {
+			_ = srv.Close()
+		}
+	}
+	<-served
+	return nil
+}
