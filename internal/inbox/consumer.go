@@ -43,6 +43,9 @@ type Consumer struct {
 // instance id).
 func NewConsumer(pool *pgxpool.Pool, src SourceConfig, cfg Config, h Handler, owner string, log *slog.Logger, m *Metrics) *Consumer {
 	key, _ := ParseKey(src.Key) // Config.Validate checked it
+	if log == nil {
+		log = slog.New(slog.DiscardHandler)
+	}
 	log = log.With("inbox_source", src.Name)
 	m.initSource(src.Name)
 	return &Consumer{
@@ -66,6 +69,7 @@ type claim struct {
 	d        *Delivery
 	attempts int // failed tries so far
 	twins    []*Delivery
+	settled  bool // its source has been told
 }
 
 // batchState is one Process call: its token, and its deliveries' fates.
@@ -86,7 +90,11 @@ func (c *Consumer) Process(ctx context.Context, batch []*Delivery) {
 	b := &batchState{c: c, started: time.Now()}
 	for _, d := range batch {
 		d.Message.Consumer = c.name
-		if d.Invalid == nil {
+		switch {
+		case d.Invalid != nil:
+		case d.Message.ID == "" && c.key == (KeySpec{}) && d.NativeID != "":
+			d.Message.ID = d.NativeID
+		default:
 			d.Invalid = c.key.Apply(&d.Message)
 		}
 	}
@@ -98,6 +106,11 @@ func (c *Consumer) Process(ctx context.Context, batch []*Delivery) {
 		}
 		return
 	}
+	// Claims still held when Process returns early (shutdown, a database
+	// that did not come back in time) are let go: their work rolled back,
+	// so the next delivery may take them over instead of finding an
+	// expired processing lease.
+	defer func() { b.letGo(claims) }()
 	failures := 0
 	for len(claims) > 0 && ctx.Err() == nil {
 		next, wait, err := b.round(work, claims)
@@ -109,7 +122,7 @@ func (c *Consumer) Process(ctx context.Context, batch []*Delivery) {
 			wait = obs.FullJitter(c.cfg.BackoffBase, c.cfg.BackoffMax, failures)
 			if time.Since(b.started)+wait > c.cfg.LeaseTTL*2/3 {
 				for _, cl := range claims {
-					b.settleClaim(work, cl, Busy, c.cfg.LeaseTTL)
+					b.settleClaim(work, cl, Busy, c.cfg.BackoffBase)
 				}
 				return
 			}
@@ -343,6 +356,27 @@ func (b *batchState) receive(ctx context.Context, batch []*Delivery) ([]*claim, 
 	return out, nil
 }
 
+// letGo releases claims this call still holds and has not settled: back
+// to RECEIVED, the lease ended, no attempt spent. A row whose work did
+// commit (a commit whose answer was lost) is PROCESSED and untouched.
+func (b *batchState) letGo(claims []*claim) {
+	var held []*claim
+	for _, cl := range claims {
+		if !cl.settled {
+			held = append(held, cl)
+		}
+	}
+	if len(held) == 0 {
+		return
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+	defer cancel()
+	s, i := keyArrays(claimDeliveries(held))
+	if _, err := b.c.pool.Exec(ctx, release, b.c.name, s, i, b.c.owner, b.token, time.Duration(0)); err != nil {
+		b.c.log.Warn("inbox could not let go of its claims; they are taken over when their lease expires", "error", err)
+	}
+}
+
 // collectKeys runs a statement returning (msg_source, msg_id) rows and
 // adds them to into.
 func collectKeys(ctx context.Context, tx pgx.Tx, into map[[2]string]bool, sql string, args ...any) error {
@@ -388,6 +422,7 @@ func headersJSON(h map[string]string) json.RawMessage {
 // settleClaim settles a claim's delivery and its twins. A twin of a
 // message processed now is a duplicate.
 func (b *batchState) settleClaim(ctx context.Context, cl *claim, o Outcome, after time.Duration) {
+	cl.settled = true
 	b.settle(ctx, cl.d, o, after)
 	if o == Processed {
 		o = Duplicate

@@ -59,6 +59,10 @@ type Delivery struct {
 	// dedupe key, an unreadable envelope. It is dead-lettered with this
 	// reason, under Ref.
 	Invalid error
+	// NativeID is the source's own message id (AMQP message_id), the
+	// dedupe key of a message without a CloudEvents id when the source
+	// configures no key of its own.
+	NativeID string
 	// Ref identifies the delivery in the source when the message has no
 	// key (stream and sequence, topic, partition and offset). Empty means
 	// a digest of the body.

@@ -103,8 +103,10 @@ RETURNING m.msg_source, m.msg_id, m.state, m.attempts`
 const letGo = `UPDATE inbox_message SET lease_until = now() WHERE ` + held + ` AND state = 'RECEIVED'`
 
 // release puts rows whose work did not run (held behind a failure of
-// their order key) back to RECEIVED, so a takeover may run them.
-const release = `UPDATE inbox_message SET state = 'RECEIVED' WHERE ` + held + ` AND state = 'PROCESSING'`
+// their order key, or let go) back to RECEIVED, so a takeover may run
+// them; let go, their lease ends now.
+const release = `UPDATE inbox_message SET state = 'RECEIVED', lease_until = least(lease_until, now() + $6::interval)
+ WHERE ` + held + ` AND state IN ('RECEIVED', 'PROCESSING', 'FAILED')`
 
 // orphans reads claims whose lease expired before their work began or
 // after it failed, whatever their source does: a replica that died with

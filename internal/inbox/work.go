@@ -177,7 +177,7 @@ func (b *batchState) work(ctx context.Context, run []*claim, isolate bool) (res 
 		}
 		if len(res.held) > 0 {
 			s, i := keyArrays(claimDeliveries(res.held))
-			if _, err := tx.Exec(ctx, release, c.name, s, i, c.owner, b.token); err != nil {
+			if _, err := tx.Exec(ctx, release, c.name, s, i, c.owner, b.token, c.cfg.LeaseTTL); err != nil {
 				return err
 			}
 		}

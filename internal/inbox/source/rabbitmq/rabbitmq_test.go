@@ -298,7 +298,8 @@ func TestMessage(t *testing.T) {
 		t.Errorf("headers = %v", m.Headers)
 	}
 	foreign := message(&amqp.Delivery{MessageId: "m2", Type: "t"}, "q")
-	if foreign.ID != "m2" || foreign.Source != "" || foreign.OrderKey != "" || foreign.Type != "t" {
+	// message_id is the NativeID, the key unless the source configures one.
+	if foreign.ID != "" || foreign.Headers["message_id"] != "m2" || foreign.Source != "" || foreign.OrderKey != "" || foreign.Type != "t" {
 		t.Errorf("foreign message = %+v", foreign)
 	}
 	if none := message(&amqp.Delivery{Body: []byte("x")}, "q"); none.ID != "" {

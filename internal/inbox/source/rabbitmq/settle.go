@@ -19,7 +19,7 @@ func (s *Source) process(ctx context.Context, h inbox.Handoff, ds []amqp.Deliver
 	var b busy
 	batch := make([]*inbox.Delivery, len(ds))
 	for i := range ds {
-		batch[i] = &inbox.Delivery{Message: message(&ds[i], s.cfg.Queue), Settle: b.settler(&ds[i])}
+		batch[i] = &inbox.Delivery{Message: message(&ds[i], s.cfg.Queue), NativeID: ds[i].MessageId, Settle: b.settler(&ds[i])}
 	}
 	h.Process(ctx, batch)
 	b.requeue(ctx)
@@ -75,9 +75,9 @@ func (b *busy) requeue(ctx context.Context) {
 // message maps a delivery the way the outbox's rabbitmq sink publishes:
 // the CloudEvents attributes as cloudEvents: application properties (the
 // AMQP binding, which also allows cloudEvents_ for JMS), message_id = the
-// event id. The key is the CloudEvents id, else message_id; a message
-// with neither keeps ID "" for the inbox's configured key, or its dead
-// letter.
+// event id. The key is the CloudEvents id; message_id is the delivery's
+// NativeID, which the inbox takes when the source configures no key of
+// its own.
 func message(d *amqp.Delivery, queue string) inbox.Message {
 	h := make(map[string]string, len(d.Headers)+2)
 	for k, v := range d.Headers {
@@ -94,7 +94,7 @@ func message(d *amqp.Delivery, queue string) inbox.Message {
 	ce := func(name string) string { return cmp.Or(h["cloudEvents:"+name], h["cloudEvents_"+name]) }
 	m := inbox.Message{
 		Source:  ce("source"),
-		ID:      cmp.Or(ce("id"), d.MessageId),
+		ID:      ce("id"),
 		Type:    cmp.Or(ce("type"), d.Type),
 		Origin:  queue,
 		Headers: h,
