@@ -60,6 +60,7 @@ type cli struct {
 			Purge outboxDeadPurgeCmd `cmd:"" help:"Delete DEAD events for good."`
 		} `cmd:"" help:"Inspect, requeue or delete dead-lettered events."`
 	} `cmd:"" help:"Operate the transactional outbox."`
+	Inbox       inboxCmd       `cmd:"" help:"Operate the inbox: dead-lettered messages and those waiting for an operator."`
 	Tasks       tasksCmd       `cmd:"" help:"Operate background tasks (River)."`
 	Healthcheck healthcheckCmd `cmd:"" help:"Exit 0 if the local worker's /readyz answers 200, 1 otherwise (for a container HEALTHCHECK)."`
 	Version     versionCmd     `cmd:"" help:"Print the version and exit."`

@@ -64,7 +64,8 @@ tasks:
 		}
 	})
 	testkit.Eventually(t, 10*time.Second, "every query to name exported metrics and labels", func() bool {
-		exported, _ := scrape(t, p)
+		exported, families := scrape(t, p)
+		exported, _ = withInboxSeries(t, exported, families)
 		problems = problems[:0]
 		for _, q := range queries {
 			problems = append(problems, q.check(exported, recorded)...)
@@ -206,6 +207,12 @@ func scrape(t *testing.T, p *proc) (exported, map[string][]string) {
 	if code != http.StatusOK {
 		t.Fatalf("/metrics = %d: %s", code, body)
 	}
+	return parseMetrics(t, body)
+}
+
+// parseMetrics reads a text exposition as scrape does.
+func parseMetrics(t *testing.T, body string) (exported, map[string][]string) {
+	t.Helper()
 	parser := expfmt.NewTextParser(model.UTF8Validation)
 	families, err := parser.TextToMetricFamilies(strings.NewReader(body))
 	if err != nil {
@@ -416,7 +423,7 @@ func TestDashboardIsImportable(t *testing.T) {
 	if len(byJobName) == 0 || strings.Contains(section, "narrow every panel") {
 		t.Errorf("panels %v use $job_name; docs/deploy.md's Dashboard section must say which, not every panel", byJobName)
 	}
-	for _, want := range []string{"Jobs", "Lock", "Outbox", "Process"} {
+	for _, want := range []string{"Jobs", "Lock", "Outbox", "Inbox", "Process"} {
 		if !slices.Contains(rows, want) {
 			t.Errorf("rows %v lack %q", rows, want)
 		}

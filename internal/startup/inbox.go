@@ -122,8 +122,8 @@ func (c *Config) validateInbox() error {
 			}
 		}
 		build, ok := sourceKinds[s.Kind]
-		if !ok {
-			continue // Validate named the kinds
+		if !ok { // Validate named the kinds; this build may lack one
+			return configErrorf("%s[%d].kind=%q: this build of the worker has no %s source", inboxSourcesKey, i, s.Kind, s.Kind)
 		}
 		if _, err := build(s, c.Inbox, slog.New(slog.DiscardHandler), c.Instance.ID); err != nil {
 			return configErrorf("%s[%d] (%s): %w", inboxSourcesKey, i, s.Name, err)

@@ -73,6 +73,7 @@ tasks:
 		// A scrape may land between two gauges of one refresh.
 		return families["outbox_pending_size"] != nil && families["outbox_publisher_lag_seconds"] != nil && families["tasks"] != nil
 	})
+	_, families = withInboxSeries(t, nil, families)
 
 	rows := metricsDocRows(t)
 	var missing, wrong, extra, twice []string
