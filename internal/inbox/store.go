@@ -108,14 +108,15 @@ const letGo = `UPDATE inbox_message SET lease_until = now() WHERE ` + held + ` A
 const release = `UPDATE inbox_message SET state = 'RECEIVED', lease_until = least(lease_until, now() + $6::interval)
  WHERE ` + held + ` AND state IN ('RECEIVED', 'PROCESSING', 'FAILED')`
 
-// orphans reads claims whose lease expired before their work began or
-// after it failed, whatever their source does: a replica that died with
-// them, a webhook sender that gave up, or an operator's requeue (owner
-// 'operator', worker inbox dead retry). The sweep runs them from their
-// stored message.
+// orphans reads claims whose lease expired, whatever their source does: a
+// replica that died with them, a webhook sender that gave up, or an
+// operator's requeue (owner 'operator', worker inbox dead retry). The
+// sweep runs them through their consumer from their stored message: a
+// RECEIVED or FAILED one is taken over, a PROCESSING one goes to an
+// operator.
 const orphans = `
 SELECT consumer, msg_source, msg_id, msg_type, order_key, origin, headers, coalesce(body, '')
   FROM inbox_message
- WHERE finished_at IS NULL AND lease_until <= now() AND state IN ('RECEIVED', 'FAILED')
+ WHERE finished_at IS NULL AND lease_until <= now()
  ORDER BY lease_until
  LIMIT $1`

@@ -14,6 +14,8 @@ import (
 
 	"github.com/worker-dev/worker/internal/inbox"
 	natssource "github.com/worker-dev/worker/internal/inbox/source/nats"
+	rabbitsource "github.com/worker-dev/worker/internal/inbox/source/rabbitmq"
+	webhooksource "github.com/worker-dev/worker/internal/inbox/source/webhook"
 )
 
 // inboxSourcesKey is the YAML-only list of inbox sources.
@@ -24,6 +26,12 @@ const inboxSourcesKey = "inbox.sources"
 var sourceKinds = map[string]func(src inbox.SourceConfig, cfg inbox.Config, log *slog.Logger, instance string) (inbox.Source, error){
 	inbox.KindNATS: func(src inbox.SourceConfig, cfg inbox.Config, log *slog.Logger, _ string) (inbox.Source, error) {
 		return natssource.New(src, cfg, log)
+	},
+	inbox.KindRabbitMQ: func(src inbox.SourceConfig, cfg inbox.Config, _ *slog.Logger, _ string) (inbox.Source, error) {
+		return rabbitsource.New(src.RabbitMQ, rabbitsource.Options{Name: src.Name, BatchSize: cfg.BatchSize, ProbeBackoffMax: cfg.ProbeBackoffMax})
+	},
+	inbox.KindWebhook: func(src inbox.SourceConfig, _ inbox.Config, log *slog.Logger, _ string) (inbox.Source, error) {
+		return webhooksource.New(src.Webhook, webhooksource.Options{Name: src.Name, MaxInFlight: src.Webhook.MaxInFlight, Logger: log})
 	},
 }
 

@@ -221,8 +221,9 @@ func TestConnectionKilled(t *testing.T) {
 	proxy.Restore(t)
 	testkit.Eventually(t, time.Minute, "every message processed", func() bool { return f.count(t, `SELECT count(*) FROM work`) >= n })
 
-	if got := w.seen(); !slices.Equal(got[:3], []string{"up", "down", "up"}) {
-		t.Errorf("reports %v, want up, down, up first", got)
+	// A failed redial reports down again; the consumer logs an outage once.
+	if got := slices.Compact(w.seen()); len(got) < 3 || !slices.Equal(got[:3], []string{"up", "down", "up"}) {
+		t.Errorf("reports %v, want up, down, up first", w.seen())
 	}
 	if got := f.count(t, `SELECT count(DISTINCT msg_id) FROM work`); got != n {
 		t.Errorf("%d distinct messages did work, want %d", got, n)
