@@ -35,6 +35,14 @@ type SQLHandler struct{ SQL string }
 
 // Handle implements Handler.
 func (h SQLHandler) Handle(ctx context.Context, tx pgx.Tx, m Message) error {
+	_, err := tx.Exec(ctx, h.SQL, sqlArgs(m))
+	return err
+}
+
+// queue implements batchQueuer: a batch's statements go in one round trip.
+func (h SQLHandler) queue(b *pgx.Batch, m Message) { b.Queue(h.SQL, sqlArgs(m)) }
+
+func sqlArgs(m Message) pgx.NamedArgs {
 	args := pgx.NamedArgs{
 		"source": m.Source, "id": m.ID, "type": m.Type, "order_key": m.OrderKey, "origin": m.Origin,
 		"headers": headersJSON(m.Headers), "attempt": m.Attempt, "body": nil, "body_json": nil,
@@ -45,8 +53,13 @@ func (h SQLHandler) Handle(ctx context.Context, tx pgx.Tx, m Message) error {
 	if json.Valid(m.Body) {
 		args["body_json"] = json.RawMessage(m.Body)
 	}
-	_, err := tx.Exec(ctx, h.SQL, args)
-	return err
+	return args
+}
+
+// batchQueuer is a Handler whose work for a message is one statement: the
+// work transaction sends a whole batch's in one round trip.
+type batchQueuer interface {
+	queue(b *pgx.Batch, m Message)
 }
 
 // RiverHandler enqueues a River task of a configured kind per message, in

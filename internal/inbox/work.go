@@ -128,6 +128,9 @@ func (h *handlerFailure) Error() string { return h.err.Error() }
 // the caller runs again with isolate: a savepoint per message.
 func (b *batchState) work(ctx context.Context, run []*claim, isolate bool) (res workResult, err error) {
 	c := b.c
+	if q, ok := c.handler.(batchQueuer); ok && !isolate {
+		return b.workPipelined(ctx, run, q)
+	}
 	err = pgx.BeginFunc(ctx, c.pool, func(tx pgx.Tx) error {
 		res = workResult{}
 		var failed []failure
@@ -182,6 +185,63 @@ func (b *batchState) work(ctx context.Context, run []*claim, isolate bool) (res 
 			}
 		}
 		return nil
+	})
+	return res, err
+}
+
+// workPipelined is work without isolation for a handler whose work is one
+// statement: every message's statement and the final markProcessed go in
+// one round trip. The first failure aborts the transaction
+// (handlerFailure), and the caller runs again with isolation.
+func (b *batchState) workPipelined(ctx context.Context, run []*claim, q batchQueuer) (res workResult, err error) {
+	c := b.c
+	err = pgx.BeginFunc(ctx, c.pool, func(tx pgx.Tx) error {
+		res = workResult{}
+		batch := &pgx.Batch{}
+		for _, cl := range run {
+			m := cl.d.Message
+			m.Attempt = cl.attempts + 1
+			q.queue(batch, m)
+		}
+		s, i := keyArrays(claimDeliveries(run))
+		batch.Queue(markProcessed, c.name, s, i, c.owner, b.token)
+		br := tx.SendBatch(ctx, batch)
+		defer br.Close()
+		for range run {
+			if _, err := br.Exec(); err != nil {
+				if tx.Conn().IsClosed() || ctx.Err() != nil {
+					return err // the database or the deadline, not a message
+				}
+				return &handlerFailure{err}
+			}
+		}
+		rows, err := br.Query()
+		if err != nil {
+			return err
+		}
+		got := map[[2]string]bool{}
+		for rows.Next() {
+			var k [2]string
+			if err := rows.Scan(&k[0], &k[1]); err != nil {
+				rows.Close()
+				return err
+			}
+			got[k] = true
+		}
+		if err := rows.Err(); err != nil {
+			return err
+		}
+		for _, cl := range run {
+			if s, i := cl.d.key(); got[[2]string{s, i}] {
+				res.done = append(res.done, cl)
+			} else {
+				res.lost = append(res.lost, cl)
+			}
+		}
+		if len(res.lost) > 0 {
+			return errLost
+		}
+		return br.Close()
 	})
 	return res, err
 }
