@@ -1,0 +1,275 @@
+package kafka
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"slices"
+	"strings"
+	"time"
+
+	"github.com/twmb/franz-go/pkg/kerr"
+	"github.com/twmb/franz-go/pkg/kgo"
+	"github.com/twmb/franz-go/pkg/kmsg"
+	"github.com/twmb/franz-go/pkg/sasl"
+	"github.com/twmb/franz-go/pkg/sasl/plain"
+	"github.com/twmb/franz-go/pkg/sasl/scram"
+
+	"github.com/worker-dev/worker/internal/inbox"
+	"github.com/worker-dev/worker/internal/obs"
+	"github.com/worker-dev/worker/internal/outbox/sink"
+)
+
+const (
+	// probeBase is the first wait before probing brokers that were down.
+	probeBase = 100 * time.Millisecond
+	// commitTimeout bounds an offset commit, which outlives Run's context:
+	// the records' work has committed, and saying so spares a redelivery.
+	commitTimeout = 10 * time.Second
+)
+
+// Source consumes a Kafka consumer group into the inbox.
+type Source struct {
+	cfg      inbox.KafkaSource
+	section  string // inbox.sources[<name>].kafka, for errors
+	topics   []string
+	batch    int
+	probeMax time.Duration
+	log      *slog.Logger
+}
+
+var _ inbox.Source = (*Source)(nil)
+
+// New checks src's kafka section and returns the source; Run connects.
+// batch_size and probe_backoff_max come from cfg.
+func New(src inbox.SourceConfig, cfg inbox.Config, log *slog.Logger) (*Source, error) {
+	section := "inbox.sources[" + src.Name + "].kafka"
+	c := src.Kafka
+	var topics []string
+	for t := range strings.SplitSeq(c.Topics, ",") {
+		if t = strings.TrimSpace(t); t != "" {
+			topics = append(topics, t)
+		}
+	}
+	switch {
+	case strings.TrimSpace(c.Brokers) == "":
+		return nil, fmt.Errorf("%s.brokers is empty: want host:port[,host:port...]", section)
+	case len(topics) == 0:
+		return nil, fmt.Errorf("%s.topics is empty: want topic[,topic...]", section)
+	case c.Group == "":
+		return nil, fmt.Errorf("%s.group is empty: replicas that share a group share the partitions", section)
+	case c.ConnectTimeout < 100*time.Millisecond:
+		return nil, fmt.Errorf("%s.connect_timeout=%s: want at least 100ms", section, c.ConnectTimeout)
+	case !slices.Contains([]string{"", "PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"}, c.SASLMechanism):
+		return nil, fmt.Errorf("%s.sasl_mechanism=%q: want PLAIN, SCRAM-SHA-256, SCRAM-SHA-512 or empty", section, c.SASLMechanism)
+	case c.SASLMechanism != "" && c.SASLUser == "":
+		return nil, fmt.Errorf("%s.sasl_user is empty: sasl_mechanism %s needs a user and password", section, c.SASLMechanism)
+	case (c.TLSCertFile == "") != (c.TLSKeyFile == ""):
+		return nil, fmt.Errorf("%s.tls_cert_file and %s.tls_key_file: set both for a client certificate, or neither", section, section)
+	}
+	if log == nil {
+		log = slog.New(slog.DiscardHandler)
+	}
+	return &Source{
+		cfg:      c,
+		section:  section,
+		topics:   topics,
+		batch:    max(cfg.BatchSize, 1),
+		probeMax: max(cfg.ProbeBackoffMax, probeBase),
+		log:      log.With("inbox_source", src.Name, "source_kind", inbox.KindKafka),
+	}, nil
+}
+
+// options are the client's options: brokers, SASL and TLS as the outbox's
+// Kafka sink builds them, and a group whose offsets only Run commits.
+func (s *Source) options() ([]kgo.Opt, error) {
+	c := s.cfg
+	opts := []kgo.Opt{
+		kgo.SeedBrokers(strings.Split(strings.ReplaceAll(c.Brokers, " ", ""), ",")...),
+		kgo.ClientID(c.ClientID),
+		kgo.DialTimeout(c.ConnectTimeout),
+		kgo.ConsumerGroup(c.Group),
+		kgo.ConsumeTopics(s.topics...),
+		kgo.ConsumeResetOffset(kgo.NewOffset().AtStart()),
+		kgo.DisableAutoCommit(),
+		// Revocations wait until the polled batch is processed and its
+		// offsets committed: see the package comment.
+		kgo.BlockRebalanceOnPoll(),
+		// A transactional producer's aborted records are never work.
+		kgo.FetchIsolationLevel(kgo.ReadCommitted()),
+	}
+	if m := mechanism(c); m != nil {
+		opts = append(opts, kgo.SASL(m))
+	}
+	if c.TLS || c.TLSCAFile != "" || c.TLSCertFile != "" {
+		tc, err := sink.TLSConfig(s.section, c.TLSCAFile, c.TLSCertFile, c.TLSKeyFile)
+		if err != nil {
+			return nil, err
+		}
+		opts = append(opts, kgo.DialTLSConfig(tc))
+	}
+	return opts, nil
+}
+
+func mechanism(c inbox.KafkaSource) sasl.Mechanism {
+	switch c.SASLMechanism {
+	case "PLAIN":
+		return plain.Auth{User: c.SASLUser, Pass: c.SASLPassword}.AsMechanism()
+	case "SCRAM-SHA-256":
+		return scram.Auth{User: c.SASLUser, Pass: c.SASLPassword}.AsSha256Mechanism()
+	case "SCRAM-SHA-512":
+		return scram.Auth{User: c.SASLUser, Pass: c.SASLPassword}.AsSha512Mechanism()
+	}
+	return nil
+}
+
+// Run implements inbox.Source: poll a batch, hand it to the inbox, commit
+// what it settled, let a rebalance through, again. A poll or a commit
+// that fails for the brokers reports the source down; it is up again once
+// a broker answers.
+func (s *Source) Run(ctx context.Context, h inbox.Handoff) error {
+	opts, err := s.options()
+	if err != nil {
+		return fmt.Errorf("%w: %w", sink.ErrSetup, err)
+	}
+	cl, err := kgo.NewClient(opts...)
+	if err != nil {
+		return fmt.Errorf("%w: %s: %w", sink.ErrSetup, s.section, err)
+	}
+	defer cl.Close()
+	if err := s.probe(ctx, cl, h, s.check(ctx, cl)); err != nil || ctx.Err() != nil {
+		return err
+	}
+	for strikes := 0; ; {
+		fetches := cl.PollRecords(ctx, s.batch)
+		if ctx.Err() != nil {
+			cl.AllowRebalance()
+			return nil
+		}
+		trouble := s.pollError(fetches)
+		if fatal(trouble) {
+			cl.AllowRebalance()
+			return trouble
+		}
+		if recs := fetches.Records(); len(recs) > 0 {
+			if err := s.process(ctx, cl, h, recs); err != nil && trouble == nil {
+				trouble = err
+			}
+		}
+		cl.AllowRebalance()
+		if trouble == nil {
+			strikes = 0
+			continue
+		}
+		// A first error may be stale: the client reported it while the
+		// brokers were away, and it is polled after their return. It is
+		// an outage only if they do not answer now.
+		if strikes++; strikes == 1 {
+			if trouble = s.check(ctx, cl); trouble == nil {
+				continue
+			}
+		}
+		strikes = 0
+		if err := s.probe(ctx, cl, h, trouble); err != nil || ctx.Err() != nil {
+			return err
+		}
+	}
+}
+
+// probe reports the source up when trouble is nil. Otherwise it reports
+// it down and asks the brokers again, with jittered backoff, until they
+// answer (then up, nil), the answer is one no retry fixes (that error),
+// or ctx ends (nil).
+func (s *Source) probe(ctx context.Context, cl *kgo.Client, h inbox.Handoff, trouble error) error {
+	for failures := 0; trouble != nil; {
+		if fatal(trouble) {
+			return trouble
+		}
+		h.Down(trouble)
+		failures++
+		if !sleep(ctx, obs.FullJitter(probeBase, s.probeMax, failures)) {
+			return nil
+		}
+		trouble = s.check(ctx, cl)
+	}
+	h.Up()
+	return nil
+}
+
+func fatal(err error) bool { return errors.Is(err, sink.ErrSetup) || errors.Is(err, sink.ErrRefused) }
+
+// check asks a broker for the topics' metadata: it answers, it accepts the
+// credentials, and the topics exist.
+func (s *Source) check(ctx context.Context, cl *kgo.Client) error {
+	ctx, cancel := context.WithTimeout(ctx, s.cfg.ConnectTimeout)
+	defer cancel()
+	req := kmsg.NewPtrMetadataRequest()
+	req.AllowAutoTopicCreation = false
+	for _, t := range s.topics {
+		rt := kmsg.NewMetadataRequestTopic()
+		rt.Topic = kmsg.StringPtr(t)
+		req.Topics = append(req.Topics, rt)
+	}
+	resp, err := req.RequestWith(ctx, cl)
+	if err != nil {
+		return s.classify(err)
+	}
+	for _, t := range resp.Topics {
+		err := kerr.ErrorForCode(t.ErrorCode)
+		switch {
+		case err == nil:
+		case errors.Is(err, kerr.UnknownTopicOrPartition):
+			return fmt.Errorf("%w: %s.topics: topic %q does not exist on %s", sink.ErrSetup, s.section, *t.Topic, s.cfg.Brokers)
+		default:
+			return s.classify(fmt.Errorf("topic %q: %w", *t.Topic, err))
+		}
+	}
+	return nil
+}
+
+// classify tells what retrying cannot fix from an outage: a TLS verdict,
+// refused credentials or authorisation, a SASL mechanism the brokers do
+// not offer. Any other error is the brokers' trouble.
+func (s *Source) classify(err error) error {
+	if verdict := sink.TLSVerdict(s.section, err); verdict != nil {
+		return fmt.Errorf("kafka %s: %w", s.cfg.Brokers, verdict)
+	}
+	for _, refused := range []error{kerr.SaslAuthenticationFailed, kerr.ClusterAuthorizationFailed,
+		kerr.GroupAuthorizationFailed, kerr.TopicAuthorizationFailed} {
+		if errors.Is(err, refused) {
+			return fmt.Errorf("%w: kafka %s: %w", sink.ErrRefused, s.cfg.Brokers, err)
+		}
+	}
+	if errors.Is(err, kerr.UnsupportedSaslMechanism) {
+		return fmt.Errorf("%w: kafka %s: %s.sasl_mechanism=%s is not enabled on the broker: %w",
+			sink.ErrSetup, s.cfg.Brokers, s.section, s.cfg.SASLMechanism, err)
+	}
+	return fmt.Errorf("kafka %s: %w", s.cfg.Brokers, err)
+}
+
+// pollError returns the first error a poll reported, classified, or nil.
+// The end of ctx is not an error.
+func (s *Source) pollError(fetches kgo.Fetches) error {
+	for _, fe := range fetches.Errors() {
+		if errors.Is(fe.Err, context.Canceled) || errors.Is(fe.Err, context.DeadlineExceeded) {
+			continue
+		}
+		if errors.Is(fe.Err, kerr.UnknownTopicOrPartition) {
+			return fmt.Errorf("%w: %s.topics: topic %q: %w", sink.ErrSetup, s.section, fe.Topic, fe.Err)
+		}
+		return s.classify(fe.Err)
+	}
+	return nil
+}
+
+func sleep(ctx context.Context, d time.Duration) bool {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-t.C:
+		return true
+	case <-ctx.Done():
+		return false
+	}
+}

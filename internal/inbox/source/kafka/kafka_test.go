@@ -1,0 +1,297 @@
+package kafka
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/twmb/franz-go/pkg/kerr"
+	"github.com/twmb/franz-go/pkg/kfake"
+	"github.com/twmb/franz-go/pkg/kmsg"
+
+	"github.com/worker-dev/worker/internal/inbox"
+	"github.com/worker-dev/worker/internal/outbox/sink"
+	"github.com/worker-dev/worker/internal/testkit"
+)
+
+// TestExactlyOnce: records over several aggregates and partitions, with
+// one produced twice and one without a key, run through the inbox: every
+// keyed record's work runs once and in its aggregate's order, the second
+// copy is a duplicate, the unkeyed one is dead-lettered under its topic,
+// partition and offset, and the group commits through the end.
+func TestExactlyOnce(t *testing.T) {
+	t.Parallel()
+	cl := startCluster(t)
+	c := cl.client(t)
+	evs := events("m", 300, 7)
+	produce(t, c, evs...)
+	produce(t, c, evs[42]) // the relay published it again
+	unkeyed := produce(t, c, event{aggregate: "agg-x"})[0]
+
+	f := newFixture(t, cl)
+	f.cfg.BatchSize = 50
+	rec := recordOutcomes(f.consumer(nil))
+	f.run(rec)
+	f.waitDone(len(evs) + 1)
+	f.waitCommitted(c)
+
+	f.exactlyOnce(evs)
+	if n := rec.count(inbox.Duplicate); n != 1 {
+		t.Errorf("%d duplicates, want 1", n)
+	}
+	var state, ref string
+	err := f.db.Pool.QueryRow(context.Background(),
+		`SELECT state, msg_id FROM inbox_message WHERE msg_source = '!unkeyed'`).Scan(&state, &ref)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if want := fmt.Sprintf("%s/%d/%d", testTopic, unkeyed.Partition, unkeyed.Offset); state != "DEAD" || ref != want {
+		t.Errorf("the unkeyed record is %s under %q, want DEAD under %q", state, ref, want)
+	}
+	if n := f.scalar(`SELECT count(*) FROM inbox_message WHERE order_key LIKE 'order/agg-%' AND origin = $1`, testTopic); n != len(evs) {
+		t.Errorf("%d rows with order key order/<aggregate> and origin %s, want %d", n, testTopic, len(evs))
+	}
+	if n := f.scalar(`
+SELECT count(*) FROM (
+  SELECT split_part(id, '-', 2)::int AS seq, lag(split_part(id, '-', 2)::int) OVER (PARTITION BY order_key ORDER BY n) AS prev
+  FROM seen) s WHERE seq < prev`); n != 0 {
+		t.Errorf("%d records ran before an earlier one of their aggregate", n)
+	}
+}
+
+// TestSettleAfterCommit: the group's offset stays before a record while
+// its work runs, and passes it once the work committed.
+func TestSettleAfterCommit(t *testing.T) {
+	t.Parallel()
+	cl := startCluster(t)
+	c := cl.client(t)
+	f := newFixture(t, cl)
+	entered, release := make(chan struct{}), make(chan struct{})
+	var once sync.Once
+	handler := inbox.HandlerFunc(func(ctx context.Context, tx pgx.Tx, m inbox.Message) error {
+		once.Do(func() { close(entered) })
+		select {
+		case <-release:
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+		return inbox.SQLHandler{SQL: seenSQL}.Handle(ctx, tx, m)
+	})
+	f.run(f.consumer(handler))
+	r := produce(t, c, event{id: "slow", aggregate: "a"})[0]
+	<-entered
+	if at, ok := f.committed(c)[r.Partition]; ok && at > r.Offset {
+		t.Errorf("offset %d committed while the work of offset %d runs", at, r.Offset)
+	}
+	close(release)
+	f.waitCommitted(c)
+	if n := f.scalar(`SELECT count(*) FROM inbox_message WHERE state = 'PROCESSED'`); n != 1 {
+		t.Errorf("committed with %d messages processed, want 1", n)
+	}
+}
+
+// TestCommitsAfterProcessing: a consumer stopped between two batches of
+// a backlog (the next one polled, not yet worked on), and a new client in
+// the same group after it: every record is processed once; the new client
+// meets no record the first one processed (their offsets were committed
+// with their work) and skips none (the polled batch was not committed).
+func TestCommitsAfterProcessing(t *testing.T) {
+	t.Parallel()
+	cl := startCluster(t)
+	c := cl.client(t)
+	f := newFixture(t, cl)
+	f.cfg.BatchSize = 10
+	first := events("first", 300, 7)
+	produce(t, c, first...)
+	gate := &stopAfter{Handoff: f.consumer(nil), batches: 5, held: make(chan struct{})}
+	stop := f.run(gate)
+	<-gate.held
+	if err := stop(); err != nil {
+		t.Fatal(err)
+	}
+	processed := f.scalar(`SELECT count(*) FROM seen`)
+	if processed == 0 || processed >= len(first) {
+		t.Fatalf("the first client processed %d records, want some of %d", processed, len(first))
+	}
+
+	second := events("second", 50, 7)
+	produce(t, c, second...)
+	rec := recordOutcomes(f.consumer(nil))
+	f.run(rec)
+	all := append(first, second...)
+	f.waitDone(len(all))
+	f.waitCommitted(c)
+	f.exactlyOnce(all)
+	if n := rec.count(inbox.Duplicate); n != 0 {
+		t.Errorf("the second client met %d records the first had processed", n)
+	}
+	if n := rec.count(inbox.Processed); n != len(all)-processed {
+		t.Errorf("the second client processed %d records, want %d (the first processed %d)", n, len(all)-processed, processed)
+	}
+}
+
+// stopAfter passes batches on until it has passed the given number; it
+// holds the next one, unsettled, until ctx ends.
+type stopAfter struct {
+	inbox.Handoff
+	batches int
+	held    chan struct{}
+}
+
+func (s *stopAfter) Process(ctx context.Context, batch []*inbox.Delivery) {
+	if s.batches > 0 {
+		s.batches--
+		s.Handoff.Process(ctx, batch)
+		return
+	}
+	close(s.held)
+	<-ctx.Done()
+}
+
+// TestBusyRetriedInPlace: a record another replica holds is handed to the
+// inbox again after the wait it asks for, while the partition's offset
+// stays before it; once the claim's lease has expired it is taken over,
+// processed once, spending no attempt, and committed past.
+func TestBusyRetriedInPlace(t *testing.T) {
+	t.Parallel()
+	cl := startCluster(t)
+	c := cl.client(t)
+	f := newFixture(t, cl)
+	_, err := f.db.Pool.Exec(context.Background(), `
+INSERT INTO inbox_message (consumer, msg_source, msg_id, state, owner, lease_token, lease_until)
+VALUES ($1, 'order', 'held', 'RECEIVED', 'another-replica', 1, now() + interval '2 seconds')`, f.src.Name)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// One aggregate, so one partition: the held record, then two more.
+	recs := produce(t, c, event{id: "held", aggregate: "a"}, event{id: "next-1", aggregate: "a"}, event{id: "next-2", aggregate: "a"})
+	held := recs[0]
+	f.run(f.consumer(nil))
+	testkit.Eventually(t, 30*time.Second, "the held record processed", func() bool {
+		done := f.scalar(`SELECT count(*) FROM seen WHERE id = 'held'`) > 0
+		if at, ok := f.committed(c)[held.Partition]; !done && ok && at > held.Offset {
+			t.Fatalf("offset %d committed past the held record (offset %d) before it was processed", at, held.Offset)
+		}
+		return done
+	})
+	f.waitDone(3)
+	f.waitCommitted(c)
+	f.exactlyOnce([]event{{id: "held"}, {id: "next-1"}, {id: "next-2"}})
+	if n := f.scalar(`SELECT count(*) FROM inbox_message WHERE attempts > 0`); n != 0 {
+		t.Errorf("%d messages spent an attempt", n)
+	}
+}
+
+// TestOutage: the cluster stops while a backlog is being consumed. The
+// source reports down, then up once the cluster is back; every record is
+// processed exactly once, none spends an attempt.
+func TestOutage(t *testing.T) {
+	t.Parallel()
+	cl := startCluster(t)
+	f := newFixture(t, cl)
+	f.cfg.BatchSize = 10
+	first := events("before", 200, 5)
+	produce(t, cl.client(t), first...)
+	f.run(f.consumer(nil))
+	testkit.Eventually(t, 30*time.Second, "the first records processed", func() bool {
+		return f.scalar(`SELECT count(*) FROM seen`) > 0
+	})
+
+	cl.stop()
+	testkit.Eventually(t, 60*time.Second, "the source reported down", func() bool { return f.states.String() == "[up down]" })
+	cl.start()
+	testkit.Eventually(t, 60*time.Second, "the source reported up again", func() bool { return f.states.String() == "[up down up]" })
+	c := cl.client(t)
+	second := events("after", 50, 5)
+	produce(t, c, second...)
+
+	all := append(first, second...)
+	f.waitDone(len(all))
+	f.waitCommitted(c)
+	f.exactlyOnce(all)
+	if n := f.scalar(`SELECT count(*) FROM inbox_message WHERE attempts > 0 OR state <> 'PROCESSED'`); n != 0 {
+		t.Errorf("%d messages spent an attempt or are not processed", n)
+	}
+}
+
+// TestSetupErrors: what no retry can fix ends Run with sink.ErrSetup or
+// sink.ErrRefused, naming the key to change and never the password.
+func TestSetupErrors(t *testing.T) {
+	t.Parallel()
+	const password = "pw-secret-5e0b"
+	cl := startCluster(t)
+	f := newFixture(t, cl)
+	secured := startCluster(t, kfake.EnableSASL(), kfake.Superuser("PLAIN", "inbox", "pw-right-77aa"))
+	refuseAsKafka(secured.c)
+	for name, c := range map[string]struct {
+		change func(*inbox.KafkaSource)
+		want   error
+		key    string
+	}{
+		"missing topic":   {func(c *inbox.KafkaSource) { c.Topics = testTopic + ",nope" }, sink.ErrSetup, "inbox.sources[orders].kafka.topics"},
+		"missing CA file": {func(c *inbox.KafkaSource) { c.TLSCAFile = "/nonexistent/ca.pem" }, sink.ErrSetup, "inbox.sources[orders].kafka.tls_ca_file"},
+		"refused password": {func(c *inbox.KafkaSource) {
+			c.Brokers, c.SASLMechanism, c.SASLUser, c.SASLPassword = secured.brokers(), "PLAIN", "inbox", password
+		}, sink.ErrRefused, ""},
+	} {
+		t.Run(name, func(t *testing.T) {
+			src := f.src
+			c.change(&src.Kafka)
+			s, err := New(src, f.cfg, nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+			defer cancel()
+			err = s.Run(ctx, f.consumer(nil))
+			if !errors.Is(err, c.want) || !strings.Contains(fmt.Sprint(err), c.key) {
+				t.Errorf("Run = %v; want %v naming %s", err, c.want, c.key)
+			}
+			if strings.Contains(fmt.Sprint(err), password) {
+				t.Errorf("the password is in the error: %v", err)
+			}
+		})
+	}
+}
+
+// TestNewRejectsBadSettings: New names the key of a bad setting.
+func TestNewRejectsBadSettings(t *testing.T) {
+	t.Parallel()
+	base := inbox.DefaultSource()
+	base.Name = "orders"
+	base.Kafka.Topics, base.Kafka.Group = "t", "g"
+	for key, change := range map[string]func(*inbox.KafkaSource){
+		".brokers":         func(c *inbox.KafkaSource) { c.Brokers = " " },
+		".topics":          func(c *inbox.KafkaSource) { c.Topics = " , " },
+		".group":           func(c *inbox.KafkaSource) { c.Group = "" },
+		".connect_timeout": func(c *inbox.KafkaSource) { c.ConnectTimeout = 0 },
+		".sasl_mechanism":  func(c *inbox.KafkaSource) { c.SASLMechanism = "GSSAPI" },
+		".sasl_user":       func(c *inbox.KafkaSource) { c.SASLMechanism = "PLAIN" },
+		".tls_cert_file":   func(c *inbox.KafkaSource) { c.TLSKeyFile = "k.pem" },
+	} {
+		src := base
+		change(&src.Kafka)
+		_, err := New(src, inbox.DefaultConfig(), nil)
+		if want := "inbox.sources[orders].kafka" + key; err == nil || !strings.Contains(err.Error(), want) {
+			t.Errorf("New = %v, want an error naming %s", err, want)
+		}
+	}
+}
+
+// refuseAsKafka makes c answer a PLAIN SaslAuthenticate as a Kafka broker
+// answers a wrong password (kfake itself closes the connection, which
+// reads as an outage).
+func refuseAsKafka(c *kfake.Cluster) {
+	c.ControlKey(int16(kmsg.SASLAuthenticate), func(r kmsg.Request) (kmsg.Response, error, bool) {
+		c.KeepControl()
+		resp := r.(*kmsg.SASLAuthenticateRequest).ResponseKind().(*kmsg.SASLAuthenticateResponse)
+		resp.ErrorCode = kerr.SaslAuthenticationFailed.Code
+		resp.ErrorMessage = kmsg.StringPtr("Authentication failed during authentication due to invalid credentials with SASL mechanism PLAIN")
+		return resp, nil, true
+	})
+}
