@@ -13,6 +13,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/worker-dev/worker/internal/inbox"
+	kafkasource "github.com/worker-dev/worker/internal/inbox/source/kafka"
 	natssource "github.com/worker-dev/worker/internal/inbox/source/nats"
 	rabbitsource "github.com/worker-dev/worker/internal/inbox/source/rabbitmq"
 	webhooksource "github.com/worker-dev/worker/internal/inbox/source/webhook"
@@ -26,6 +27,9 @@ const inboxSourcesKey = "inbox.sources"
 var sourceKinds = map[string]func(src inbox.SourceConfig, cfg inbox.Config, log *slog.Logger, instance string) (inbox.Source, error){
 	inbox.KindNATS: func(src inbox.SourceConfig, cfg inbox.Config, log *slog.Logger, _ string) (inbox.Source, error) {
 		return natssource.New(src, cfg, log)
+	},
+	inbox.KindKafka: func(src inbox.SourceConfig, cfg inbox.Config, log *slog.Logger, _ string) (inbox.Source, error) {
+		return kafkasource.New(src, cfg, log)
 	},
 	inbox.KindRabbitMQ: func(src inbox.SourceConfig, cfg inbox.Config, _ *slog.Logger, _ string) (inbox.Source, error) {
 		return rabbitsource.New(src.RabbitMQ, rabbitsource.Options{Name: src.Name, BatchSize: cfg.BatchSize, ProbeBackoffMax: cfg.ProbeBackoffMax})

@@ -27,4 +27,3 @@ func TestInboxSourceSectionIsCheckedWithTheConfiguration(t *testing.T) {
 		t.Errorf("exit %d: %v; want 78 naming inbox.sources[0] and its secret", code, err)
 	}
 }
-}
