@@ -112,8 +112,10 @@ func (c *Consumer) Process(ctx context.Context, batch []*Delivery) {
 	// expired processing lease.
 	defer func() { b.letGo(claims) }()
 	failures := 0
+	fresh := true // claims from receive are PROCESSING already
 	for len(claims) > 0 && ctx.Err() == nil {
-		next, wait, err := b.round(work, claims)
+		next, wait, err := b.round(work, claims, fresh)
+		fresh = false
 		if err != nil {
 			// The database, not the messages: their work rolled back, and
 			// no attempt is spent. Retry while the claim could still be ours.
@@ -171,20 +173,43 @@ func (b *batchState) receive(ctx context.Context, batch []*Delivery) ([]*claim, 
 	owned := map[*claim]bool{}
 	var recovered []string
 
-	err := pgx.BeginFunc(ctx, c.pool, func(tx pgx.Tx) error {
-		settled, recovered = settled[:0], recovered[:0]
-		clear(owned)
-		if err := tx.QueryRow(ctx, `SELECT nextval('inbox_lease_token_seq')`).Scan(&b.token); err != nil {
-			return err
+	// New keys, the usual case, are claimed by one statement of its own.
+	inserted := map[[2]string]bool{}
+	if len(valid) > 0 {
+		s, i := keyArrays(valid)
+		ok, ty, og, h, body := make([]string, len(valid)), make([]string, len(valid)), make([]string, len(valid)), make([]json.RawMessage, len(valid)), make([][]byte, len(valid))
+		for n, d := range valid {
+			ok[n], ty[n], og[n], h[n], body[n] = d.Message.OrderKey, d.Message.Type, d.Message.Origin, headersJSON(d.Message.Headers), d.Message.Body
 		}
-		inserted := map[[2]string]bool{}
-		if len(valid) > 0 {
-			s, i := keyArrays(valid)
-			ok, ty, og, h, body := make([]string, len(valid)), make([]string, len(valid)), make([]string, len(valid)), make([]json.RawMessage, len(valid)), make([][]byte, len(valid))
-			for n, d := range valid {
-				ok[n], ty[n], og[n], h[n], body[n] = d.Message.OrderKey, d.Message.Type, d.Message.Origin, headersJSON(d.Message.Headers), d.Message.Body
+		rows, err := c.pool.Query(ctx, insertClaimed, c.name, s, i, c.owner, c.cfg.LeaseTTL, ok, ty, og, h, body)
+		if err != nil {
+			return nil, err
+		}
+		for rows.Next() {
+			var k [2]string
+			if err := rows.Scan(&k[0], &k[1], &b.token); err != nil {
+				rows.Close()
+				return nil, err
 			}
-			if err := collectKeys(ctx, tx, inserted, insertReceived, c.name, s, i, c.owner, b.token, c.cfg.LeaseTTL, ok, ty, og, h, body); err != nil {
+			inserted[k] = true
+		}
+		if err := rows.Err(); err != nil {
+			return nil, err
+		}
+	}
+	for _, cl := range claims {
+		if s, i := cl.d.key(); inserted[[2]string{s, i}] {
+			owned[cl] = true
+		}
+	}
+	if len(owned) == len(claims) {
+		return claims, nil
+	}
+
+	// The rest (dead letters, keys seen before) in a transaction.
+	err := pgx.BeginFunc(ctx, c.pool, func(tx pgx.Tx) error {
+		if b.token == 0 {
+			if err := tx.QueryRow(ctx, `SELECT nextval('inbox_lease_token_seq')`).Scan(&b.token); err != nil {
 				return err
 			}
 		}
@@ -206,8 +231,6 @@ func (b *batchState) receive(ctx context.Context, batch []*Delivery) ([]*claim, 
 				existing = append(existing, cl)
 			case cl.d.Invalid != nil:
 				settled = append(settled, decided{cl, Dead, 0})
-			default:
-				owned[cl] = true
 			}
 		}
 		if len(existing) == 0 {
@@ -325,13 +348,20 @@ func (b *batchState) receive(ctx context.Context, batch []*Delivery) ([]*claim, 
 		}
 		if len(behind) > 0 {
 			s, i := keyArrays(claimDeliveries(behind))
-			if _, err := tx.Exec(ctx, letGo, c.name, s, i, c.owner, b.token); err != nil {
+			if _, err := tx.Exec(ctx, release, c.name, s, i, c.owner, b.token, time.Duration(0)); err != nil {
 				return err
 			}
 		}
 		return nil
 	})
 	if err != nil {
+		var mine []*claim
+		for _, cl := range claims {
+			if s, i := cl.d.key(); inserted[[2]string{s, i}] && cl.d.Invalid == nil {
+				mine = append(mine, cl)
+			}
+		}
+		b.letGo(mine)
 		return nil, err
 	}
 	for _, r := range recovered {

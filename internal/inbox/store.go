@@ -13,16 +13,19 @@ const keysIn = `consumer = $1 AND (msg_source, msg_id) IN (SELECT * FROM unnest(
 // held matches rows of keysIn still claimed by owner $4 with token $5.
 const held = keysIn + ` AND owner = $4 AND lease_token = $5`
 
-// insertReceived claims new messages: RECEIVED under owner $4, token $5,
-// for $6. A key that exists is left alone; the claim looks at it next.
-const insertReceived = `
+// insertClaimed claims new messages under owner $4 and a token drawn
+// once for the statement, for $5, and returns the token. They go straight
+// to PROCESSING: their work starts at once, in the next transaction, so a
+// separate commit to say so would only add a round trip and a flush. A
+// key that exists is left alone; the claim looks at it next.
+const insertClaimed = `
 INSERT INTO inbox_message (consumer, msg_source, msg_id, state, owner, lease_token, lease_until,
                            order_key, msg_type, origin, headers, body)
-SELECT $1, s, i, 'RECEIVED', $4, $5, now() + $6::interval, ok, ty, og, h, b
-  FROM unnest($2::text[], $3::text[], $7::text[], $8::text[], $9::text[], $10::jsonb[], $11::bytea[])
+SELECT $1, s, i, 'PROCESSING', $4, (SELECT nextval('inbox_lease_token_seq')), now() + $5::interval, ok, ty, og, h, b
+  FROM unnest($2::text[], $3::text[], $6::text[], $7::text[], $8::text[], $9::jsonb[], $10::bytea[])
        AS u(s, i, ok, ty, og, h, b)
 ON CONFLICT DO NOTHING
-RETURNING msg_source, msg_id`
+RETURNING msg_source, msg_id, lease_token`
 
 // insertDead dead-letters messages that cannot be processed, with their
 // reason ($4); a redelivery of one finds it and is a duplicate.
@@ -44,9 +47,10 @@ SELECT msg_source, msg_id, state, coalesce(owner, ''), coalesce(lease_token, 0),
    FOR UPDATE SKIP LOCKED`
 
 // takeOver claims RECEIVED and FAILED rows whose lease expired: their
-// work never started, or failed and rolled back.
+// work never started, or failed and rolled back. Like new claims, they go
+// to PROCESSING, their work next.
 const takeOver = `
-UPDATE inbox_message SET state = 'RECEIVED', owner = $4, lease_token = $5, lease_until = now() + $6::interval
+UPDATE inbox_message SET state = 'PROCESSING', owner = $4, lease_token = $5, lease_until = now() + $6::interval
  WHERE ` + keysIn + ` AND state IN ('RECEIVED', 'FAILED') AND lease_until <= now()
 RETURNING msg_source, msg_id, attempts`
 
@@ -61,8 +65,9 @@ UPDATE inbox_message
  WHERE ` + keysIn + ` AND state = 'PROCESSING' AND lease_until <= now()
 RETURNING msg_source, msg_id, last_error`
 
-// begin marks the claimed rows PROCESSING, for $6, in a commit of its own:
-// from here on an expired lease means the work may have started.
+// begin marks claimed rows PROCESSING again, for $6, in a commit of its
+// own, before a retry's work: from here on an expired lease means the
+// work may have started.
 const begin = `
 UPDATE inbox_message SET state = 'PROCESSING', lease_until = now() + $6::interval
  WHERE ` + held + ` AND state IN ('RECEIVED', 'FAILED', 'PROCESSING')
@@ -97,10 +102,6 @@ UPDATE inbox_message m
  WHERE m.consumer = $1 AND m.msg_source = f.s AND m.msg_id = f.i
    AND m.owner = $4 AND m.lease_token = $5 AND m.state = 'PROCESSING'
 RETURNING m.msg_source, m.msg_id, m.state, m.attempts`
-
-// letGo ends this claim's lease at once: the message waits behind a busy
-// one of its order key, and its next delivery takes it over.
-const letGo = `UPDATE inbox_message SET lease_until = now() WHERE ` + held + ` AND state = 'RECEIVED'`
 
 // release puts rows whose work did not run (held behind a failure of
 // their order key, or let go) back to RECEIVED, so a takeover may run

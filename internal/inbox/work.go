@@ -11,40 +11,22 @@ import (
 	"github.com/worker-dev/worker/internal/obs"
 )
 
-// round runs the work of claims once. It marks them PROCESSING in a commit
-// of its own, runs every message's handler in one work transaction that
-// ends by marking them PROCESSED, and settles what that commit decided. It
-// returns the claims to run again (failed, or held behind a failure of
-// their order key) and the wait before that.
-func (b *batchState) round(ctx context.Context, claims []*claim) (next []*claim, wait time.Duration, err error) {
+// round runs the work of claims once: every message's handler in one work
+// transaction that ends by marking them PROCESSED, then it settles what
+// that commit decided. Fresh claims are PROCESSING since their claim; a
+// retry's are marked so first, in a commit of their own. It returns the
+// claims to run again (failed, or held behind a failure of their order
+// key) and the wait before that.
+func (b *batchState) round(ctx context.Context, claims []*claim, fresh bool) (next []*claim, wait time.Duration, err error) {
 	c := b.c
-	s, i := keyArrays(claimDeliveries(claims))
-	rows, err := c.pool.Query(ctx, begin, c.name, s, i, c.owner, b.token, c.cfg.LeaseTTL)
-	if err != nil {
-		return nil, 0, err
-	}
-	attempts := map[[2]string]int{}
-	for rows.Next() {
-		var k [2]string
-		var a int
-		if err := rows.Scan(&k[0], &k[1], &a); err != nil {
-			rows.Close()
-			return nil, 0, err
-		}
-		attempts[k] = a
-	}
-	if err := rows.Err(); err != nil {
-		return nil, 0, err
-	}
 	began := time.Now()
-	var run, lost []*claim
-	for _, cl := range claims {
-		s, i := cl.d.key()
-		if a, ok := attempts[[2]string{s, i}]; ok {
-			cl.attempts = a
-			run = append(run, cl)
-		} else {
-			lost = append(lost, cl)
+	if fresh {
+		began = b.started // the claim's lease runs since then
+	}
+	run, lost := claims, []*claim(nil)
+	if !fresh {
+		if run, lost, err = b.begin(ctx, claims); err != nil {
+			return nil, 0, err
 		}
 	}
 	if err := b.settleLost(ctx, lost); err != nil {
@@ -100,6 +82,40 @@ func (b *batchState) round(ctx context.Context, claims []*claim) (next []*claim,
 		next = append(next, f.cl)
 	}
 	return append(next, res.held...), wait, nil
+}
+
+// begin marks claims PROCESSING again before a retry, and returns those
+// still held and those lost to another claim.
+func (b *batchState) begin(ctx context.Context, claims []*claim) (run, lost []*claim, err error) {
+	c := b.c
+	s, i := keyArrays(claimDeliveries(claims))
+	rows, err := c.pool.Query(ctx, begin, c.name, s, i, c.owner, b.token, c.cfg.LeaseTTL)
+	if err != nil {
+		return nil, nil, err
+	}
+	attempts := map[[2]string]int{}
+	for rows.Next() {
+		var k [2]string
+		var a int
+		if err := rows.Scan(&k[0], &k[1], &a); err != nil {
+			rows.Close()
+			return nil, nil, err
+		}
+		attempts[k] = a
+	}
+	if err := rows.Err(); err != nil {
+		return nil, nil, err
+	}
+	for _, cl := range claims {
+		s, i := cl.d.key()
+		if a, ok := attempts[[2]string{s, i}]; ok {
+			cl.attempts = a
+			run = append(run, cl)
+		} else {
+			lost = append(lost, cl)
+		}
+	}
+	return run, lost, nil
 }
 
 // failure is one message whose work failed in a round.
