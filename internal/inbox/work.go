@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strconv"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -149,6 +150,9 @@ func (b *batchState) work(ctx context.Context, run []*claim, isolate bool) (res 
 	}
 	err = pgx.BeginFunc(ctx, c.pool, func(tx pgx.Tx) error {
 		res = workResult{}
+		if _, err := tx.Exec(ctx, boundWork, b.bounds(ctx)...); err != nil {
+			return err
+		}
 		var failed []failure
 		blocked := map[string]bool{}
 		for _, cl := range run {
@@ -214,6 +218,7 @@ func (b *batchState) workPipelined(ctx context.Context, run []*claim, q batchQue
 	err = pgx.BeginFunc(ctx, c.pool, func(tx pgx.Tx) error {
 		res = workResult{}
 		batch := &pgx.Batch{}
+		batch.Queue(boundWork, b.bounds(ctx)...)
 		for _, cl := range run {
 			m := cl.d.Message
 			m.Attempt = cl.attempts + 1
@@ -223,6 +228,9 @@ func (b *batchState) workPipelined(ctx context.Context, run []*claim, q batchQue
 		batch.Queue(markProcessed, c.name, s, i, c.owner, b.token)
 		br := tx.SendBatch(ctx, batch)
 		defer br.Close()
+		if _, err := br.Exec(); err != nil {
+			return err
+		}
 		for range run {
 			if _, err := br.Exec(); err != nil {
 				if tx.Conn().IsClosed() || ctx.Err() != nil {
@@ -260,6 +268,24 @@ func (b *batchState) workPipelined(ctx context.Context, run []*claim, q batchQue
 		return br.Close()
 	})
 	return res, err
+}
+
+// boundWork bounds a work transaction on the server, where a holder that
+// stops (SIGSTOP, a frozen VM) cannot stretch it: its statements end by
+// the work's deadline, and a session left idle in the transaction, its
+// rows locked by the final compare-and-set, is ended after a third of the
+// lease. Its work rolls back, and the expired processing lease goes to an
+// operator as designed instead of waiting on the stopped holder.
+const boundWork = `SELECT set_config('statement_timeout', $1, true), set_config('idle_in_transaction_session_timeout', $2, true)`
+
+// bounds are boundWork's arguments for a work transaction under ctx.
+func (b *batchState) bounds(ctx context.Context) []any {
+	stmt := b.c.cfg.LeaseTTL * 2 / 3
+	if d, ok := ctx.Deadline(); ok {
+		stmt = max(time.Until(d), time.Millisecond)
+	}
+	idle := max(b.c.cfg.LeaseTTL/3, time.Millisecond)
+	return []any{strconv.FormatInt(stmt.Milliseconds()+1, 10), strconv.FormatInt(idle.Milliseconds(), 10)}
 }
 
 // recordFailures writes failed work: FAILED with its backoff, or DEAD.
