@@ -44,7 +44,7 @@ tasks:
   kinds:
     - {name: ping, type: sql, sql: "SELECT $1"}
     - {name: hook, type: http, url: "http://127.0.0.1:9/hook"}
-`), 0o600); err != nil {
+`+inboxSourceYAML(t)), 0o600); err != nil {
 		t.Fatal(err)
 	}
 	p := startWorker(t, []string{"APP_DATABASE_URL=" + db.URL, "APP_CONFIG_FILE=" + cfgFile,
@@ -64,8 +64,7 @@ tasks:
 		}
 	})
 	testkit.Eventually(t, 10*time.Second, "every query to name exported metrics and labels", func() bool {
-		exported, families := scrape(t, p)
-		exported, _ = withInboxSeries(t, exported, families)
+		exported, _ := scrape(t, p)
 		problems = problems[:0]
 		for _, q := range queries {
 			problems = append(problems, q.check(exported, recorded)...)

@@ -1,7 +1,12 @@
 package startup_test
 
 import (
+	"bytes"
+	"crypto/hmac"
+	"crypto/sha256"
+	"encoding/base64"
 	"fmt"
+	"net/http"
 	"strconv"
 	"strings"
 	"sync"
@@ -9,9 +14,11 @@ import (
 	"testing"
 	"time"
 
+	"github.com/google/uuid"
 	"github.com/nats-io/nats-server/v2/server"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
+	amqp "github.com/rabbitmq/amqp091-go"
 	"github.com/twmb/franz-go/pkg/kfake"
 
 	"github.com/worker-dev/worker/internal/inbox"
@@ -60,6 +67,56 @@ func TestInboxExactlyOnceKafka(t *testing.T) {
       kafka: {brokers: %q, topics: order, group: shop}`, brokers),
 		ordered: true,
 	})
+}
+
+// RabbitMQ: a quorum queue with single active consumer keeps each
+// aggregate's order while two consumers take turns.
+func TestInboxExactlyOnceRabbitMQ(t *testing.T) {
+	t.Parallel()
+	url := testkit.RabbitMQURL()
+	exchange := declareInboxQueue(t, url)
+	runInboxExactlyOnce(t, inboxRun{
+		publisher: []string{"APP_OUTBOX_SINK=rabbitmq", "APP_OUTBOX_RABBITMQ_URL=" + url, "APP_OUTBOX_RABBITMQ_EXCHANGE=" + exchange},
+		source: fmt.Sprintf(`kind: rabbitmq
+      rabbitmq: {url: %q, queue: %s}`, url, exchange),
+		ordered: true,
+	})
+}
+
+// declareInboxQueue declares a topic exchange and a quorum queue of the
+// same name with single active consumer, bound to the order aggregates'
+// routing keys, deleted when the test ends.
+func declareInboxQueue(t *testing.T, url string) string {
+	t.Helper()
+	conn, err := amqp.Dial(url)
+	if err != nil {
+		t.Fatalf("RabbitMQ is not reachable: %v", err)
+	}
+	defer conn.Close()
+	ch, err := conn.Channel()
+	if err != nil {
+		t.Fatal(err)
+	}
+	name := "inbox-" + uuid.NewString()[:8]
+	if err := ch.ExchangeDeclare(name, "topic", true, false, false, false, nil); err != nil {
+		t.Fatal(err)
+	}
+	args := amqp.Table{amqp.QueueTypeArg: amqp.QueueTypeQuorum, amqp.SingleActiveConsumerArg: true}
+	if _, err := ch.QueueDeclare(name, true, false, false, false, args); err != nil {
+		t.Fatal(err)
+	}
+	if err := ch.QueueBind(name, "order.#", name, false, nil); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if conn, err := amqp.Dial(url); err == nil {
+			ch, _ := conn.Channel()
+			_, _ = ch.QueueDelete(name, false, false, false)
+			_ = ch.ExchangeDelete(name, false, false)
+			_ = conn.Close()
+		}
+	})
+	return name
 }
 
 type inboxRun struct {
@@ -329,5 +386,75 @@ inbox:
 	}
 	if st := count(`SELECT count(*) FROM inbox_message WHERE msg_id = 'm-1' AND state = 'RECOVERY_REQUIRED'`); st != 1 {
 		t.Fatal("the late commit changed the message's state")
+	}
+}
+
+// The webhook receiver, through the worker: a signed message is processed
+// and answered 200 after its commit, its duplicate does no second piece of
+// work, and a bad signature (401) or a 10 MB body (413) does none.
+func TestInboxWebhookReceiver(t *testing.T) {
+	t.Parallel()
+	pgtest.Need(t, inboxWorkerConns+1+pgtest.PoolConns)
+	db := pgtest.New(t)
+	ctx := t.Context()
+	if _, err := db.Pool.Exec(ctx, `CREATE TABLE applied (event_id text NOT NULL, n int)`); err != nil {
+		t.Fatal(err)
+	}
+	key := []byte("a-receiver-secret-of-32-bytes!!!")
+	addr := freeAddr(t)
+	cfg := writeConfig(t, fmt.Sprintf(`outbox: {enabled: false}
+inbox:
+  sources:
+    - name: partner
+      kind: webhook
+      webhook: {addr: %q, path: /hooks, secret: whsec_%s, max_body: 1048576}
+      handler:
+        kind: sql
+        sql: INSERT INTO applied (event_id, n) VALUES (@id, (@body_json::jsonb->>'n')::int)
+`, addr, base64.StdEncoding.EncodeToString(key)))
+	p := startWorker(t, append([]string{"APP_DATABASE_URL=" + db.URL, cfg}, inboxWorker...))
+	p.waitReady(t, 30*time.Second)
+
+	post := func(id string, body []byte, sign []byte) int {
+		t.Helper()
+		ts := strconv.FormatInt(time.Now().Unix(), 10)
+		mac := hmac.New(sha256.New, sign)
+		mac.Write([]byte(id + "." + ts + "."))
+		mac.Write(body)
+		req, _ := http.NewRequestWithContext(ctx, http.MethodPost, "http://"+addr+"/hooks", bytes.NewReader(body))
+		req.Header.Set("webhook-id", id)
+		req.Header.Set("webhook-timestamp", ts)
+		req.Header.Set("webhook-signature", "v1,"+base64.StdEncoding.EncodeToString(mac.Sum(nil)))
+		req.Header.Set("Content-Type", "application/json")
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			return 0 // a 10 MB body may be cut off before it is sent whole
+		}
+		defer resp.Body.Close()
+		return resp.StatusCode
+	}
+	applied := func(id string) int {
+		var n int
+		if err := db.Pool.QueryRow(ctx, `SELECT count(*) FROM applied WHERE event_id = $1`, id).Scan(&n); err != nil {
+			t.Fatal(err)
+		}
+		return n
+	}
+	if code := post("msg-1", []byte(`{"n":1}`), key); code != http.StatusOK || applied("msg-1") != 1 {
+		t.Fatalf("a signed message: %d, applied %d times; want 200 after its work committed once", code, applied("msg-1"))
+	}
+	if code := post("msg-1", []byte(`{"n":1}`), key); code != http.StatusOK || applied("msg-1") != 1 {
+		t.Fatalf("its duplicate: %d, applied %d times; want 200 and no second piece of work", code, applied("msg-1"))
+	}
+	if code := post("msg-2", []byte(`{"n":2}`), []byte("another secret of thirty-two b!!")); code != http.StatusUnauthorized || applied("msg-2") != 0 {
+		t.Fatalf("a bad signature: %d, applied %d times; want 401 and no work", code, applied("msg-2"))
+	}
+	big := append(append([]byte(`{"n":3,"pad":"`), bytes.Repeat([]byte("x"), 10<<20)...), '"', '}')
+	if code := post("msg-3", big, key); (code != http.StatusRequestEntityTooLarge && code != 0) || applied("msg-3") != 0 {
+		t.Fatalf("a 10 MB body: %d, applied %d times; want 413 and no work", code, applied("msg-3"))
+	}
+	var rows int
+	if err := db.Pool.QueryRow(ctx, `SELECT count(*) FROM inbox_message`).Scan(&rows); err != nil || rows != 1 {
+		t.Fatalf("%d inbox rows, want only msg-1's (%v)", rows, err)
 	}
 }
