@@ -2,11 +2,16 @@ package startup_test
 
 import (
 	"context"
+	"crypto/hmac"
+	"crypto/sha256"
+	"encoding/base64"
 	"fmt"
 	"maps"
 	"net/http"
 	"net/http/httptest"
+	"strconv"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -51,6 +56,17 @@ func TestReplicaConnectionsStayWithinBudget(t *testing.T) {
       type: http
       url: %s
 `, slow.URL)
+	// And an inbox whose webhook receiver is flooded, its work holding a
+	// connection of the main pool per request.
+	hookAddr := freeAddr(t)
+	hookKey := []byte("budget-receiver-secret-32-bytes!")
+	fmt.Fprintf(&cfg, `inbox:
+  sources:
+    - name: hooks
+      kind: webhook
+      webhook: {addr: %q, secret: whsec_%s}
+      handler: {kind: sql, sql: "SELECT pg_sleep(0.05)"}
+`, hookAddr, base64.StdEncoding.EncodeToString(hookKey))
 	env := []string{
 		"APP_DATABASE_URL=" + db.URL,
 		"APP_DATABASE_MAX_CONNS=10", // the default, which startWorker lowers for other tests
@@ -80,6 +96,7 @@ func TestReplicaConnectionsStayWithinBudget(t *testing.T) {
 		SELECT 'order', (i % 200)::text, 'order.paid', '{}' FROM generate_series(1, 5000) i`); err != nil {
 		t.Fatal(err)
 	}
+	hooks := floodWebhook(t, hookAddr, hookKey, 300, 32)
 	peak, seen := map[string]int{}, maps.Clone(idle) // seen: each part's most
 	deadline := time.Now().Add(60 * time.Second)
 	for {
@@ -90,19 +107,21 @@ func TestReplicaConnectionsStayWithinBudget(t *testing.T) {
 		for part, n := range now {
 			seen[part] = max(seen[part], n)
 		}
-		var tasksLeft, eventsLeft int
+		var tasksLeft, eventsLeft, messagesDone int
 		if err := load.QueryRow(ctx, `SELECT (SELECT count(*) FROM river_job WHERE state NOT IN ('completed', 'discarded', 'cancelled')),
-			(SELECT count(*) FROM outbox_event WHERE status <> 'PUBLISHED')`).Scan(&tasksLeft, &eventsLeft); err != nil {
+			(SELECT count(*) FROM outbox_event WHERE status <> 'PUBLISHED'),
+			(SELECT count(*) FROM inbox_message WHERE state = 'PROCESSED')`).Scan(&tasksLeft, &eventsLeft, &messagesDone); err != nil {
 			t.Fatal(err)
 		}
-		if tasksLeft == 0 && eventsLeft == 0 {
+		if tasksLeft == 0 && eventsLeft == 0 && messagesDone == 300 {
 			break
 		}
 		if time.Now().After(deadline) {
-			t.Fatalf("load not drained after 60s: %d tasks, %d events left", tasksLeft, eventsLeft)
+			t.Fatalf("load not drained after 60s: %d tasks, %d events left, %d of 300 inbox messages processed", tasksLeft, eventsLeft, messagesDone)
 		}
 		time.Sleep(20 * time.Millisecond) // the sampling period, not a synchronization
 	}
+	<-hooks
 	t.Logf("peak under load: %d connections %v", total(peak), peak)
 	if total(peak) > connBudget {
 		t.Errorf("peak %d connections %v, budget %d", total(peak), peak, connBudget)
@@ -118,6 +137,45 @@ func TestReplicaConnectionsStayWithinBudget(t *testing.T) {
 	if code, _ := p.get("/readyz"); code != http.StatusOK {
 		t.Errorf("/readyz = %d after the load", code)
 	}
+}
+
+// floodWebhook posts n signed messages to a webhook receiver, at most
+// conc at a time, resending each answered otherwise than 200 (503 while
+// the receiver is full); the channel closes when all are accepted.
+func floodWebhook(t *testing.T, addr string, key []byte, n, conc int) <-chan struct{} {
+	done := make(chan struct{})
+	ids := make(chan int, n)
+	for i := range n {
+		ids <- i
+	}
+	close(ids)
+	var wg sync.WaitGroup
+	for range conc {
+		wg.Go(func() {
+			for i := range ids {
+				id := fmt.Sprintf("hook-%d", i)
+				for t.Context().Err() == nil {
+					ts := strconv.FormatInt(time.Now().Unix(), 10)
+					mac := hmac.New(sha256.New, key)
+					mac.Write([]byte(id + "." + ts + ".{}"))
+					req, _ := http.NewRequestWithContext(t.Context(), http.MethodPost, "http://"+addr+"/", strings.NewReader("{}"))
+					req.Header.Set("webhook-id", id)
+					req.Header.Set("webhook-timestamp", ts)
+					req.Header.Set("webhook-signature", "v1,"+base64.StdEncoding.EncodeToString(mac.Sum(nil)))
+					resp, err := http.DefaultClient.Do(req)
+					if err == nil {
+						resp.Body.Close()
+						if resp.StatusCode == http.StatusOK {
+							break
+						}
+					}
+					time.Sleep(10 * time.Millisecond) // the sender's own backoff
+				}
+			}
+		})
+	}
+	go func() { wg.Wait(); close(done) }()
+	return done
 }
 
 // sampleConns returns the connections to db per application_name now,
