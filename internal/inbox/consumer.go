@@ -69,7 +69,7 @@ type claim struct {
 	d        *Delivery
 	attempts int // failed tries so far
 	twins    []*Delivery
-	settled  bool // its source has been told
+	decided  bool // its source was told a final outcome: not Busy
 }
 
 // batchState is one Process call: its token, and its deliveries' fates.
@@ -77,8 +77,6 @@ type batchState struct {
 	c       *Consumer
 	token   int64
 	started time.Time
-	sources []string // scratch for key arrays
-	ids     []string
 }
 
 // Process claims, works and settles batch. It returns when every delivery
@@ -137,10 +135,11 @@ func (c *Consumer) Process(ctx context.Context, batch []*Delivery) {
 	}
 }
 
-// receive claims the batch's messages in one transaction and settles, once
-// it commits, the deliveries it decided: duplicates, dead letters, busy
-// ones and those now waiting for an operator. It returns the rest,
-// claimed, in the source's order.
+// receive claims the batch's messages (new keys in one statement, the rest
+// in one transaction) and settles, once that commits, the deliveries it
+// decided: duplicates, dead letters, busy ones and those now waiting for
+// an operator. It returns the rest, claimed and PROCESSING, in the
+// source's order.
 func (b *batchState) receive(ctx context.Context, batch []*Delivery) ([]*claim, error) {
 	c := b.c
 	// One claim per key: a key twice in one batch (the relay published it
@@ -386,13 +385,13 @@ func (b *batchState) receive(ctx context.Context, batch []*Delivery) ([]*claim, 
 	return out, nil
 }
 
-// letGo releases claims this call still holds and has not settled: back
-// to RECEIVED, the lease ended, no attempt spent. A row whose work did
-// commit (a commit whose answer was lost) is PROCESSED and untouched.
+// letGo releases claims this call still holds without a final outcome:
+// back to RECEIVED, the lease ended, no attempt spent. A row whose work
+// did commit (a commit whose answer was lost) is PROCESSED and untouched.
 func (b *batchState) letGo(claims []*claim) {
 	var held []*claim
 	for _, cl := range claims {
-		if !cl.settled {
+		if !cl.decided {
 			held = append(held, cl)
 		}
 	}
@@ -452,7 +451,7 @@ func headersJSON(h map[string]string) json.RawMessage {
 // settleClaim settles a claim's delivery and its twins. A twin of a
 // message processed now is a duplicate.
 func (b *batchState) settleClaim(ctx context.Context, cl *claim, o Outcome, after time.Duration) {
-	cl.settled = true
+	cl.decided = o != Busy
 	b.settle(ctx, cl.d, o, after)
 	if o == Processed {
 		o = Duplicate
