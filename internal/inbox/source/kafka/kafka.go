@@ -188,7 +188,7 @@ func (s *Source) probe(ctx context.Context, cl *kgo.Client, h inbox.Handoff, tro
 		}
 		h.Down(trouble)
 		failures++
-		if !sleep(ctx, obs.FullJitter(probeBase, s.probeMax, failures)) {
+		if !obs.Sleep(ctx, obs.FullJitter(probeBase, s.probeMax, failures)) {
 			return nil
 		}
 		trouble = s.check(ctx, cl)
@@ -261,15 +261,4 @@ func (s *Source) pollError(fetches kgo.Fetches) error {
 		return s.classify(fe.Err)
 	}
 	return nil
-}
-
-func sleep(ctx context.Context, d time.Duration) bool {
-	t := time.NewTimer(d)
-	defer t.Stop()
-	select {
-	case <-t.C:
-		return true
-	case <-ctx.Done():
-		return false
-	}
 }

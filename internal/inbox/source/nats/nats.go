@@ -112,7 +112,7 @@ func (s *Source) Run(ctx context.Context, h inbox.Handoff) error {
 		}
 		h.Down(err)
 		failures++
-		if !sleep(ctx, obs.FullJitter(probeBase, s.probeMax, failures)) {
+		if !obs.Sleep(ctx, obs.FullJitter(probeBase, s.probeMax, failures)) {
 			return nil
 		}
 	}
@@ -322,15 +322,4 @@ func collect(b jetstream.MessageBatch, err error) ([]jetstream.Msg, error) {
 		msgs = append(msgs, m)
 	}
 	return msgs, b.Error()
-}
-
-func sleep(ctx context.Context, d time.Duration) bool {
-	t := time.NewTimer(d)
-	defer t.Stop()
-	select {
-	case <-t.C:
-		return true
-	case <-ctx.Done():
-		return false
-	}
 }
