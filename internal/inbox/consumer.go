@@ -129,7 +129,7 @@ func (c *Consumer) Process(ctx context.Context, batch []*Delivery) {
 			next = claims
 		}
 		claims = next
-		if len(claims) > 0 && !sleep(ctx, wait) {
+		if len(claims) > 0 && !obs.Sleep(ctx, wait) {
 			return
 		}
 	}
@@ -492,20 +492,6 @@ func (b *batchState) deadLettered(cl *claim, reason string) {
 func (c *Consumer) databaseTrouble(err error) {
 	c.m.dbErrors.WithLabelValues(c.name).Inc()
 	c.log.Warn("inbox transaction failed; its messages wait with their attempts untouched", "error", err)
-}
-
-func sleep(ctx context.Context, d time.Duration) bool {
-	if d <= 0 {
-		return ctx.Err() == nil
-	}
-	t := time.NewTimer(d)
-	defer t.Stop()
-	select {
-	case <-t.C:
-		return true
-	case <-ctx.Done():
-		return false
-	}
 }
 
 // errLost is returned by a work transaction that found some of its claims

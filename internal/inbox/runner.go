@@ -126,7 +126,7 @@ func (r *Runner) keep(ctx context.Context, c *Consumer, src Source) {
 		c.Down(err)
 		wait := obs.FullJitter(100*time.Millisecond, r.probeMax, failures)
 		c.log.Error("inbox source stopped; retrying", "error", err, "retry_in", wait.String())
-		if !sleep(ctx, wait) {
+		if !obs.Sleep(ctx, wait) {
 			return
 		}
 	}

@@ -1,6 +1,7 @@
 package obs
 
 import (
+	"context"
 	"math/rand/v2"
 	"time"
 )
@@ -24,4 +25,21 @@ func FullJitter(base, max time.Duration, failures int) time.Duration {
 		return 0
 	}
 	return rand.N(ceil + 1)
+}
+
+// Sleep waits for d or until ctx ends, and reports whether the wait ran
+// its course: false means ctx ended first, and the caller should stop. A
+// d of zero or less does not wait.
+func Sleep(ctx context.Context, d time.Duration) bool {
+	if d <= 0 {
+		return ctx.Err() == nil
+	}
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-t.C:
+		return true
+	case <-ctx.Done():
+		return false
+	}
 }

@@ -37,15 +37,7 @@ import (
 func TestInboxExactlyOnceNATS(t *testing.T) {
 	t.Parallel()
 	store := t.TempDir()
-	srv, err := server.NewServer(&server.Options{Host: "127.0.0.1", Port: server.RANDOM_PORT, JetStream: true, StoreDir: store, NoSigs: true, NoLog: true})
-	if err != nil {
-		t.Fatal(err)
-	}
-	srv.Start()
-	if !srv.ReadyForConnections(10 * time.Second) {
-		t.Fatal("nats-server did not start")
-	}
-	t.Cleanup(func() { srv.Shutdown(); srv.WaitForShutdown() })
+	srv := runNATS(t, &server.Options{Port: server.RANDOM_PORT, StoreDir: store})
 	runInboxExactlyOnce(t, inboxRun{
 		publisher: []string{"APP_OUTBOX_SINK=nats", "APP_OUTBOX_NATS_URL=" + srv.ClientURL(), "APP_OUTBOX_NATS_CREATE_STREAM=true"},
 		source: fmt.Sprintf(`kind: nats
@@ -304,15 +296,7 @@ func startProducerOf(t *testing.T, db *pgtest.DB, total, aggregates int) *produc
 // and the stopped one, resumed, cannot commit its late work.
 func TestInboxExpiredProcessingLeaseNeedsAnOperator(t *testing.T) {
 	t.Parallel()
-	srv, err := server.NewServer(&server.Options{Host: "127.0.0.1", Port: server.RANDOM_PORT, JetStream: true, StoreDir: t.TempDir(), NoSigs: true, NoLog: true})
-	if err != nil {
-		t.Fatal(err)
-	}
-	srv.Start()
-	if !srv.ReadyForConnections(10 * time.Second) {
-		t.Fatal("nats-server did not start")
-	}
-	t.Cleanup(func() { srv.Shutdown(); srv.WaitForShutdown() })
+	srv := runNATS(t, &server.Options{Port: server.RANDOM_PORT, StoreDir: t.TempDir()})
 	pgtest.Need(t, 2*inboxWorkerConns+1+pgtest.PoolConns)
 	db := pgtest.New(t)
 	ctx := t.Context()

@@ -24,8 +24,15 @@ const natsPassword = "nats-pw-77d1-never-logged"
 // keeping its streams in store.
 func startNATS(t *testing.T, port int, store string) *server.Server {
 	t.Helper()
-	s, err := server.NewServer(&server.Options{Host: "127.0.0.1", Port: port, JetStream: true, StoreDir: store,
-		Username: "relay", Password: natsPassword, NoSigs: true, NoLog: true})
+	return runNATS(t, &server.Options{Port: port, StoreDir: store, Username: "relay", Password: natsPassword})
+}
+
+// runNATS runs an in-process nats-server with JetStream on 127.0.0.1, as o
+// further sets it, until the test ends.
+func runNATS(t *testing.T, o *server.Options) *server.Server {
+	t.Helper()
+	o.Host, o.JetStream, o.NoSigs, o.NoLog = "127.0.0.1", true, true, true
+	s, err := server.NewServer(o)
 	if err != nil {
 		t.Fatal(err)
 	}

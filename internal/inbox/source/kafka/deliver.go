@@ -9,6 +9,7 @@ import (
 	"github.com/twmb/franz-go/pkg/kgo"
 
 	"github.com/worker-dev/worker/internal/inbox"
+	"github.com/worker-dev/worker/internal/obs"
 )
 
 // unsettledWait is the wait before handing a record over again that the
@@ -71,7 +72,7 @@ func (s *Source) process(ctx context.Context, cl *kgo.Client, h inbox.Handoff, r
 		}
 		mu.Unlock()
 		pending = busy
-		if len(pending) > 0 && !sleep(ctx, wait) {
+		if len(pending) > 0 && !obs.Sleep(ctx, wait) {
 			break
 		}
 	}

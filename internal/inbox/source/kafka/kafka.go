@@ -12,13 +12,11 @@ import (
 	"github.com/twmb/franz-go/pkg/kerr"
 	"github.com/twmb/franz-go/pkg/kgo"
 	"github.com/twmb/franz-go/pkg/kmsg"
-	"github.com/twmb/franz-go/pkg/sasl"
-	"github.com/twmb/franz-go/pkg/sasl/plain"
-	"github.com/twmb/franz-go/pkg/sasl/scram"
 
 	"github.com/worker-dev/worker/internal/inbox"
 	"github.com/worker-dev/worker/internal/obs"
 	"github.com/worker-dev/worker/internal/outbox/sink"
+	kafkasink "github.com/worker-dev/worker/internal/outbox/sink/kafka"
 )
 
 const (
@@ -81,8 +79,9 @@ func New(src inbox.SourceConfig, cfg inbox.Config, log *slog.Logger) (*Source, e
 	}, nil
 }
 
-// options are the client's options: brokers, SASL and TLS as the outbox's
-// Kafka sink builds them, and a group whose offsets only Run commits.
+// options are the client's options: brokers, SASL and TLS from
+// kafkasink.AuthOptions, as the outbox's Kafka sink builds them, and a
+// group whose offsets only Run commits.
 func (s *Source) options() ([]kgo.Opt, error) {
 	c := s.cfg
 	opts := []kgo.Opt{
@@ -99,29 +98,14 @@ func (s *Source) options() ([]kgo.Opt, error) {
 		// A transactional producer's aborted records are never work.
 		kgo.FetchIsolationLevel(kgo.ReadCommitted()),
 	}
-	if m := mechanism(c); m != nil {
-		opts = append(opts, kgo.SASL(m))
+	auth, err := kafkasink.AuthOptions(s.section, kafkasink.Auth{
+		SASLMechanism: c.SASLMechanism, SASLUser: c.SASLUser, SASLPassword: c.SASLPassword,
+		TLS: c.TLS, TLSCAFile: c.TLSCAFile, TLSCertFile: c.TLSCertFile, TLSKeyFile: c.TLSKeyFile,
+	})
+	if err != nil {
+		return nil, err
 	}
-	if c.TLS || c.TLSCAFile != "" || c.TLSCertFile != "" {
-		tc, err := sink.TLSConfig(s.section, c.TLSCAFile, c.TLSCertFile, c.TLSKeyFile)
-		if err != nil {
-			return nil, err
-		}
-		opts = append(opts, kgo.DialTLSConfig(tc))
-	}
-	return opts, nil
-}
-
-func mechanism(c inbox.KafkaSource) sasl.Mechanism {
-	switch c.SASLMechanism {
-	case "PLAIN":
-		return plain.Auth{User: c.SASLUser, Pass: c.SASLPassword}.AsMechanism()
-	case "SCRAM-SHA-256":
-		return scram.Auth{User: c.SASLUser, Pass: c.SASLPassword}.AsSha256Mechanism()
-	case "SCRAM-SHA-512":
-		return scram.Auth{User: c.SASLUser, Pass: c.SASLPassword}.AsSha512Mechanism()
-	}
-	return nil
+	return append(opts, auth...), nil
 }
 
 // Run implements inbox.Source: poll a batch, hand it to the inbox, commit
@@ -188,7 +172,7 @@ func (s *Source) probe(ctx context.Context, cl *kgo.Client, h inbox.Handoff, tro
 		}
 		h.Down(trouble)
 		failures++
-		if !sleep(ctx, obs.FullJitter(probeBase, s.probeMax, failures)) {
+		if !obs.Sleep(ctx, obs.FullJitter(probeBase, s.probeMax, failures)) {
 			return nil
 		}
 		trouble = s.check(ctx, cl)
@@ -261,15 +245,4 @@ func (s *Source) pollError(fetches kgo.Fetches) error {
 		return s.classify(fe.Err)
 	}
 	return nil
-}
-
-func sleep(ctx context.Context, d time.Duration) bool {
-	t := time.NewTimer(d)
-	defer t.Stop()
-	select {
-	case <-t.C:
-		return true
-	case <-ctx.Done():
-		return false
-	}
 }

@@ -2,7 +2,6 @@ package kafka
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"strings"
 	"sync"
@@ -15,6 +14,7 @@ import (
 	"github.com/twmb/franz-go/pkg/kmsg"
 
 	"github.com/worker-dev/worker/internal/inbox"
+	"github.com/worker-dev/worker/internal/inbox/inboxtest"
 	"github.com/worker-dev/worker/internal/outbox/sink"
 	"github.com/worker-dev/worker/internal/testkit"
 )
@@ -28,24 +28,24 @@ func TestExactlyOnce(t *testing.T) {
 	t.Parallel()
 	cl := startCluster(t)
 	c := cl.client(t)
-	evs := events("m", 300, 7)
+	evs := inboxtest.Events("m", 300, 7)
 	produce(t, c, evs...)
 	produce(t, c, evs[42]) // the relay published it again
-	unkeyed := produce(t, c, event{aggregate: "agg-x"})[0]
+	unkeyed := produce(t, c, event{Aggregate: "agg-x"})[0]
 
 	f := newFixture(t, cl)
-	f.cfg.BatchSize = 50
-	rec := recordOutcomes(f.consumer(nil))
+	f.Cfg.BatchSize = 50
+	rec := inboxtest.RecordOutcomes(f.Consumer(nil))
 	f.run(rec)
-	f.waitDone(len(evs) + 1)
+	f.WaitDone(len(evs) + 1)
 	f.waitCommitted(c)
 
-	f.exactlyOnce(evs)
-	if n := rec.count(inbox.Duplicate); n != 1 {
+	f.ExactlyOnce(evs)
+	if n := rec.Count(inbox.Duplicate); n != 1 {
 		t.Errorf("%d duplicates, want 1", n)
 	}
 	var state, ref string
-	err := f.db.Pool.QueryRow(context.Background(),
+	err := f.DB.Pool.QueryRow(context.Background(),
 		`SELECT state, msg_id FROM inbox_message WHERE msg_source = '!unkeyed'`).Scan(&state, &ref)
 	if err != nil {
 		t.Fatal(err)
@@ -53,10 +53,10 @@ func TestExactlyOnce(t *testing.T) {
 	if want := fmt.Sprintf("%s/%d/%d", testTopic, unkeyed.Partition, unkeyed.Offset); state != "DEAD" || ref != want {
 		t.Errorf("the unkeyed record is %s under %q, want DEAD under %q", state, ref, want)
 	}
-	if n := f.scalar(`SELECT count(*) FROM inbox_message WHERE order_key LIKE 'order/agg-%' AND origin = $1`, testTopic); n != len(evs) {
+	if n := f.Scalar(`SELECT count(*) FROM inbox_message WHERE order_key LIKE 'order/agg-%' AND origin = $1`, testTopic); n != len(evs) {
 		t.Errorf("%d rows with order key order/<aggregate> and origin %s, want %d", n, testTopic, len(evs))
 	}
-	if n := f.scalar(`
+	if n := f.Scalar(`
 SELECT count(*) FROM (
   SELECT split_part(id, '-', 2)::int AS seq, lag(split_part(id, '-', 2)::int) OVER (PARTITION BY order_key ORDER BY n) AS prev
   FROM seen) s WHERE seq < prev`); n != 0 {
@@ -80,17 +80,17 @@ func TestSettleAfterCommit(t *testing.T) {
 		case <-ctx.Done():
 			return ctx.Err()
 		}
-		return inbox.SQLHandler{SQL: seenSQL}.Handle(ctx, tx, m)
+		return inbox.SQLHandler{SQL: inboxtest.SeenSQL}.Handle(ctx, tx, m)
 	})
-	f.run(f.consumer(handler))
-	r := produce(t, c, event{id: "slow", aggregate: "a"})[0]
+	f.run(f.Consumer(handler))
+	r := produce(t, c, event{ID: "slow", Aggregate: "a"})[0]
 	<-entered
 	if at, ok := f.committed(c)[r.Partition]; ok && at > r.Offset {
 		t.Errorf("offset %d committed while the work of offset %d runs", at, r.Offset)
 	}
 	close(release)
 	f.waitCommitted(c)
-	if n := f.scalar(`SELECT count(*) FROM inbox_message WHERE state = 'PROCESSED'`); n != 1 {
+	if n := f.Scalar(`SELECT count(*) FROM inbox_message WHERE state = 'PROCESSED'`); n != 1 {
 		t.Errorf("committed with %d messages processed, want 1", n)
 	}
 }
@@ -105,32 +105,32 @@ func TestCommitsAfterProcessing(t *testing.T) {
 	cl := startCluster(t)
 	c := cl.client(t)
 	f := newFixture(t, cl)
-	f.cfg.BatchSize = 10
-	first := events("first", 300, 7)
+	f.Cfg.BatchSize = 10
+	first := inboxtest.Events("first", 300, 7)
 	produce(t, c, first...)
-	gate := &stopAfter{Handoff: f.consumer(nil), batches: 5, held: make(chan struct{})}
+	gate := &stopAfter{Handoff: f.Consumer(nil), batches: 5, held: make(chan struct{})}
 	stop := f.run(gate)
 	<-gate.held
 	if err := stop(); err != nil {
 		t.Fatal(err)
 	}
-	processed := f.scalar(`SELECT count(*) FROM seen`)
+	processed := f.Scalar(`SELECT count(*) FROM seen`)
 	if processed == 0 || processed >= len(first) {
 		t.Fatalf("the first client processed %d records, want some of %d", processed, len(first))
 	}
 
-	second := events("second", 50, 7)
+	second := inboxtest.Events("second", 50, 7)
 	produce(t, c, second...)
-	rec := recordOutcomes(f.consumer(nil))
+	rec := inboxtest.RecordOutcomes(f.Consumer(nil))
 	f.run(rec)
 	all := append(first, second...)
-	f.waitDone(len(all))
+	f.WaitDone(len(all))
 	f.waitCommitted(c)
-	f.exactlyOnce(all)
-	if n := rec.count(inbox.Duplicate); n != 0 {
+	f.ExactlyOnce(all)
+	if n := rec.Count(inbox.Duplicate); n != 0 {
 		t.Errorf("the second client met %d records the first had processed", n)
 	}
-	if n := rec.count(inbox.Processed); n != len(all)-processed {
+	if n := rec.Count(inbox.Processed); n != len(all)-processed {
 		t.Errorf("the second client processed %d records, want %d (the first processed %d)", n, len(all)-processed, processed)
 	}
 }
@@ -162,27 +162,22 @@ func TestBusyRetriedInPlace(t *testing.T) {
 	cl := startCluster(t)
 	c := cl.client(t)
 	f := newFixture(t, cl)
-	_, err := f.db.Pool.Exec(context.Background(), `
-INSERT INTO inbox_message (consumer, msg_source, msg_id, state, owner, lease_token, lease_until)
-VALUES ($1, 'order', 'held', 'RECEIVED', 'another-replica', 1, now() + interval '2 seconds')`, f.src.Name)
-	if err != nil {
-		t.Fatal(err)
-	}
+	f.ClaimedElsewhere("held", 2*time.Second)
 	// One aggregate, so one partition: the held record, then two more.
-	recs := produce(t, c, event{id: "held", aggregate: "a"}, event{id: "next-1", aggregate: "a"}, event{id: "next-2", aggregate: "a"})
+	recs := produce(t, c, event{ID: "held", Aggregate: "a"}, event{ID: "next-1", Aggregate: "a"}, event{ID: "next-2", Aggregate: "a"})
 	held := recs[0]
-	f.run(f.consumer(nil))
+	f.run(f.Consumer(nil))
 	testkit.Eventually(t, 30*time.Second, "the held record processed", func() bool {
-		done := f.scalar(`SELECT count(*) FROM seen WHERE id = 'held'`) > 0
+		done := f.Scalar(`SELECT count(*) FROM seen WHERE id = 'held'`) > 0
 		if at, ok := f.committed(c)[held.Partition]; !done && ok && at > held.Offset {
 			t.Fatalf("offset %d committed past the held record (offset %d) before it was processed", at, held.Offset)
 		}
 		return done
 	})
-	f.waitDone(3)
+	f.WaitDone(3)
 	f.waitCommitted(c)
-	f.exactlyOnce([]event{{id: "held"}, {id: "next-1"}, {id: "next-2"}})
-	if n := f.scalar(`SELECT count(*) FROM inbox_message WHERE attempts > 0`); n != 0 {
+	f.ExactlyOnce([]event{{ID: "held"}, {ID: "next-1"}, {ID: "next-2"}})
+	if n := f.Scalar(`SELECT count(*) FROM inbox_message WHERE attempts > 0`); n != 0 {
 		t.Errorf("%d messages spent an attempt", n)
 	}
 }
@@ -194,27 +189,27 @@ func TestOutage(t *testing.T) {
 	t.Parallel()
 	cl := startCluster(t)
 	f := newFixture(t, cl)
-	f.cfg.BatchSize = 10
-	first := events("before", 200, 5)
+	f.Cfg.BatchSize = 10
+	first := inboxtest.Events("before", 200, 5)
 	produce(t, cl.client(t), first...)
-	f.run(f.consumer(nil))
+	f.run(f.Consumer(nil))
 	testkit.Eventually(t, 30*time.Second, "the first records processed", func() bool {
-		return f.scalar(`SELECT count(*) FROM seen`) > 0
+		return f.Scalar(`SELECT count(*) FROM seen`) > 0
 	})
 
 	cl.stop()
-	testkit.Eventually(t, 60*time.Second, "the source reported down", func() bool { return f.states.String() == "[up down]" })
+	testkit.Eventually(t, 60*time.Second, "the source reported down", func() bool { return f.States.String() == "[up down]" })
 	cl.start()
-	testkit.Eventually(t, 60*time.Second, "the source reported up again", func() bool { return f.states.String() == "[up down up]" })
+	testkit.Eventually(t, 60*time.Second, "the source reported up again", func() bool { return f.States.String() == "[up down up]" })
 	c := cl.client(t)
-	second := events("after", 50, 5)
+	second := inboxtest.Events("after", 50, 5)
 	produce(t, c, second...)
 
 	all := append(first, second...)
-	f.waitDone(len(all))
+	f.WaitDone(len(all))
 	f.waitCommitted(c)
-	f.exactlyOnce(all)
-	if n := f.scalar(`SELECT count(*) FROM inbox_message WHERE attempts > 0 OR state <> 'PROCESSED'`); n != 0 {
+	f.ExactlyOnce(all)
+	if n := f.Scalar(`SELECT count(*) FROM inbox_message WHERE attempts > 0 OR state <> 'PROCESSED'`); n != 0 {
 		t.Errorf("%d messages spent an attempt or are not processed", n)
 	}
 }
@@ -240,21 +235,13 @@ func TestSetupErrors(t *testing.T) {
 		}, sink.ErrRefused, ""},
 	} {
 		t.Run(name, func(t *testing.T) {
-			src := f.src
+			src := f.Src
 			c.change(&src.Kafka)
-			s, err := New(src, f.cfg, nil)
+			s, err := New(src, f.Cfg, nil)
 			if err != nil {
 				t.Fatal(err)
 			}
-			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-			defer cancel()
-			err = s.Run(ctx, f.consumer(nil))
-			if !errors.Is(err, c.want) || !strings.Contains(fmt.Sprint(err), c.key) {
-				t.Errorf("Run = %v; want %v naming %s", err, c.want, c.key)
-			}
-			if strings.Contains(fmt.Sprint(err), password) {
-				t.Errorf("the password is in the error: %v", err)
-			}
+			inboxtest.CheckSetupError(t, s, f.Consumer(nil), c.want, c.key, password)
 		})
 	}
 }

@@ -5,17 +5,16 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"os"
 	"strings"
 	"time"
 
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
-	"github.com/nats-io/nkeys"
 
 	"github.com/worker-dev/worker/internal/inbox"
 	"github.com/worker-dev/worker/internal/obs"
 	"github.com/worker-dev/worker/internal/outbox/sink"
+	natssink "github.com/worker-dev/worker/internal/outbox/sink/nats"
 )
 
 const (
@@ -112,7 +111,7 @@ func (s *Source) Run(ctx context.Context, h inbox.Handoff) error {
 		}
 		h.Down(err)
 		failures++
-		if !sleep(ctx, obs.FullJitter(probeBase, s.probeMax, failures)) {
+		if !obs.Sleep(ctx, obs.FullJitter(probeBase, s.probeMax, failures)) {
 			return nil
 		}
 	}
@@ -126,7 +125,7 @@ func (s *Source) session(ctx context.Context, h inbox.Handoff, opts []nats.Optio
 		if verdict := sink.TLSVerdict(s.section, err); verdict != nil {
 			return fmt.Errorf("nats %s: %w", s.shownURL, verdict)
 		}
-		if refused(err) {
+		if natssink.Refused(err) {
 			return fmt.Errorf("%w: nats %s: %w", sink.ErrRefused, s.shownURL, err)
 		}
 		return fmt.Errorf("nats %s: %w", s.shownURL, err)
@@ -158,10 +157,10 @@ func (s *Source) session(ctx context.Context, h inbox.Handoff, opts []nats.Optio
 	}
 }
 
-// options are the connection's options: credentials and TLS as the
-// outbox's NATS sink builds them. The client does not reconnect by itself:
-// a lost connection ends the session, and Run reconnects with the inbox's
-// backoff and reports the outage.
+// options are the connection's options: credentials and TLS from
+// natssink.AuthOptions, as the outbox's NATS sink builds them. The client
+// does not reconnect by itself: a lost connection ends the session, and
+// Run reconnects with the inbox's backoff and reports the outage.
 func (s *Source) options() ([]nats.Option, error) {
 	log := s.log
 	opts := []nats.Option{
@@ -171,64 +170,14 @@ func (s *Source) options() ([]nats.Option, error) {
 		nats.ErrorHandler(func(_ *nats.Conn, _ *nats.Subscription, err error) { log.Warn("nats error", "error", err.Error()) }),
 	}
 	c := s.cfg
-	switch {
-	case c.User != "":
-		opts = append(opts, nats.UserInfo(c.User, c.Password))
-	case c.Token != "":
-		opts = append(opts, nats.Token(c.Token))
-	case c.CredsFile != "":
-		if err := checkCreds(c.CredsFile); err != nil {
-			return nil, fmt.Errorf("%s.creds_file=%q: %w", s.section, c.CredsFile, err)
-		}
-		opts = append(opts, nats.UserCredentials(c.CredsFile))
-	case c.NKeySeedFile != "":
-		o, err := nats.NkeyOptionFromSeed(c.NKeySeedFile)
-		if err != nil {
-			// The library's text never quotes the seed, only the file.
-			return nil, fmt.Errorf("%s.nkey_seed_file=%q: %w", s.section, c.NKeySeedFile, err)
-		}
-		opts = append(opts, o)
-	}
-	// Loaded once here so that an unusable file stops the start instead of
-	// passing for an unreachable server; the client loads the files again
-	// at every connect.
-	if _, err := sink.TLSConfig(s.section, c.TLSCAFile, c.TLSCertFile, c.TLSKeyFile); err != nil {
+	auth, err := natssink.AuthOptions(s.section, natssink.Auth{
+		User: c.User, Password: c.Password, Token: c.Token, CredsFile: c.CredsFile, NKeySeedFile: c.NKeySeedFile,
+		TLSCAFile: c.TLSCAFile, TLSCertFile: c.TLSCertFile, TLSKeyFile: c.TLSKeyFile,
+	})
+	if err != nil {
 		return nil, err
 	}
-	if c.TLSCAFile != "" {
-		opts = append(opts, nats.RootCAs(c.TLSCAFile))
-	}
-	if c.TLSCertFile != "" {
-		opts = append(opts, nats.ClientCert(c.TLSCertFile, c.TLSKeyFile))
-	}
-	return opts, nil
-}
-
-// checkCreds reads the creds file once, so that a missing file or one
-// without a user seed stops the start; the errors name the problem, never
-// the contents.
-func checkCreds(path string) error {
-	raw, err := os.ReadFile(path)
-	if err != nil {
-		return err
-	}
-	defer clear(raw)
-	kp, err := nkeys.ParseDecoratedUserNKey(raw)
-	if err != nil {
-		return err
-	}
-	kp.Wipe()
-	return nil
-}
-
-// refused reports whether a failed connect is the server refusing the
-// credentials, or a TLS handshake one side rejects.
-func refused(err error) bool {
-	// Under TLS 1.3 the server checks the client certificate after the
-	// client's side of the handshake is done, and may close the connection
-	// before its alert is read; nats.go words that case so.
-	return errors.Is(err, nats.ErrAuthorization) ||
-		errors.Is(err, nats.ErrTLS) && strings.Contains(err.Error(), "closed by remote after TLS handshake")
+	return append(opts, auth...), nil
 }
 
 // consumer finds the durable consumer, creating or updating it first when
@@ -322,15 +271,4 @@ func collect(b jetstream.MessageBatch, err error) ([]jetstream.Msg, error) {
 		msgs = append(msgs, m)
 	}
 	return msgs, b.Error()
-}
-
-func sleep(ctx context.Context, d time.Duration) bool {
-	t := time.NewTimer(d)
-	defer t.Stop()
-	select {
-	case <-t.C:
-		return true
-	case <-ctx.Done():
-		return false
-	}
 }

@@ -2,8 +2,6 @@ package nats
 
 import (
 	"context"
-	"errors"
-	"fmt"
 	"strings"
 	"sync"
 	"testing"
@@ -13,6 +11,7 @@ import (
 	"github.com/nats-io/nats-server/v2/server"
 
 	"github.com/worker-dev/worker/internal/inbox"
+	"github.com/worker-dev/worker/internal/inbox/inboxtest"
 	"github.com/worker-dev/worker/internal/outbox/sink"
 	"github.com/worker-dev/worker/internal/testkit"
 )
@@ -27,20 +26,20 @@ func TestExactlyOnce(t *testing.T) {
 	srv := startServer(t)
 	srv.createStream(t)
 	js := srv.js(t)
-	evs := events("m", 300, 7)
+	evs := inboxtest.Events("m", 300, 7)
 	publish(t, js, evs...)
 	publish(t, js, evs[42])                   // the relay published it again
-	publish(t, js, event{aggregate: "agg-x"}) // no ce-id: sequence 302
+	publish(t, js, event{Aggregate: "agg-x"}) // no ce-id: sequence 302
 
 	f := newFixture(t, srv)
-	f.cfg.BatchSize = 50
-	f.run(f.consumer(nil))
-	f.waitDone(len(evs) + 1)
+	f.Cfg.BatchSize = 50
+	f.run(f.Consumer(nil))
+	f.WaitDone(len(evs) + 1)
 	f.waitAcked(js)
 
-	f.exactlyOnce(evs)
+	f.ExactlyOnce(evs)
 	var state, ref string
-	err := f.db.Pool.QueryRow(context.Background(),
+	err := f.DB.Pool.QueryRow(context.Background(),
 		`SELECT state, msg_id FROM inbox_message WHERE msg_source = '!unkeyed'`).Scan(&state, &ref)
 	if err != nil {
 		t.Fatal(err)
@@ -48,12 +47,12 @@ func TestExactlyOnce(t *testing.T) {
 	if state != "DEAD" || ref != testStream+"/302" {
 		t.Errorf("the unkeyed message is %s under %q, want DEAD under %q", state, ref, testStream+"/302")
 	}
-	if n := f.scalar(`SELECT count(*) FROM inbox_message WHERE order_key LIKE 'order/agg-%' AND origin = $1`, testSubject); n != len(evs) {
+	if n := f.Scalar(`SELECT count(*) FROM inbox_message WHERE order_key LIKE 'order/agg-%' AND origin = $1`, testSubject); n != len(evs) {
 		t.Errorf("%d rows with order key order/<aggregate> and origin %s, want %d", n, testSubject, len(evs))
 	}
 	// One replica, no failures: each aggregate's messages ran in stream
 	// order.
-	if n := f.scalar(`
+	if n := f.Scalar(`
 SELECT count(*) FROM (
   SELECT split_part(id, '-', 2)::int AS seq, lag(split_part(id, '-', 2)::int) OVER (PARTITION BY order_key ORDER BY n) AS prev
   FROM seen) s WHERE seq < prev`); n != 0 {
@@ -71,7 +70,7 @@ func TestSettleAfterCommit(t *testing.T) {
 	srv.createStream(t)
 	js := srv.js(t)
 	f := newFixture(t, srv)
-	f.src.NATS.AckWait = time.Second
+	f.Src.NATS.AckWait = time.Second
 
 	entered, release := make(chan struct{}), make(chan struct{})
 	var once sync.Once
@@ -82,10 +81,10 @@ func TestSettleAfterCommit(t *testing.T) {
 		case <-ctx.Done():
 			return ctx.Err()
 		}
-		return inbox.SQLHandler{SQL: seenSQL}.Handle(ctx, tx, m)
+		return inbox.SQLHandler{SQL: inboxtest.SeenSQL}.Handle(ctx, tx, m)
 	})
-	f.run(f.consumer(handler))
-	publish(t, js, event{id: "slow", aggregate: "a"})
+	f.run(f.Consumer(handler))
+	publish(t, js, event{ID: "slow", Aggregate: "a"})
 	<-entered
 
 	// Held for over twice the ack wait: a real span of time is the point.
@@ -95,15 +94,15 @@ func TestSettleAfterCommit(t *testing.T) {
 		t.Errorf("while the work runs: ack pending %d, redelivered %d, delivered %d; want 1, 0, 1",
 			info.NumAckPending, info.NumRedelivered, info.Delivered.Consumer)
 	}
-	if n := f.scalar(`SELECT count(*) FROM inbox_message WHERE state = 'PROCESSED'`); n != 0 {
+	if n := f.Scalar(`SELECT count(*) FROM inbox_message WHERE state = 'PROCESSED'`); n != 0 {
 		t.Errorf("%d messages processed before the work returned", n)
 	}
 	close(release)
 	f.waitAcked(js)
-	if n := f.scalar(`SELECT count(*) FROM inbox_message WHERE state = 'PROCESSED'`); n != 1 {
+	if n := f.Scalar(`SELECT count(*) FROM inbox_message WHERE state = 'PROCESSED'`); n != 1 {
 		t.Errorf("acknowledged with %d messages processed, want 1", n)
 	}
-	f.exactlyOnce([]event{{id: "slow"}})
+	f.ExactlyOnce([]event{{ID: "slow"}})
 }
 
 // TestRedeliveryIsDuplicate: the work commits but the ack is lost (as if
@@ -116,50 +115,20 @@ func TestRedeliveryIsDuplicate(t *testing.T) {
 	srv.createStream(t)
 	js := srv.js(t)
 	f := newFixture(t, srv)
-	f.src.NATS.AckWait = time.Second
-	evs := events("r", 20, 3)
+	f.Src.NATS.AckWait = time.Second
+	evs := inboxtest.Events("r", 20, 3)
 	publish(t, js, evs...)
 
-	lose := &loseFirstSettle{Handoff: f.consumer(nil), outcomes: map[string][]inbox.Outcome{}}
+	lose := inboxtest.RecordOutcomes(f.Consumer(nil))
+	lose.LoseFirst = true
 	f.run(lose)
 	f.waitAcked(js)
-	f.exactlyOnce(evs)
+	f.ExactlyOnce(evs)
 	for _, e := range evs {
-		if got := lose.of(e.id); len(got) != 2 || got[0] != inbox.Processed || got[1] != inbox.Duplicate {
-			t.Errorf("message %s: outcomes %v, want [processed duplicate]", e.id, got)
+		if got := lose.Of(e.ID); len(got) != 2 || got[0] != inbox.Processed || got[1] != inbox.Duplicate {
+			t.Errorf("message %s: outcomes %v, want [processed duplicate]", e.ID, got)
 		}
 	}
-}
-
-// loseFirstSettle drops the first settle of every message: the outcome is
-// recorded, the source never hears of it.
-type loseFirstSettle struct {
-	inbox.Handoff
-	mu       sync.Mutex
-	outcomes map[string][]inbox.Outcome
-}
-
-func (l *loseFirstSettle) Process(ctx context.Context, batch []*inbox.Delivery) {
-	for _, d := range batch {
-		settle, id := d.Settle, d.Message.ID
-		d.Settle = func(ctx context.Context, o inbox.Outcome, after time.Duration) error {
-			l.mu.Lock()
-			l.outcomes[id] = append(l.outcomes[id], o)
-			first := len(l.outcomes[id]) == 1
-			l.mu.Unlock()
-			if first {
-				return nil
-			}
-			return settle(ctx, o, after)
-		}
-	}
-	l.Handoff.Process(ctx, batch)
-}
-
-func (l *loseFirstSettle) of(id string) []inbox.Outcome {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.outcomes[id]
 }
 
 // TestBusyIsNakedWithDelay: a message another replica holds (its claim's
@@ -172,28 +141,16 @@ func TestBusyIsNakedWithDelay(t *testing.T) {
 	srv.createStream(t)
 	js := srv.js(t)
 	f := newFixture(t, srv)
-	claimedElsewhere(t, f, "held", 2*time.Second)
-	publish(t, js, event{id: "held", aggregate: "a"})
-	f.run(f.consumer(nil))
+	f.ClaimedElsewhere("held", 2*time.Second)
+	publish(t, js, event{ID: "held", Aggregate: "a"})
+	f.run(f.Consumer(nil))
 	f.waitAcked(js)
-	f.exactlyOnce([]event{{id: "held"}})
-	if n := f.scalar(`SELECT count(*) FROM inbox_message WHERE attempts > 0`); n != 0 {
+	f.ExactlyOnce([]event{{ID: "held"}})
+	if n := f.Scalar(`SELECT count(*) FROM inbox_message WHERE attempts > 0`); n != 0 {
 		t.Errorf("%d messages spent an attempt", n)
 	}
 	if info := f.consumerInfo(js); info.Delivered.Consumer < 2 {
 		t.Errorf("delivered %d times, want a redelivery after the nak", info.Delivered.Consumer)
-	}
-}
-
-// claimedElsewhere inserts id's inbox row as another replica's claim whose
-// lease ends after lease.
-func claimedElsewhere(t *testing.T, f *fixture, id string, lease time.Duration) {
-	t.Helper()
-	_, err := f.db.Pool.Exec(context.Background(), `
-INSERT INTO inbox_message (consumer, msg_source, msg_id, state, owner, lease_token, lease_until)
-VALUES ($1, 'order', $2, 'RECEIVED', 'another-replica', 1, now() + $3::interval)`, f.src.Name, id, lease)
-	if err != nil {
-		t.Fatal(err)
 	}
 }
 
@@ -205,27 +162,27 @@ func TestOutage(t *testing.T) {
 	srv := startServer(t)
 	srv.createStream(t)
 	f := newFixture(t, srv)
-	f.cfg.BatchSize = 10
-	first := events("before", 200, 5)
+	f.Cfg.BatchSize = 10
+	first := inboxtest.Events("before", 200, 5)
 	publish(t, srv.js(t), first...)
-	f.run(f.consumer(nil))
+	f.run(f.Consumer(nil))
 	testkit.Eventually(t, 30*time.Second, "the first messages processed", func() bool {
-		return f.scalar(`SELECT count(*) FROM seen`) > 0
+		return f.Scalar(`SELECT count(*) FROM seen`) > 0
 	})
 
 	srv.stop()
-	testkit.Eventually(t, 30*time.Second, "the source reported down", func() bool { return f.states.String() == "[up down]" })
+	testkit.Eventually(t, 30*time.Second, "the source reported down", func() bool { return f.States.String() == "[up down]" })
 	srv.start(t)
-	testkit.Eventually(t, 30*time.Second, "the source reported up again", func() bool { return f.states.String() == "[up down up]" })
+	testkit.Eventually(t, 30*time.Second, "the source reported up again", func() bool { return f.States.String() == "[up down up]" })
 	js := srv.js(t)
-	second := events("after", 50, 5)
+	second := inboxtest.Events("after", 50, 5)
 	publish(t, js, second...)
 
 	all := append(first, second...)
-	f.waitDone(len(all))
+	f.WaitDone(len(all))
 	f.waitAcked(js)
-	f.exactlyOnce(all)
-	if n := f.scalar(`SELECT count(*) FROM inbox_message WHERE attempts > 0 OR state <> 'PROCESSED'`); n != 0 {
+	f.ExactlyOnce(all)
+	if n := f.Scalar(`SELECT count(*) FROM inbox_message WHERE attempts > 0 OR state <> 'PROCESSED'`); n != 0 {
 		t.Errorf("%d messages spent an attempt or are not processed", n)
 	}
 }
@@ -249,21 +206,13 @@ func TestSetupErrors(t *testing.T) {
 		"refused password": {func(c *inbox.NATSSource) { c.URL, c.User, c.Password = secured.url(), "inbox", "pw-secret-9d1e" }, sink.ErrRefused, ""},
 	} {
 		t.Run(name, func(t *testing.T) {
-			src := f.src
+			src := f.Src
 			c.change(&src.NATS)
-			s, err := New(src, f.cfg, nil)
+			s, err := New(src, f.Cfg, nil)
 			if err != nil {
 				t.Fatal(err)
 			}
-			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-			defer cancel()
-			err = s.Run(ctx, f.consumer(nil))
-			if !errors.Is(err, c.want) || !strings.Contains(fmt.Sprint(err), c.key) {
-				t.Errorf("Run = %v; want %v naming %s", err, c.want, c.key)
-			}
-			if strings.Contains(fmt.Sprint(err), "pw-secret-9d1e") {
-				t.Errorf("the password is in the error: %v", err)
-			}
+			inboxtest.CheckSetupError(t, s, f.Consumer(nil), c.want, c.key, "pw-secret-9d1e")
 		})
 	}
 }

@@ -6,15 +6,14 @@ import (
 	"fmt"
 	"os"
 	"runtime"
-	"slices"
 	"strings"
-	"sync/atomic"
 	"testing"
 	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/worker-dev/worker/internal/inbox"
+	"github.com/worker-dev/worker/internal/inbox/inboxtest"
 )
 
 var (
@@ -74,15 +73,15 @@ func BenchmarkInboxRabbitMQ(b *testing.B) {
 				round+1, got["bare"], got["inbox"], got["inbox"]/got["bare"])
 		}
 		load, _ := os.ReadFile("/proc/loadavg")
-		bare, inb, ratio := spreadOf(rates["bare"]), spreadOf(rates["inbox"]), spreadOf(ratios)
+		bare, inb, ratio := inboxtest.SpreadOf(rates["bare"]), inboxtest.SpreadOf(rates["inbox"]), inboxtest.SpreadOf(ratios)
 		fmt.Printf("inbox rabbitmq, %d messages a phase, prefetch %d, batch_size %d, %d rounds, %d cpus, load %s:\n"+
 			"  bare %.0f / %.0f / %.0f msgs/s, inbox %.0f / %.0f / %.0f msgs/s, ratio %.2f / %.2f / %.2f (min / median / max); mean batch %.0f\n",
 			n, *benchPrefetch, inbox.DefaultConfig().BatchSize, *benchRounds, runtime.NumCPU(),
 			strings.Join(strings.Fields(string(load))[:3], " "),
-			bare.min, bare.med, bare.max, inb.min, inb.med, inb.max, ratio.min, ratio.med, ratio.max, spreadOf(batches).med)
-		b.ReportMetric(bare.med, "bare_msgs/s")
-		b.ReportMetric(inb.med, "inbox_msgs/s")
-		b.ReportMetric(ratio.med, "ratio")
+			bare.Min, bare.Med, bare.Max, inb.Min, inb.Med, inb.Max, ratio.Min, ratio.Med, ratio.Max, inboxtest.SpreadOf(batches).Med)
+		b.ReportMetric(bare.Med, "bare_msgs/s")
+		b.ReportMetric(inb.Med, "inbox_msgs/s")
+		b.ReportMetric(ratio.Med, "ratio")
 	}
 }
 
@@ -126,21 +125,21 @@ func drainInbox(tb testing.TB, f *fixture, queue string, n int) (rate, batch flo
 	if _, err := f.db.Pool.Exec(ctx, `VACUUM ANALYZE work, inbox_message`); err != nil {
 		tb.Fatal(err)
 	}
-	c := &counting{Handoff: f.c, want: int64(n), done: make(chan struct{})}
+	c := inboxtest.NewCounting(f.c, n)
 	src := newSource(tb, queue, "", func(c *inbox.RabbitMQSource) { c.Prefetch = *benchPrefetch })
 	start := time.Now()
 	stop := runUntil(tb, src, c)
 	select {
-	case <-c.done:
+	case <-c.Done:
 	case <-time.After(5 * time.Minute):
-		tb.Fatalf("%d of %d messages processed within 5 minutes", c.settled.Load(), n)
+		tb.Fatalf("%d of %d messages processed within 5 minutes", c.Settled.Load(), n)
 	}
 	rate = float64(n) / time.Since(start).Seconds()
 	stop()
 	if got := f.count(tb, `SELECT count(*) FROM work`); got != n {
 		tb.Fatalf("%d pieces of work for %d messages", got, n)
 	}
-	return rate, float64(n) / float64(c.batches.Load())
+	return rate, float64(n) / float64(c.Batches.Load())
 }
 
 // purge empties queue.
@@ -154,41 +153,4 @@ func purge(tb testing.TB, queue string) {
 	if _, err := ch.QueuePurge(queue, false); err != nil {
 		tb.Fatal(err)
 	}
-}
-
-// counting closes done once want deliveries were settled as processed.
-type counting struct {
-	inbox.Handoff
-	want    int64
-	settled atomic.Int64
-	batches atomic.Int64
-	done    chan struct{}
-}
-
-func (c *counting) Process(ctx context.Context, batch []*inbox.Delivery) {
-	c.batches.Add(1)
-	for _, d := range batch {
-		settle := d.Settle
-		d.Settle = func(ctx context.Context, o inbox.Outcome, after time.Duration) error {
-			err := settle(ctx, o, after)
-			if o == inbox.Processed && c.settled.Add(1) == c.want {
-				close(c.done)
-			}
-			return err
-		}
-	}
-	c.Handoff.Process(ctx, batch)
-}
-
-// spread is min / median / max of a sample.
-type spread struct{ min, med, max float64 }
-
-func spreadOf(xs []float64) spread {
-	s := slices.Clone(xs)
-	slices.Sort(s)
-	med := s[len(s)/2]
-	if len(s)%2 == 0 {
-		med = (s[len(s)/2-1] + s[len(s)/2]) / 2
-	}
-	return spread{s[0], med, s[len(s)-1]}
 }

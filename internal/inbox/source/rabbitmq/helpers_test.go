@@ -13,6 +13,7 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/worker-dev/worker/internal/inbox"
+	"github.com/worker-dev/worker/internal/inbox/inboxtest"
 	"github.com/worker-dev/worker/internal/outbox/sink"
 	"github.com/worker-dev/worker/internal/pgtest"
 	"github.com/worker-dev/worker/internal/testkit"
@@ -152,31 +153,17 @@ func newFixture(t testing.TB, handler inbox.Handler) *fixture {
 		handler = inbox.SQLHandler{SQL: workSQL}
 	}
 	reg := prometheus.NewRegistry()
-	m, err := inbox.NewMetrics(reg)
-	if err != nil {
-		t.Fatal(err)
-	}
 	cfg := inbox.DefaultConfig()
 	cfg.BackoffBase, cfg.BackoffMax = 10*time.Millisecond, 100*time.Millisecond
 	src := inbox.SourceConfig{Name: "rmq", Kind: inbox.KindRabbitMQ, Handler: inbox.HandlerConfig{Kind: inbox.HandlerSQL, SQL: workSQL}}
-	logs := &testkit.LogBuffer{}
-	t.Cleanup(func() {
-		if t.Failed() {
-			t.Logf("consumer log:\n%s", logs.String())
-		}
-	})
-	c := inbox.NewConsumer(db.Pool, src, cfg, handler, "test-instance", logs.Logger(), m)
+	c := inboxtest.NewConsumer(t, db.Pool, src, cfg, handler, reg)
 	return &fixture{db: db, reg: reg, c: c}
 }
 
 // count runs a query returning one number.
 func (f *fixture) count(t testing.TB, q string, args ...any) int {
 	t.Helper()
-	var n int
-	if err := f.db.Pool.QueryRow(context.Background(), q, args...).Scan(&n); err != nil {
-		t.Fatal(err)
-	}
-	return n
+	return inboxtest.Scalar(t, f.db.Pool, q, args...)
 }
 
 // received reads inbox_received_total for outcome.
@@ -256,29 +243,12 @@ func (w *watch) seen() []string {
 // run runs src until t ends, and checks that it then returns nil.
 func run(t testing.TB, src *Source, h inbox.Handoff) { runUntil(t, src, h) }
 
-// runUntil runs src and returns a function that stops it and checks that
-// Run returned nil; it also stops when t ends.
+// runUntil runs src and returns a function that stops it; it also stops
+// when t ends, and then checks that Run returned nil.
 func runUntil(t testing.TB, src *Source, h inbox.Handoff) (stop func()) {
 	t.Helper()
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- src.Run(ctx, h) }()
-	var once sync.Once
-	stop = func() {
-		once.Do(func() {
-			cancel()
-			select {
-			case err := <-done:
-				if err != nil {
-					t.Errorf("Run after ctx ended: %v", err)
-				}
-			case <-time.After(10 * time.Second):
-				t.Error("Run did not return within 10s of ctx ending")
-			}
-		})
-	}
-	t.Cleanup(stop)
-	return stop
+	stopRun := inboxtest.RunSource(t, src, h)
+	return func() { _ = stopRun() }
 }
 
 // newSource is a source on queue through the broker at host (the test

@@ -126,7 +126,7 @@ func (s *Source) Run(ctx context.Context, h inbox.Handoff) error {
 		}
 		h.Down(err)
 		failures++
-		if !sleep(ctx, obs.FullJitter(probeBase, s.probeMax, failures)) {
+		if !obs.Sleep(ctx, obs.FullJitter(probeBase, s.probeMax, failures)) {
 			return nil
 		}
 	}
@@ -311,15 +311,4 @@ func collect(first amqp.Delivery, in <-chan amqp.Delivery, size int) []amqp.Deli
 		}
 	}
 	return batch
-}
-
-func sleep(ctx context.Context, d time.Duration) bool {
-	t := time.NewTimer(d)
-	defer t.Stop()
-	select {
-	case <-t.C:
-		return true
-	case <-ctx.Done():
-		return false
-	}
 }

@@ -11,6 +11,7 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/worker-dev/worker/internal/inbox"
+	"github.com/worker-dev/worker/internal/obs"
 )
 
 // process hands ds to the inbox as one batch and settles each delivery
@@ -61,7 +62,7 @@ func (b *busy) settler(d *amqp.Delivery) func(context.Context, inbox.Outcome, ti
 func (b *busy) requeue(ctx context.Context) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
-	if len(b.ds) == 0 || !sleep(ctx, b.after) {
+	if len(b.ds) == 0 || !obs.Sleep(ctx, b.after) {
 		return
 	}
 	slices.SortFunc(b.ds, func(x, y *amqp.Delivery) int { return cmp.Compare(x.DeliveryTag, y.DeliveryTag) })

@@ -17,6 +17,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/worker-dev/worker/internal/inbox"
+	"github.com/worker-dev/worker/internal/inbox/inboxtest"
 	"github.com/worker-dev/worker/internal/pgtest"
 	"github.com/worker-dev/worker/internal/testkit"
 )
@@ -61,20 +62,11 @@ func newFixture(t testing.TB, tweak ...func(*setup)) *fixture {
 	if st.handler == nil {
 		st.handler = inbox.SQLHandler{SQL: workSQL}
 	}
-	m, err := inbox.NewMetrics(f.reg)
-	if err != nil {
-		t.Fatal(err)
-	}
 	cfg := inbox.DefaultConfig()
 	cfg.BackoffBase, cfg.BackoffMax = 10*time.Millisecond, 100*time.Millisecond
 	sc := inbox.SourceConfig{Name: "hook", Kind: inbox.KindWebhook, Handler: inbox.HandlerConfig{Kind: inbox.HandlerSQL, SQL: workSQL}}
-	logs := &testkit.LogBuffer{}
-	t.Cleanup(func() {
-		if t.Failed() {
-			t.Logf("consumer log:\n%s", logs.String())
-		}
-	})
-	f.c = inbox.NewConsumer(f.db.Pool, sc, cfg, st.handler, "test-instance", logs.Logger(), m)
+	f.c = inboxtest.NewConsumer(t, f.db.Pool, sc, cfg, st.handler, f.reg)
+	var err error
 	if f.src, err = New(st.cfg, st.opts); err != nil {
 		t.Fatal(err)
 	}
@@ -173,11 +165,7 @@ func do(t testing.TB, req *http.Request) response {
 // count runs a query returning one number.
 func (f *fixture) count(t testing.TB, q string, args ...any) int {
 	t.Helper()
-	var n int
-	if err := f.db.Pool.QueryRow(context.Background(), q, args...).Scan(&n); err != nil {
-		t.Fatal(err)
-	}
-	return n
+	return inboxtest.Scalar(t, f.db.Pool, q, args...)
 }
 
 // nothingStored checks that no work was done and no inbox row written.

@@ -152,7 +152,7 @@ func TestSASL(t *testing.T) {
 				if err := s.Connect(ctx); err != nil {
 					t.Fatal(err)
 				}
-				publishAndRead(t, s, brokers, kgo.SASL(mechanism(cfg)))
+				publishAndRead(t, s, brokers, kgo.SASL(Mechanism(cfg.SASLMechanism, cfg.SASLUser, cfg.SASLPassword)))
 				noPassword(t, "the log", logs.String())
 			})
 

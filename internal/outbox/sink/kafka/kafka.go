@@ -16,9 +16,6 @@ import (
 
 	"github.com/twmb/franz-go/pkg/kerr"
 	"github.com/twmb/franz-go/pkg/kgo"
-	"github.com/twmb/franz-go/pkg/sasl"
-	"github.com/twmb/franz-go/pkg/sasl/plain"
-	"github.com/twmb/franz-go/pkg/sasl/scram"
 
 	"github.com/worker-dev/worker/internal/outbox"
 	"github.com/worker-dev/worker/internal/outbox/sink"
@@ -103,29 +100,15 @@ func New(cfg outbox.KafkaConfig, opts Options) (*Sink, error) {
 		// produce request is on the wire.
 		kgo.ProducerLinger(0),
 	}
-	if m := mechanism(cfg); m != nil {
-		s.opts = append(s.opts, kgo.SASL(m))
+	auth, err := AuthOptions("outbox.kafka", Auth{
+		SASLMechanism: cfg.SASLMechanism, SASLUser: cfg.SASLUser, SASLPassword: cfg.SASLPassword,
+		TLS: cfg.TLS, TLSCAFile: cfg.TLSCAFile, TLSCertFile: cfg.TLSCertFile, TLSKeyFile: cfg.TLSKeyFile,
+	})
+	if err != nil {
+		return nil, err
 	}
-	if cfg.TLS || cfg.TLSCAFile != "" || cfg.TLSCertFile != "" {
-		tc, err := sink.TLSConfig("outbox.kafka", cfg.TLSCAFile, cfg.TLSCertFile, cfg.TLSKeyFile)
-		if err != nil {
-			return nil, err
-		}
-		s.opts = append(s.opts, kgo.DialTLSConfig(tc))
-	}
+	s.opts = append(s.opts, auth...)
 	return s, nil
-}
-
-func mechanism(c outbox.KafkaConfig) sasl.Mechanism {
-	switch c.SASLMechanism {
-	case "PLAIN":
-		return plain.Auth{User: c.SASLUser, Pass: c.SASLPassword}.AsMechanism()
-	case "SCRAM-SHA-256":
-		return scram.Auth{User: c.SASLUser, Pass: c.SASLPassword}.AsSha256Mechanism()
-	case "SCRAM-SHA-512":
-		return scram.Auth{User: c.SASLUser, Pass: c.SASLPassword}.AsSha512Mechanism()
-	}
-	return nil
 }
 
 // TopicPart escapes one value into legal topic characters: letters,

@@ -9,13 +9,11 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"os"
 	"strings"
 	"time"
 
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
-	"github.com/nats-io/nkeys"
 
 	"github.com/worker-dev/worker/internal/outbox"
 	"github.com/worker-dev/worker/internal/outbox/sink"
@@ -197,7 +195,7 @@ func (s *Sink) connectOnce(ctx context.Context, opts []nats.Option) error {
 		if verdict := sink.TLSVerdict("outbox.nats", err); verdict != nil {
 			return fmt.Errorf("nats %s: %w", s.shownURL, verdict)
 		}
-		if refused(err) {
+		if Refused(err) {
 			return fmt.Errorf("%w: nats %s: %w", sink.ErrRefused, s.shownURL, err)
 		}
 		return err
@@ -235,66 +233,14 @@ func (s *Sink) options() ([]nats.Option, error) {
 		nats.ErrorHandler(func(_ *nats.Conn, _ *nats.Subscription, err error) { log.Warn("nats error", "error", err.Error()) }),
 	}
 	c := s.cfg
-	switch {
-	case c.User != "":
-		opts = append(opts, nats.UserInfo(c.User, c.Password))
-	case c.Token != "":
-		opts = append(opts, nats.Token(c.Token))
-	case c.CredsFile != "":
-		if err := checkCreds(c.CredsFile); err != nil {
-			return nil, fmt.Errorf("outbox.nats.creds_file=%q: %w", c.CredsFile, err)
-		}
-		opts = append(opts, nats.UserCredentials(c.CredsFile))
-	case c.NKeySeedFile != "":
-		o, err := nats.NkeyOptionFromSeed(c.NKeySeedFile)
-		if err != nil {
-			// The library's text never quotes the seed, only the file.
-			return nil, fmt.Errorf("outbox.nats.nkey_seed_file=%q: %w", c.NKeySeedFile, err)
-		}
-		opts = append(opts, o)
-	}
-	// Loaded once here so that an unusable file stops the start instead of
-	// passing for an unreachable server; the client loads the files again
-	// at every connect.
-	if _, err := sink.TLSConfig("outbox.nats", c.TLSCAFile, c.TLSCertFile, c.TLSKeyFile); err != nil {
+	auth, err := AuthOptions("outbox.nats", Auth{
+		User: c.User, Password: c.Password, Token: c.Token, CredsFile: c.CredsFile, NKeySeedFile: c.NKeySeedFile,
+		TLSCAFile: c.TLSCAFile, TLSCertFile: c.TLSCertFile, TLSKeyFile: c.TLSKeyFile,
+	})
+	if err != nil {
 		return nil, err
 	}
-	if c.TLSCAFile != "" {
-		opts = append(opts, nats.RootCAs(c.TLSCAFile))
-	}
-	if c.TLSCertFile != "" {
-		opts = append(opts, nats.ClientCert(c.TLSCertFile, c.TLSKeyFile))
-	}
-	return opts, nil
-}
-
-// checkCreds reads the creds file once, so that a missing file or one
-// without a user seed stops the start instead of passing for an
-// unreachable server; the client reads it again at every connect. The
-// errors name the problem, never the contents.
-func checkCreds(path string) error {
-	raw, err := os.ReadFile(path)
-	if err != nil {
-		return err
-	}
-	defer clear(raw)
-	kp, err := nkeys.ParseDecoratedUserNKey(raw)
-	if err != nil {
-		return err
-	}
-	kp.Wipe()
-	return nil
-}
-
-// refused reports whether a failed connect is the server refusing the
-// credentials, or a TLS handshake that one side rejects: no retry changes
-// either.
-func refused(err error) bool {
-	// Under TLS 1.3 the server checks the client certificate after the
-	// client's side of the handshake is done, and may close the connection
-	// before its alert is read; nats.go words that case so.
-	return errors.Is(err, nats.ErrAuthorization) || // the server's -ERR matches it by text
-		errors.Is(err, nats.ErrTLS) && strings.Contains(err.Error(), "closed by remote after TLS handshake")
+	return append(opts, auth...), nil
 }
 
 // checkStream finds (or creates) the stream and warns when its duplicate

@@ -1,0 +1,162 @@
+package inboxtest
+
+import (
+	"context"
+	"fmt"
+	"slices"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/worker-dev/worker/internal/inbox"
+)
+
+// Bench drains the same messages from a source in three phases per
+// round, each reading them afresh (a consumer or group of its own), the
+// source in front of: a bare handoff that settles every message at once
+// (the source's own loop); the sql handler's statement run for the batch
+// in one transaction, then settled (the work without the inbox's
+// bookkeeping); the inbox with the sql handler. It prints the rates per
+// round and the inbox's ratio to the bare loop and to the plain work,
+// min / median / max over the rounds.
+type Bench struct {
+	Fixture  *Fixture
+	Kind     string // the source's kind, for the summary
+	Loop     string // the bare loop, as the round lines name it: "consume-and-ack"
+	Rounds   int
+	Messages int // per phase
+	// Load puts Messages messages for round on the broker, and returns
+	// where they are (a subject, a topic).
+	Load func(round int) string
+	// Source returns a source that reads where through a consumer (or
+	// group) called reader, new to the broker.
+	Source func(where, reader string) (inbox.Source, error)
+}
+
+// Run runs the rounds, b.N times.
+func (bn *Bench) Run(b *testing.B) {
+	f, n := bn.Fixture, bn.Messages
+	for range b.N {
+		rounds := make([][3]float64, 0, bn.Rounds) // bare, plain work, inbox
+		for round := range bn.Rounds {
+			where := bn.Load(round)
+			handoffs := []func() inbox.Handoff{
+				func() inbox.Handoff { return BareHandoff{} },
+				func() inbox.Handoff { f.Reset(); return &plainWork{f: f} },
+				func() inbox.Handoff { f.Reset(); return f.Consumer(nil) },
+			}
+			var rates [3]float64
+			for k := range handoffs {
+				i := (k + round) % len(handoffs) // rotate the order between rounds
+				rates[i] = bn.phase(where, fmt.Sprintf("p%d-%d", i, round), handoffs[i]())
+			}
+			rounds = append(rounds, rates)
+			fmt.Printf("round %d: bare %s %.0f msgs/s, plain work %.0f msgs/s, inbox %.0f msgs/s; inbox/bare %.3f, inbox/plain %.2f\n",
+				round+1, bn.Loop, rates[0], rates[1], rates[2], rates[2]/rates[0], rates[2]/rates[1])
+		}
+		printSummary(b, bn.Kind, n, f.Cfg.BatchSize, rounds)
+	}
+}
+
+// phase runs a source on where through reader, in front of h, until
+// Messages messages are settled processed, and returns the rate.
+func (bn *Bench) phase(where, reader string, h inbox.Handoff) float64 {
+	t, n := bn.Fixture.T, bn.Messages
+	t.Helper()
+	s, err := bn.Source(where, reader)
+	if err != nil {
+		t.Fatal(err)
+	}
+	c := NewCounting(h, n)
+	start := time.Now()
+	stop := RunSource(t, s, c)
+	select {
+	case <-c.Done:
+	case <-time.After(5 * time.Minute):
+		t.Fatalf("%s: %d of %d messages processed in 5 minutes", reader, c.Settled.Load(), n)
+	}
+	took := time.Since(start)
+	if err := stop(); err != nil {
+		t.Fatal(err)
+	}
+	return float64(n) / took.Seconds()
+}
+
+// BareHandoff settles every delivery processed at once: a source's own
+// loop without the inbox.
+type BareHandoff struct{}
+
+func (BareHandoff) Process(ctx context.Context, batch []*inbox.Delivery) {
+	for _, d := range batch {
+		_ = d.Settle(ctx, inbox.Processed, 0)
+	}
+}
+func (BareHandoff) Up()        {}
+func (BareHandoff) Down(error) {}
+
+// plainWork runs the sql handler's statement for every message of a batch
+// in one transaction, then settles them: the work the inbox does, without
+// its claims and dedupe records.
+type plainWork struct {
+	f *Fixture
+}
+
+func (p *plainWork) Process(ctx context.Context, batch []*inbox.Delivery) {
+	h := inbox.SQLHandler{SQL: p.f.Src.Handler.SQL}
+	err := pgx.BeginFunc(ctx, p.f.DB.Pool, func(tx pgx.Tx) error {
+		for _, d := range batch {
+			if err := h.Handle(ctx, tx, d.Message); err != nil {
+				return err
+			}
+		}
+		return nil
+	})
+	if err != nil {
+		p.f.T.Error(err)
+		return
+	}
+	for _, d := range batch {
+		_ = d.Settle(ctx, inbox.Processed, 0)
+	}
+}
+func (*plainWork) Up()        {}
+func (*plainWork) Down(error) {}
+
+// printSummary prints min / median / max of each phase's rate and of the
+// inbox's ratios, and reports the medians.
+func printSummary(b *testing.B, kind string, n, batch int, rounds [][3]float64) {
+	col := func(f func(r [3]float64) float64) []float64 {
+		var out []float64
+		for _, r := range rounds {
+			out = append(out, f(r))
+		}
+		return out
+	}
+	bare, plain, full := SpreadOf(col(func(r [3]float64) float64 { return r[0] })), SpreadOf(col(func(r [3]float64) float64 { return r[1] })), SpreadOf(col(func(r [3]float64) float64 { return r[2] }))
+	toBare, toPlain := SpreadOf(col(func(r [3]float64) float64 { return r[2] / r[0] })), SpreadOf(col(func(r [3]float64) float64 { return r[2] / r[1] }))
+	fmt.Printf("%s, %d messages, batch %d, %d rounds (min / median / max):\n  bare loop msgs/s %s\n  plain work msgs/s %s\n  inbox msgs/s %s\n  inbox/bare %s\n  inbox/plain work %s\n",
+		kind, n, batch, len(rounds), bare.Text("%.0f"), plain.Text("%.0f"), full.Text("%.0f"), toBare.Text("%.3f"), toPlain.Text("%.2f"))
+	b.ReportMetric(toBare.Med, "inbox/bare")
+	b.ReportMetric(toPlain.Med, "inbox/plain")
+	b.ReportMetric(full.Med, "inbox_msgs/s")
+	b.ReportMetric(bare.Med, "bare_msgs/s")
+}
+
+// Spread is the min / median / max of a sample.
+type Spread struct{ Min, Med, Max float64 }
+
+// SpreadOf returns the spread of xs, which is not empty.
+func SpreadOf(xs []float64) Spread {
+	s := slices.Sorted(slices.Values(xs))
+	med := s[len(s)/2]
+	if len(s)%2 == 0 {
+		med = (s[len(s)/2-1] + s[len(s)/2]) / 2
+	}
+	return Spread{s[0], med, s[len(s)-1]}
+}
+
+// Text formats the spread as "min / median / max", each with format.
+func (s Spread) Text(format string) string {
+	return fmt.Sprintf(format+" / "+format+" / "+format, s.Min, s.Med, s.Max)
+}
