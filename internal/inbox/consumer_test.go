@@ -14,6 +14,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/worker-dev/worker/internal/inbox"
+	"github.com/worker-dev/worker/internal/outbox"
 	"github.com/worker-dev/worker/internal/pgtest"
 )
 
@@ -273,5 +274,35 @@ func TestBehindABusyMessageWaits(t *testing.T) {
 	c.Process(ctx, []*inbox.Delivery{s.delivery("2", "k")})
 	if workCount(t, db, "2") != 1 {
 		t.Fatal("2 was not run on its next delivery")
+	}
+}
+
+// A Go handler writes its outgoing events with outbox.Append in the work
+// transaction: they commit with the message's claim, once, and roll back
+// with a failed attempt.
+func TestGoHandlerAppendsToTheOutbox(t *testing.T) {
+	t.Parallel()
+	db := workDB(t)
+	ctx := context.Background()
+	tries := 0
+	h := inbox.HandlerFunc(func(ctx context.Context, tx pgx.Tx, m inbox.Message) error {
+		if _, err := outbox.Append(ctx, tx, outbox.NewEvent{AggregateType: "receipt", AggregateID: m.ID, EventType: "receipt.sent", Payload: m.Body}); err != nil {
+			return err
+		}
+		if tries++; tries == 1 {
+			return errors.New("the first attempt fails after its append")
+		}
+		return nil
+	})
+	c := newConsumer(t, db, "a", testConfig(), h)
+	s := &settled{outcomes: map[string][]inbox.Outcome{}}
+	c.Process(ctx, []*inbox.Delivery{s.delivery("order-1", "x")})
+	c.Process(ctx, []*inbox.Delivery{s.delivery("order-1", "x")})
+	var events int
+	if err := db.Pool.QueryRow(ctx, `SELECT count(*) FROM outbox_event WHERE aggregate_id = 'order-1'`).Scan(&events); err != nil {
+		t.Fatal(err)
+	}
+	if events != 1 || fmt.Sprint(s.of("order-1")) != "[processed duplicate]" {
+		t.Fatalf("%d outgoing events, settled %v; want 1 event, processed then duplicate", events, s.of("order-1"))
 	}
 }
