@@ -51,6 +51,14 @@ func (x Extensions) check() error {
 			return configErrorf("an OnReady function is nil")
 		}
 	}
+	for _, name := range slices.Sorted(maps.Keys(x.InboxHandlers)) {
+		switch {
+		case name == inbox.HandlerSQL || name == inbox.HandlerRiver:
+			return configErrorf("inbox handler %q is built into the worker; give the Go handler another name", name)
+		case x.InboxHandlers[name] == nil:
+			return configErrorf("inbox handler %q is nil", name)
+		}
+	}
 	for _, name := range slices.Sorted(maps.Keys(x.Sinks)) {
 		if _, ok := sinkKinds[name]; ok {
 			return configErrorf("sink %q is built into the worker; give the custom sink another name", name)

@@ -7,8 +7,10 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/worker-dev/worker/internal/inbox"
 	"github.com/worker-dev/worker/internal/jobs"
 	"github.com/worker-dev/worker/internal/outbox"
 )
@@ -80,5 +82,30 @@ func TestExtensionNilOnReadyIsAConfigError(t *testing.T) {
 	ext := Extensions{OnReady: []func(context.Context){nil}}
 	if code := MainWith(ext, []string{"version"}, &bytes.Buffer{}, &stderr, nil); code != ExitConfig || !strings.Contains(stderr.String(), "OnReady") {
 		t.Fatalf("exit %d, stderr %q; want 78 naming OnReady", code, stderr.String())
+	}
+}
+
+// A program's inbox handler is a handler kind, only in that program, and
+// cannot take a built-in kind's name.
+func TestExtensionInboxHandler(t *testing.T) {
+	yaml := "inbox:\n  sources:\n    - {name: hooks, kind: webhook, webhook: {secret: whsec_c2VjcmV0}, handler: {kind: receipts}}\n"
+	ext := Extensions{InboxHandlers: map[string]inbox.Handler{
+		"receipts": inbox.HandlerFunc(func(context.Context, pgx.Tx, inbox.Message) error { return nil }),
+	}}
+	cfg, err := loadConfig(writeFile(t, yaml), nil, ext)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if h := cfg.inboxHandler(cfg.Inbox.Sources[0]); h == nil {
+		t.Fatal("the source has no handler; want the program's")
+	}
+	_, err = LoadConfig(writeFile(t, yaml), nil)
+	if ExitCode(err) != ExitConfig || !strings.Contains(err.Error(), `"receipts"`) {
+		t.Fatalf("stock worker with handler.kind=receipts: %v, want exit 78 naming it", err)
+	}
+	var stderr bytes.Buffer
+	ext = Extensions{InboxHandlers: map[string]inbox.Handler{inbox.HandlerSQL: ext.InboxHandlers["receipts"]}}
+	if code := MainWith(ext, []string{"version"}, &bytes.Buffer{}, &stderr, nil); code != ExitConfig || !strings.Contains(stderr.String(), `"sql"`) {
+		t.Fatalf("exit %d, stderr %q; want 78 naming the handler", code, stderr.String())
 	}
 }
