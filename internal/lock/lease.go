@@ -19,8 +19,11 @@ type store interface {
 	renew(ctx context.Context, key string, token int64, owner string, ttl time.Duration) (ok bool, err error)
 	release(ctx context.Context, key string, token int64, owner string) (ok bool, err error)
 	// fence checks, inside tx, that the grant is still valid, and keeps it
-	// from being taken over until tx ends. ok=false: it is not valid.
-	fence(ctx context.Context, tx pgx.Tx, key string, token int64, owner string, ttl time.Duration) (ok bool, err error)
+	// from being taken over until tx ends (or, for the Redis provider, keeps
+	// any later grant's commits from passing before tx ends). ok=false: it
+	// is not valid, and highest is the highest token the store has seen
+	// for key (0 if it has none), for the operator.
+	fence(ctx context.Context, tx pgx.Tx, key string, token int64, owner string, ttl time.Duration) (highest int64, ok bool, err error)
 }
 
 // lease is the provider-independent half of a grant: the holder's local
@@ -162,15 +165,18 @@ func (l *lease) Fence(ctx context.Context, tx pgx.Tx) error {
 	if released {
 		return ErrLeaseReleased
 	}
-	ok, err := l.st.fence(ctx, tx, l.key, l.token, l.owner, l.ttl)
+	highest, ok, err := l.st.fence(ctx, tx, l.key, l.token, l.owner, l.ttl)
 	if err != nil {
 		return fmt.Errorf("lock: fence %q: %w", l.key, err)
 	}
 	if !ok {
+		// Both tokens, so that an operator can tell a takeover (highest is
+		// larger) from a grant that merely expired (highest is ours).
+		l.log.Warn("lock fence refused the commit: the lease is no longer held", "highest_token", highest)
 		l.mu.Lock()
 		l.markLostLocked("fence found the lease no longer held")
 		l.mu.Unlock()
-		return fmt.Errorf("lock: fence %q token %d: %w", l.key, l.token, ErrLeaseLost)
+		return fmt.Errorf("lock: fence %q refused token %d (highest token seen %d): %w", l.key, l.token, highest, ErrLeaseLost)
 	}
 	return nil
 }
