@@ -131,16 +131,19 @@ func (t *memTable) renew(_ context.Context, key string, token int64, owner strin
 	return true, nil
 }
 
-func (t *memTable) release(_ context.Context, key string, token int64, owner string) (bool, error) {
+func (t *memTable) release(_ context.Context, key string, token int64, owner string) (int64, bool, error) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	r, _ := t.valid(key, token, owner)
 	if r == nil {
-		return false, nil
+		if r := t.rows[key]; r != nil {
+			return r.token, false, nil
+		}
+		return 0, false, nil
 	}
 	close(r.freed)
 	delete(t.rows, key)
-	return true, nil
+	return 0, true, nil
 }
 
 // fence checks the grant in memory: tx is not the store here. The check

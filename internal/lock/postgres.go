@@ -341,9 +341,16 @@ func (p *Postgres) renew(ctx context.Context, key string, token int64, owner str
 	return tag.RowsAffected() == 1, err
 }
 
-func (p *Postgres) release(ctx context.Context, key string, token int64, owner string) (bool, error) {
+func (p *Postgres) release(ctx context.Context, key string, token int64, owner string) (int64, bool, error) {
 	tag, err := p.pool.Exec(ctx, releaseSQL, key, token, owner)
-	return tag.RowsAffected() == 1, err
+	if err != nil || tag.RowsAffected() == 1 {
+		return 0, err == nil, err
+	}
+	// Expired: the key's current token says whether someone took it over.
+	// Only for the warning, so a failed read costs nothing but the field.
+	var highest int64
+	_ = p.pool.QueryRow(ctx, `SELECT token FROM worker_lock WHERE key = $1`, key).Scan(&highest)
+	return highest, false, nil
 }
 
 func (p *Postgres) fence(ctx context.Context, tx pgx.Tx, key string, token int64, owner string, ttl time.Duration) (int64, bool, error) {

@@ -59,15 +59,16 @@ return {0, tonumber(redis.call('GET', KEYS[2]) or '0')}`)
 
 	// releaseScript deletes the lease only if it is still this grant, and
 	// then wakes the waiters of every replica (ARGV[2] is the channel,
-	// ARGV[3] the lock key). Deleting someone else's lease, the classic
-	// Redis lock bug, cannot happen: the check and the delete are atomic.
+	// ARGV[3] the lock key): {1, 0}. Deleting someone else's lease, the
+	// classic Redis lock bug, cannot happen: the check and the delete are
+	// atomic. Otherwise {0, the key's latest token}, for the warning.
 	releaseScript = redis.NewScript(`
 if redis.call('GET', KEYS[1]) == ARGV[1] then
   redis.call('DEL', KEYS[1])
   redis.call('PUBLISH', ARGV[2], ARGV[3])
-  return 1
+  return {1, 0}
 end
-return 0`)
+return {0, tonumber(redis.call('GET', KEYS[2]) or '0')}`)
 
 	// raiseScript lifts the key's counter to ARGV[1] if it is below: after
 	// PostgreSQL refused a commit because it had seen a higher token, the
@@ -230,9 +231,15 @@ func (r *Redis) renewGrant(ctx context.Context, key string, token int64, owner s
 	return res[0] == 1, res[1], nil
 }
 
-func (r *Redis) release(ctx context.Context, key string, token int64, owner string) (bool, error) {
-	n, err := releaseScript.Run(ctx, r.rdb, r.keys(key), grantValue(token, owner), r.channel, key).Int64()
-	return n == 1, err
+func (r *Redis) release(ctx context.Context, key string, token int64, owner string) (int64, bool, error) {
+	res, err := releaseScript.Run(ctx, r.rdb, r.keys(key), grantValue(token, owner), r.channel, key).Int64Slice()
+	switch {
+	case err != nil:
+		return 0, false, err
+	case len(res) != 2:
+		return 0, false, fmt.Errorf("unexpected reply %v", res)
+	}
+	return res[1], res[0] == 1, nil
 }
 
 // fence proves the grant in Redis and records its token in PostgreSQL, in
