@@ -20,13 +20,17 @@ const DefaultRedisKeyPrefix = "worker:lock:"
 // Each operation is one Lua script, so it runs atomically on the server,
 // and expiry is set and judged only by Redis (PX, PEXPIRE, PTTL): Go never
 // sends a time, only a duration. KEYS[1] is the lease, whose value is
-// "<token> <owner>"; KEYS[2] is the key's token counter. Both carry the
-// lock key as a hash tag, so they sit in one slot of a cluster.
+// "<token> <owner>"; KEYS[2] is the key's token counter; KEYS[3] marks
+// that a replica waits for the lease. All carry the lock key as a hash
+// tag, so they sit in one slot of a cluster.
 var (
 	// acquireScript takes the lease if it does not exist (released, or
 	// expired by Redis's clock) and returns {token, 0}; otherwise {0, the
 	// holder's remaining ms} (-1: a lease without expiry, which only a
-	// hand-made key can be). The token comes from the key's counter
+	// hand-made key can be), and if the caller will wait (ARGV[3] = 1),
+	// marks the lease awaited for as long as it has left, so that its
+	// release notifies. (A renewal outlives the mark; the waiter then
+	// wakes at the remaining time it was told, and marks again.) The token comes from the key's counter
 	// (INCR), raised to Redis's clock in microseconds when it is behind:
 	// the counter alone would start again at 1 if Redis lost it (a restart
 	// without persistence, a failover to a replica that missed the last
@@ -35,7 +39,10 @@ var (
 	// 1.7e+15.
 	acquireScript = redis.NewScript(`
 local left = redis.call('PTTL', KEYS[1])
-if left ~= -2 then return {0, left} end
+if left ~= -2 then
+  if ARGV[3] == '1' and left > 0 then redis.call('SET', KEYS[3], '1', 'PX', left) end
+  return {0, left}
+end
 local now = redis.call('TIME')
 local floor = tonumber(now[1]) * 1000000 + tonumber(now[2])
 local token = redis.call('INCR', KEYS[2])
@@ -58,14 +65,16 @@ end
 return {0, tonumber(redis.call('GET', KEYS[2]) or '0')}`)
 
 	// releaseScript deletes the lease only if it is still this grant, and
-	// then wakes the waiters of every replica (ARGV[2] is the channel,
-	// ARGV[3] the lock key): {1, 0}. Deleting someone else's lease, the
-	// classic Redis lock bug, cannot happen: the check and the delete are
-	// atomic. Otherwise {0, the key's latest token}, for the warning.
+	// then, if a replica marked it awaited, wakes the waiters of every
+	// replica (ARGV[2] is the channel, ARGV[3] the lock key): {1, 0}. The
+	// releases of keys nobody waits for (the common case: jobs try once)
+	// publish nothing. Deleting someone else's lease, the classic Redis
+	// lock bug, cannot happen: the check and the delete are atomic.
+	// Otherwise {0, the key's latest token}, for the warning.
 	releaseScript = redis.NewScript(`
 if redis.call('GET', KEYS[1]) == ARGV[1] then
   redis.call('DEL', KEYS[1])
-  redis.call('PUBLISH', ARGV[2], ARGV[3])
+  if redis.call('DEL', KEYS[3]) == 1 then redis.call('PUBLISH', ARGV[2], ARGV[3]) end
   return {1, 0}
 end
 return {0, tonumber(redis.call('GET', KEYS[2]) or '0')}`)
@@ -106,6 +115,7 @@ type Redis struct {
 	opts    options
 	log     *slog.Logger
 	room    waitRoom
+	budgets budgets
 
 	stop      context.CancelFunc
 	closeOnce sync.Once
@@ -136,6 +146,7 @@ func NewRedis(rdb redis.UniversalClient, keyPrefix, instance string, log *slog.L
 		rdb: rdb, prefix: keyPrefix, channel: keyPrefix + "released", owner: newOwner(instance),
 		opts: buildOptions(opts), log: log, room: newWaitRoom(), stop: cancel, done: make(chan struct{}),
 	}
+	r.budgets.live = map[*budget]struct{}{}
 	go r.listen(ctx)
 	return r, nil
 }
@@ -155,10 +166,10 @@ func (r *Redis) Close() {
 	})
 }
 
-// keys are the lease and the token counter of key.
+// keys are the lease, the token counter and the awaited mark of key.
 func (r *Redis) keys(key string) []string {
 	lease := r.prefix + "{" + key + "}"
-	return []string{lease, lease + ":token"}
+	return []string{lease, lease + ":token", lease + ":awaited"}
 }
 
 func grantValue(token int64, owner string) string {
@@ -176,8 +187,8 @@ func (r *Redis) TryAcquire(ctx context.Context, key string, wait, ttl time.Durat
 	if err := checkArgs(key, ttl); err != nil {
 		return nil, err
 	}
-	token, sent, err := r.room.acquire(ctx, key, wait, r.opts, func(deadline time.Time, _ bool) (int64, time.Time, time.Duration, error) {
-		return r.attempt(ctx, key, ttl, deadline)
+	token, sent, err := r.room.acquire(ctx, key, wait, r.opts, func(deadline time.Time, willWait bool) (int64, time.Time, time.Duration, error) {
+		return r.attempt(ctx, key, ttl, deadline, willWait)
 	})
 	if err != nil {
 		return nil, err
@@ -185,13 +196,18 @@ func (r *Redis) TryAcquire(ctx context.Context, key string, wait, ttl time.Durat
 	return newLease(key, r.owner, token, ttl, sent, r, r.opts, r.log), nil
 }
 
-func (r *Redis) attempt(ctx context.Context, key string, ttl time.Duration, deadline time.Time) (int64, time.Time, time.Duration, error) {
-	// As for PostgreSQL: a hung server stretches the call by at most one
-	// script, capped at max(time left, minStatementBudget).
-	sctx, cancel := context.WithDeadline(ctx, maxTime(deadline, time.Now().Add(minStatementBudget)))
-	defer cancel()
+func (r *Redis) attempt(ctx context.Context, key string, ttl time.Duration, deadline time.Time, willWait bool) (int64, time.Time, time.Duration, error) {
+	// As for PostgreSQL, and with its one shared timer: a hung server
+	// stretches the call by at most one script, capped at max(time left,
+	// minStatementBudget).
+	sctx, done := r.budgets.start(ctx, maxTime(deadline, time.Now().Add(minStatementBudget)))
+	defer done()
 	sent := r.opts.now()
-	res, err := acquireScript.Run(sctx, r.rdb, r.keys(key), r.owner, millis(ttl)).Int64Slice()
+	wait := "0"
+	if willWait {
+		wait = "1"
+	}
+	res, err := acquireScript.Run(sctx, r.rdb, r.keys(key), r.owner, millis(ttl), wait).Int64Slice()
 	switch {
 	case err != nil && ctx.Err() != nil:
 		return 0, sent, 0, ctx.Err()
@@ -296,7 +312,7 @@ func (r *Redis) refused(ctx context.Context, tx pgx.Tx, key string, token int64)
 	if err := tx.QueryRow(ctx, `SELECT token FROM lock_fence WHERE key = $1`, key).Scan(&highest); err != nil {
 		return 0, false, err
 	}
-	if err := raiseScript.Run(ctx, r.rdb, r.keys(key)[1:], strconv.FormatInt(highest, 10)).Err(); err != nil {
+	if err := raiseScript.Run(ctx, r.rdb, r.keys(key)[1:2], strconv.FormatInt(highest, 10)).Err(); err != nil {
 		r.log.Warn("lock could not raise the token counter in Redis after a refused commit",
 			"key", key, "token", token, "highest_token", highest, "error", err)
 	}
