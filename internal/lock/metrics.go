@@ -117,10 +117,16 @@ func (ml *meteredLocker) TryAcquire(ctx context.Context, key string, wait, ttl t
 // meteredLease counts a lease's end exactly once: lost, or released.
 type meteredLease struct {
 	Lease
-	m       *lockMetrics
-	once    sync.Once
-	settled chan struct{}
+	m        *lockMetrics
+	once     sync.Once
+	lostOnce sync.Once
+	settled  chan struct{}
 }
+
+// countLost counts the loss once, from whichever of watchLost and Release
+// sees it first: Release must not return before a loss it reports is
+// counted, or a caller reading the metric right after races watchLost.
+func (l *meteredLease) countLost() { l.lostOnce.Do(l.m.lost.Inc) }
 
 func (l *meteredLease) settle() {
 	l.once.Do(func() {
@@ -140,12 +146,17 @@ func (l *meteredLease) watchLost() {
 			return
 		}
 	}
-	l.m.lost.Inc()
+	l.countLost()
 	l.settle()
 }
 
 func (l *meteredLease) Release(ctx context.Context) error {
 	err := l.Lease.Release(ctx)
+	select {
+	case <-l.Lease.Lost():
+		l.countLost()
+	default:
+	}
 	switch {
 	case errors.Is(err, ErrLeaseExpired):
 		l.m.expired.Inc()
