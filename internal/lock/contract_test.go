@@ -76,7 +76,7 @@ func postgresEnv(t *testing.T) *env {
 // test's own, and fences commits in a database of the test's own. Every
 // replica has a client (a connection pool) of its own.
 func redisEnv(t *testing.T) *env {
-	var db *pgtest.DB // made by the first begin: only Fence needs it
+	db := pgtest.New(t)
 	prefix := testkit.RedisPrefix(t)
 	admin := testkit.RedisClient(t)
 	logs := &testkit.LogBuffer{}
@@ -91,9 +91,6 @@ func redisEnv(t *testing.T) *env {
 			}
 		},
 		begin: func(t *testing.T) pgx.Tx {
-			if db == nil {
-				db = pgtest.New(t)
-			}
 			tx, err := db.Pool.Begin(testCtx(t))
 			if err != nil {
 				t.Fatal(err)
