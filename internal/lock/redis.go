@@ -211,6 +211,8 @@ func (r *Redis) attempt(ctx context.Context, key string, ttl time.Duration, dead
 	switch {
 	case err != nil && ctx.Err() != nil:
 		return 0, sent, 0, ctx.Err()
+	case err != nil && errors.Is(context.Cause(sctx), errOverBudget):
+		return 0, sent, 0, fmt.Errorf("lock: acquire %q: %w", key, errOverBudget)
 	case err != nil:
 		return 0, sent, 0, fmt.Errorf("lock: acquire %q: %w", key, err)
 	case len(res) != 2:
