@@ -16,7 +16,8 @@ import (
 )
 
 // redisFixture is one test's Redis (a key prefix of its own), database for
-// the fence, and logs.
+// the fence (nil unless asked for: the suite's connections are shared),
+// and logs.
 type redisFixture struct {
 	db     *pgtest.DB
 	prefix string
@@ -24,9 +25,12 @@ type redisFixture struct {
 	logs   *testkit.LogBuffer
 }
 
-func newRedisFixture(t *testing.T) *redisFixture {
-	logs := &testkit.LogBuffer{}
-	return &redisFixture{db: pgtest.New(t), prefix: testkit.RedisPrefix(t), admin: testkit.RedisClient(t), logs: logs}
+func newRedisFixture(t *testing.T, withDB bool) *redisFixture {
+	f := &redisFixture{prefix: testkit.RedisPrefix(t), admin: testkit.RedisClient(t), logs: &testkit.LogBuffer{}}
+	if withDB {
+		f.db = pgtest.New(t)
+	}
+	return f
 }
 
 func (f *redisFixture) replica(t *testing.T, opts ...Option) *Redis {
@@ -49,7 +53,7 @@ func (f *redisFixture) begin(t *testing.T) pgx.Tx {
 // key's counter is then raised, so the next grant commits again.
 func TestRedisFenceRefusesLowerToken(t *testing.T) {
 	t.Parallel()
-	f := newRedisFixture(t)
+	f := newRedisFixture(t, true)
 	ctx := testCtx(t)
 	l := f.replica(t, WithoutHeartbeat())
 	lease, err := l.TryAcquire(ctx, "k", 0, 30*time.Second)
@@ -105,7 +109,7 @@ func TestRedisFenceRefusesLowerToken(t *testing.T) {
 // any number of transactions.
 func TestRedisFenceRefusesSameTokenOfAnotherOwner(t *testing.T) {
 	t.Parallel()
-	f := newRedisFixture(t)
+	f := newRedisFixture(t, true)
 	ctx := testCtx(t)
 	lease, err := f.replica(t, WithoutHeartbeat()).TryAcquire(ctx, "k", 0, 30*time.Second)
 	if err != nil {
@@ -135,7 +139,7 @@ func TestRedisFenceRefusesSameTokenOfAnotherOwner(t *testing.T) {
 // production it is a replica that took the key over.)
 func TestRedisFenceWaitsForHigherTokenCommit(t *testing.T) {
 	t.Parallel()
-	f := newRedisFixture(t)
+	f := newRedisFixture(t, true)
 	ctx := testCtx(t)
 	lease, err := f.replica(t, WithoutHeartbeat()).TryAcquire(ctx, "k", 0, 30*time.Second)
 	if err != nil {
@@ -172,7 +176,7 @@ func TestRedisFenceWaitsForHigherTokenCommit(t *testing.T) {
 // runs out, so it cannot commit after another replica could take over.
 func TestRedisFencedTransactionIdleIsBounded(t *testing.T) {
 	t.Parallel()
-	f := newRedisFixture(t)
+	f := newRedisFixture(t, true)
 	ctx := testCtx(t)
 	const ttl = time.Second
 	lease, err := f.replica(t, WithoutHeartbeat()).TryAcquire(ctx, "k", 0, ttl)
@@ -203,7 +207,7 @@ func TestRedisFencedTransactionIdleIsBounded(t *testing.T) {
 // persistence): they never fall below Redis's clock in microseconds.
 func TestRedisTokensSurviveLostKeys(t *testing.T) {
 	t.Parallel()
-	f := newRedisFixture(t)
+	f := newRedisFixture(t, false)
 	ctx := testCtx(t)
 	l := f.replica(t)
 	first, err := l.TryAcquire(ctx, "k", 0, time.Minute)
@@ -235,7 +239,7 @@ func TestRedisTokensSurviveLostKeys(t *testing.T) {
 // estimate; a renewal resets it.
 func TestRedisLeaseExpiryIsRedisTTL(t *testing.T) {
 	t.Parallel()
-	f := newRedisFixture(t)
+	f := newRedisFixture(t, false)
 	ctx := testCtx(t)
 	lease, err := f.replica(t, WithoutHeartbeat()).TryAcquire(ctx, "k", 0, 10*time.Second+300*time.Microsecond)
 	if err != nil {
