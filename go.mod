@@ -48,6 +48,7 @@ require (
 
 require (
 	github.com/compose-spec/compose-go/v2 v2.16.2
+	github.com/redis/go-redis/v9 v9.23.0
 	golang.org/x/net v0.62.0
 	golang.org/x/sys v0.50.0
 )

@@ -79,6 +79,27 @@ ensure_rabbitmq() {
   wait_for 60 rabbit_ready || { echo "error: RabbitMQ did not start on 127.0.0.1:5672" >&2; exit 1; }
 }
 
+redis_ready() {
+  (exec 3<>/dev/tcp/127.0.0.1/6379 && printf 'PING\r\n' >&3 && read -r -t 2 reply <&3 && [[ $reply == +PONG* ]]) 2>/dev/null
+}
+
+# ensure_redis makes Redis answer on 127.0.0.1:6379 without a password, for
+# the Redis lock provider's tests. A server it starts itself keeps nothing
+# on disk (no snapshots, no append-only file): the tests need none.
+ensure_redis() {
+  if redis_ready; then return; fi
+  command -v redis-server >/dev/null || BREW_HINT="redis && brew services start redis" apt_install redis-server
+  # The package's install may have started it already.
+  if ! redis_ready; then
+    local dir="${TMPDIR:-/tmp}/worker-redis"
+    mkdir -p "$dir"
+    echo "starting Redis" >&2
+    redis-server --daemonize yes --bind 127.0.0.1 -::1 --port 6379 --save "" --appendonly no \
+      --dir "$dir" --logfile "$dir/redis.log"
+  fi
+  wait_for 30 redis_ready || { echo "error: Redis did not start on 127.0.0.1:6379 (see ${TMPDIR:-/tmp}/worker-redis/redis.log)" >&2; exit 1; }
+}
+
 # ensure_chromium brings Debian's chromium, which the River UI browser test
 # drives at /usr/bin/chromium.
 ensure_chromium() {

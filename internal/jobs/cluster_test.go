@@ -73,8 +73,8 @@ UPDATE runs SET finished_at = clock_timestamp() WHERE token = current_setting('w
 	// ended and its attempt at the due time, and probes while the run lasts.
 	acquired, timedOut := 0.0, 0.0
 	for _, reg := range lockRegs {
-		acquired += metric(t, reg, "lock_acquisition_total", map[string]string{"outcome": lock.OutcomeAcquired})
-		timedOut += metric(t, reg, "lock_acquisition_total", map[string]string{"outcome": lock.OutcomeTimeout})
+		acquired += metric(t, reg, "lock_acquisition_total", map[string]string{"outcome": lock.OutcomeAcquired, "provider": "postgres"})
+		timedOut += metric(t, reg, "lock_acquisition_total", map[string]string{"outcome": lock.OutcomeTimeout, "provider": "postgres"})
 	}
 	t.Logf("lock store, %d replicas: %v leases acquired and %v attempts found the lease held, for %d finished runs",
 		len(names), acquired, timedOut, len(finishedRuns(t, db.Pool)))

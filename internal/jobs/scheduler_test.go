@@ -239,7 +239,7 @@ func TestNotDueCostsNoLockStatement(t *testing.T) {
 	}
 	var acquisitions float64
 	for _, o := range []string{lock.OutcomeAcquired, lock.OutcomeTimeout, lock.OutcomeError} {
-		acquisitions += metric(t, lockReg, "lock_acquisition_total", map[string]string{"outcome": o})
+		acquisitions += metric(t, lockReg, "lock_acquisition_total", map[string]string{"outcome": o, "provider": "inprocess"})
 	}
 	done := runs(t, r.reg, "rests", OutcomeSuccess)
 	t.Logf("%v lease acquisitions for %v runs with delay %s", acquisitions, done, delay)

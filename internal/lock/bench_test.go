@@ -3,12 +3,14 @@ package lock
 import (
 	"context"
 	"slices"
+	"strconv"
 	"testing"
 	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/worker-dev/worker/internal/pgtest"
+	"github.com/worker-dev/worker/internal/testkit"
 )
 
 // Run with
@@ -226,4 +228,80 @@ func BenchmarkPostgresHandover(b *testing.B) {
 	slices.Sort(lat)
 	b.ReportMetric(float64(lat[len(lat)/2].Microseconds())/1000, "handover-median-ms")
 	b.ReportMetric(float64(lat[len(lat)*95/100].Microseconds())/1000, "handover-p95-ms")
+}
+
+// benchRound is how many alternated pairs make one round of
+// BenchmarkRedisAcquireReleaseVsSetNX.
+const benchRound = 500
+
+// The Redis provider's uncontended acquire + release (two scripts, two
+// round trips, plus the lease's bookkeeping) against the usual Redis lock:
+// one SET key value NX PX, a single round trip, so the floor is 2. Both
+// alternate on one client, so load elsewhere hits them alike. Every
+// benchRound iterations make a round with its own ratio of median
+// latencies (medians: on a shared machine one descheduled call moves a
+// round's mean by more than the scripts cost); the benchmark reports the
+// minimum, median and maximum ratio over the rounds. Run with
+//
+//	go test -run '^$' -bench RedisAcquireReleaseVsSetNX -benchtime 10000x ./internal/lock
+func BenchmarkRedisAcquireReleaseVsSetNX(b *testing.B) {
+	ctx := context.Background()
+	prefix := testkit.RedisPrefix(b)
+	rdb := testkit.RedisClient(b)
+	r, err := NewRedis(rdb, prefix, "bench", nil)
+	if err != nil {
+		b.Fatal(err)
+	}
+	b.Cleanup(r.Close)
+	pair := func() {
+		l, err := r.TryAcquire(ctx, benchKey, 0, 30*time.Second)
+		if err != nil {
+			b.Fatal(err)
+		}
+		if err := l.Release(ctx); err != nil {
+			b.Fatal(err)
+		}
+	}
+	// Every SET takes a key of its own, so each one writes as a lock
+	// acquire does; they expire after a second.
+	n := 0
+	setNX := func() {
+		n++
+		ok, err := rdb.SetNX(ctx, prefix+"setnx:"+strconv.Itoa(n), "owner", time.Second).Result()
+		if err != nil || !ok {
+			b.Fatalf("SET NX PX = %v, %v", ok, err)
+		}
+	}
+	pair() // loads the scripts
+	setNX()
+	var ratios []float64
+	var pairs, sets, allPairs, allSets []time.Duration
+	for i := 0; b.Loop(); i++ {
+		for j := range 2 {
+			start := time.Now()
+			if (i+j)%2 == 0 {
+				pair()
+				pairs = append(pairs, time.Since(start))
+			} else {
+				setNX()
+				sets = append(sets, time.Since(start))
+			}
+		}
+		if len(pairs) == benchRound {
+			ratios = append(ratios, benchMedianUS(pairs)/benchMedianUS(sets))
+			allPairs, allSets = append(allPairs, pairs...), append(allSets, sets...)
+			pairs, sets = pairs[:0:0], sets[:0:0]
+		}
+	}
+	if len(ratios) == 0 {
+		b.Fatalf("fewer than %d iterations: no round to report (use -benchtime %dx or more)", benchRound, benchRound)
+	}
+	slices.Sort(ratios)
+	b.ReportMetric(benchMedianUS(allPairs), "pair-median-us")
+	b.ReportMetric(benchMedianUS(allSets), "setnx-median-us")
+	b.ReportMetric(ratios[0], "ratio-min")
+	b.ReportMetric(ratios[len(ratios)/2], "ratio-median")
+	b.ReportMetric(ratios[len(ratios)-1], "ratio-max")
+	b.Logf("acquire+release / SET NX PX over %d rounds of %d: min %.2f, median %.2f, max %.2f (medians %.0fµs and %.0fµs)",
+		len(ratios), benchRound, ratios[0], ratios[len(ratios)/2], ratios[len(ratios)-1], benchMedianUS(allPairs), benchMedianUS(allSets))
 }

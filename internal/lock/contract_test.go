@@ -72,6 +72,47 @@ func postgresEnv(t *testing.T) *env {
 	}
 }
 
+// redisEnv keeps leases in the tests' Redis, under a key prefix of the
+// test's own, and fences commits in a database of the test's own. Every
+// replica has a client (a connection pool) of its own.
+func redisEnv(t *testing.T) *env {
+	db := pgtest.New(t)
+	prefix := testkit.RedisPrefix(t)
+	admin := testkit.RedisClient(t)
+	logs := &testkit.LogBuffer{}
+	log := logs.Logger()
+	return &env{
+		replica: func(t *testing.T, opts ...Option) Locker {
+			return newRedis(t, prefix, log, opts...)
+		},
+		forceExpire: func(t *testing.T, key string) {
+			if err := admin.Del(testCtx(t), prefix+"{"+key+"}").Err(); err != nil {
+				t.Fatal(err)
+			}
+		},
+		begin: func(t *testing.T) pgx.Tx {
+			tx, err := db.Pool.Begin(testCtx(t))
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() { _ = tx.Rollback(context.Background()) })
+			return tx
+		},
+		logs: logs,
+	}
+}
+
+// newRedis starts a provider on a client of its own: a separate replica.
+func newRedis(t testing.TB, prefix string, log *slog.Logger, opts ...Option) *Redis {
+	t.Helper()
+	r, err := NewRedis(testkit.RedisClient(t), prefix, "replica", log, opts...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(r.Close)
+	return r
+}
+
 // newPostgres starts a provider on its own pool: a separate replica.
 func newPostgres(t testing.TB, db *pgtest.DB, log *slog.Logger, opts ...Option) *Postgres {
 	t.Helper()
@@ -83,10 +124,11 @@ func newPostgres(t testing.TB, db *pgtest.DB, log *slog.Logger, opts ...Option) 
 	return p
 }
 
-// TestContract runs the same contract against both providers.
+// TestContract runs the same contract against every provider.
 func TestContract(t *testing.T) {
 	t.Run("inprocess", func(t *testing.T) { runContractSuite(t, inProcessEnv) })
 	t.Run("postgres", func(t *testing.T) { runContractSuite(t, postgresEnv) })
+	t.Run("redis", func(t *testing.T) { runContractSuite(t, redisEnv) })
 }
 
 func runContractSuite(t *testing.T, newEnv func(*testing.T) *env) {

@@ -56,6 +56,9 @@ func (p *InProcess) sibling(instance string, log *slog.Logger, opts ...Option) *
 // Owner is the id this provider writes into its grants.
 func (p *InProcess) Owner() string { return p.owner }
 
+// Provider names the provider in metrics.
+func (p *InProcess) Provider() string { return "inprocess" }
+
 // TryAcquire implements Locker.
 func (p *InProcess) TryAcquire(ctx context.Context, key string, wait, ttl time.Duration) (Lease, error) {
 	if err := checkArgs(key, ttl); err != nil {
@@ -128,27 +131,36 @@ func (t *memTable) renew(_ context.Context, key string, token int64, owner strin
 	return true, nil
 }
 
-func (t *memTable) release(_ context.Context, key string, token int64, owner string) (bool, error) {
+func (t *memTable) release(_ context.Context, key string, token int64, owner string) (int64, bool, error) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	r, _ := t.valid(key, token, owner)
 	if r == nil {
-		return false, nil
+		if r := t.rows[key]; r != nil {
+			return r.token, false, nil
+		}
+		return 0, false, nil
 	}
 	close(r.freed)
 	delete(t.rows, key)
-	return true, nil
+	return 0, true, nil
 }
 
 // fence checks the grant in memory: tx is not the store here. The check
 // cannot hold the grant until tx commits, so it leaves the gap of one
 // COMMIT round trip; single-instance mode has no other process that could
 // take the key over in it (see docs/lock.md).
-func (t *memTable) fence(_ context.Context, _ pgx.Tx, key string, token int64, owner string, _ time.Duration) (bool, error) {
+func (t *memTable) fence(_ context.Context, _ pgx.Tx, key string, token int64, owner string, _ time.Duration) (int64, bool, error) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
-	r, _ := t.valid(key, token, owner)
-	return r != nil, nil
+	if r, _ := t.valid(key, token, owner); r != nil {
+		return 0, true, nil
+	}
+	highest := token
+	if r := t.rows[key]; r != nil {
+		highest = max(highest, r.token)
+	}
+	return highest, false, nil
 }
 
 // forceExpire ends key's grant now, as if its ttl had run out (tests).

@@ -17,10 +17,16 @@ import (
 // longer valid (its ttl ran out, whether or not someone took the key since).
 type store interface {
 	renew(ctx context.Context, key string, token int64, owner string, ttl time.Duration) (ok bool, err error)
-	release(ctx context.Context, key string, token int64, owner string) (ok bool, err error)
+	// release: ok=false means the grant was no longer valid; highest is
+	// then the key's latest token the store knows (0 if none), for the
+	// operator.
+	release(ctx context.Context, key string, token int64, owner string) (highest int64, ok bool, err error)
 	// fence checks, inside tx, that the grant is still valid, and keeps it
-	// from being taken over until tx ends. ok=false: it is not valid.
-	fence(ctx context.Context, tx pgx.Tx, key string, token int64, owner string, ttl time.Duration) (ok bool, err error)
+	// from being taken over until tx ends (or, for the Redis provider, keeps
+	// any later grant's commits from passing before tx ends). ok=false: it
+	// is not valid, and highest is the highest token the store has seen
+	// for key (0 if it has none), for the operator.
+	fence(ctx context.Context, tx pgx.Tx, key string, token int64, owner string, ttl time.Duration) (highest int64, ok bool, err error)
 }
 
 // lease is the provider-independent half of a grant: the holder's local
@@ -133,7 +139,7 @@ func (l *lease) Release(ctx context.Context) error {
 	// Even a lease we consider expired goes through the store: if our
 	// estimate was merely pessimistic, this frees the key for others now
 	// instead of at the store's expiry.
-	ok, err := l.st.release(ctx, l.key, l.token, l.owner)
+	highest, ok, err := l.st.release(ctx, l.key, l.token, l.owner)
 	if err != nil {
 		// Not marked released: the caller may retry. If it never does, the
 		// grant expires by itself. The heartbeat stays stopped, but Lost
@@ -143,8 +149,9 @@ func (l *lease) Release(ctx context.Context) error {
 	}
 	l.released = true
 	if !ok || expired {
+		// highest_token above ours: another holder did take the key over.
 		l.log.Warn("lock lease released after it expired; the protected work may have overlapped another holder",
-			"lost", l.isLost)
+			"lost", l.isLost, "highest_token", max(highest, l.token))
 		return ErrLeaseExpired
 	}
 	return nil
@@ -162,15 +169,18 @@ func (l *lease) Fence(ctx context.Context, tx pgx.Tx) error {
 	if released {
 		return ErrLeaseReleased
 	}
-	ok, err := l.st.fence(ctx, tx, l.key, l.token, l.owner, l.ttl)
+	highest, ok, err := l.st.fence(ctx, tx, l.key, l.token, l.owner, l.ttl)
 	if err != nil {
 		return fmt.Errorf("lock: fence %q: %w", l.key, err)
 	}
 	if !ok {
+		// Both tokens, so that an operator can tell a takeover (highest is
+		// larger) from a grant that merely expired (highest is ours).
+		l.log.Warn("lock fence refused the commit: the lease is no longer held", "highest_token", highest)
 		l.mu.Lock()
 		l.markLostLocked("fence found the lease no longer held")
 		l.mu.Unlock()
-		return fmt.Errorf("lock: fence %q token %d: %w", l.key, l.token, ErrLeaseLost)
+		return fmt.Errorf("lock: fence %q refused token %d (highest token seen %d): %w", l.key, l.token, highest, ErrLeaseLost)
 	}
 	return nil
 }

@@ -18,6 +18,6 @@ func (p *Postgres) listen(ctx context.Context) {
 		Log: p.log.With("owner", p.owner), Fallback: "waiters fall back to polling"}
 	l.Run(ctx, func() {
 		p.connects.Add(1)
-		p.wakeAll() // a release may have gone by unheard
-	}, p.wake)
+		p.room.wakeAll() // a release may have gone by unheard
+	}, p.room.wake)
 }

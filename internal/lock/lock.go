@@ -1,6 +1,6 @@
 // Package lock is the distributed lease lock port used by jobs and the
-// outbox. Providers (in-process, PostgreSQL) live beside it; callers depend
-// only on the types in this file.
+// outbox. Providers (in-process, PostgreSQL, Redis) live beside it; callers
+// depend only on the types in this file.
 package lock
 
 import (

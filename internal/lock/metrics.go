@@ -34,29 +34,37 @@ type lockMetrics struct {
 //	lock_held                                   leases currently held
 //
 // Every series exists, at zero, from the start. Keys are not a label: they
-// are unbounded in general, and logs carry them instead.
+// are unbounded in general, and logs carry them instead. Every series
+// carries provider (inprocess, postgres, redis; see ProviderOf), so a
+// dashboard can tell a cluster's providers apart during a migration.
 func WithMetrics(l Locker, reg prometheus.Registerer) (Locker, error) {
+	provider := prometheus.Labels{"provider": ProviderOf(l)}
 	m := &lockMetrics{
 		acquisitions: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "lock_acquisition_total",
-			Help: "Lease acquisitions by outcome (acquired, timeout, error).",
+			Name:        "lock_acquisition_total",
+			Help:        "Lease acquisitions by outcome (acquired, timeout, error).",
+			ConstLabels: provider,
 		}, []string{"outcome"}),
 		duration: prometheus.NewHistogramVec(prometheus.HistogramOpts{
-			Name:    "lock_acquisition_duration_seconds",
-			Help:    "Time spent in TryAcquire, by outcome.",
-			Buckets: prometheus.ExponentialBuckets(0.001, 4, 9), // 1ms .. ~65s
+			Name:        "lock_acquisition_duration_seconds",
+			Help:        "Time spent in TryAcquire, by outcome.",
+			Buckets:     prometheus.ExponentialBuckets(0.001, 4, 9), // 1ms .. ~65s
+			ConstLabels: provider,
 		}, []string{"outcome"}),
 		expired: prometheus.NewCounter(prometheus.CounterOpts{
-			Name: "lock_lease_expired_total",
-			Help: "Releases that found the lease already expired: the protected work outlived its lease.",
+			Name:        "lock_lease_expired_total",
+			Help:        "Releases that found the lease already expired: the protected work outlived its lease.",
+			ConstLabels: provider,
 		}),
 		lost: prometheus.NewCounter(prometheus.CounterOpts{
-			Name: "lock_lease_lost_total",
-			Help: "Leases declared lost while held (renewal found them expired, or kept failing for a whole ttl).",
+			Name:        "lock_lease_lost_total",
+			Help:        "Leases declared lost while held (renewal found them expired, or kept failing for a whole ttl).",
+			ConstLabels: provider,
 		}),
 		held: prometheus.NewGauge(prometheus.GaugeOpts{
-			Name: "lock_held",
-			Help: "Leases currently held by this process.",
+			Name:        "lock_held",
+			Help:        "Leases currently held by this process.",
+			ConstLabels: provider,
 		}),
 	}
 	for _, c := range []prometheus.Collector{m.acquisitions, m.duration, m.expired, m.lost, m.held} {
@@ -69,6 +77,15 @@ func WithMetrics(l Locker, reg prometheus.Registerer) (Locker, error) {
 		m.duration.WithLabelValues(o)
 	}
 	return &meteredLocker{inner: l, m: m}, nil
+}
+
+// ProviderOf names l's provider for the metrics' provider label: what its
+// Provider method returns, or "other" for a Locker without one.
+func ProviderOf(l Locker) string {
+	if p, ok := l.(interface{ Provider() string }); ok {
+		return p.Provider()
+	}
+	return "other"
 }
 
 type meteredLocker struct {
@@ -100,10 +117,16 @@ func (ml *meteredLocker) TryAcquire(ctx context.Context, key string, wait, ttl t
 // meteredLease counts a lease's end exactly once: lost, or released.
 type meteredLease struct {
 	Lease
-	m       *lockMetrics
-	once    sync.Once
-	settled chan struct{}
+	m        *lockMetrics
+	once     sync.Once
+	lostOnce sync.Once
+	settled  chan struct{}
 }
+
+// countLost counts the loss once, from whichever of watchLost and Release
+// sees it first: Release must not return before a loss it reports is
+// counted, or a caller reading the metric right after races watchLost.
+func (l *meteredLease) countLost() { l.lostOnce.Do(l.m.lost.Inc) }
 
 func (l *meteredLease) settle() {
 	l.once.Do(func() {
@@ -123,12 +146,17 @@ func (l *meteredLease) watchLost() {
 			return
 		}
 	}
-	l.m.lost.Inc()
+	l.countLost()
 	l.settle()
 }
 
 func (l *meteredLease) Release(ctx context.Context) error {
 	err := l.Lease.Release(ctx)
+	select {
+	case <-l.Lease.Lost():
+		l.countLost()
+	default:
+	}
 	switch {
 	case errors.Is(err, ErrLeaseExpired):
 		l.m.expired.Inc()

@@ -157,22 +157,12 @@ type Postgres struct {
 	opts  options
 	log   *slog.Logger
 
-	mu   sync.Mutex
-	keys map[string]*keyWaiters
-
+	room      waitRoom
 	budgets   budgets
 	stop      context.CancelFunc
 	closeOnce sync.Once
 	done      chan struct{}
 	connects  atomic.Int64 // successful LISTENs, for tests and diagnostics
-}
-
-// keyWaiters is the local state of one key that goroutines are waiting
-// for: who to wake on a notification, and a gate that lets only one of
-// them poll the database at a time.
-type keyWaiters struct {
-	gate    chan struct{}
-	waiters map[chan struct{}]struct{}
 }
 
 var _ Locker = (*Postgres)(nil)
@@ -191,7 +181,7 @@ func NewPostgres(pool *pgxpool.Pool, instance string, log *slog.Logger, opts ...
 	ctx, cancel := context.WithCancel(context.Background())
 	p := &Postgres{
 		pool: pool, owner: newOwner(instance), opts: buildOptions(opts), log: log,
-		keys: map[string]*keyWaiters{}, stop: cancel, done: make(chan struct{}),
+		room: newWaitRoom(), stop: cancel, done: make(chan struct{}),
 	}
 	p.budgets.live = map[*budget]struct{}{}
 	go p.listen(ctx)
@@ -200,6 +190,9 @@ func NewPostgres(pool *pgxpool.Pool, instance string, log *slog.Logger, opts ...
 
 // Owner is the id this provider writes into its grants.
 func (p *Postgres) Owner() string { return p.owner }
+
+// Provider names the provider in metrics.
+func (p *Postgres) Provider() string { return "postgres" }
 
 // Close stops the listener. Held leases are not touched: release them first.
 func (p *Postgres) Close() {
@@ -214,66 +207,13 @@ func (p *Postgres) TryAcquire(ctx context.Context, key string, wait, ttl time.Du
 	if err := checkArgs(key, ttl); err != nil {
 		return nil, err
 	}
-	deadline := time.Now().Add(max(wait, 0))
-	// Subscribe before the first attempt, so a release that commits right
-	// after it still wakes us.
-	kw, wake := p.subscribe(key)
-	defer p.unsubscribe(key, wake)
-
-	// Local waiters for one key take turns at the gate: N goroutines of a
-	// replica cost the database one poller, not N.
-	select {
-	case kw.gate <- struct{}{}:
-	default:
-		t := time.NewTimer(time.Until(deadline))
-		select {
-		case kw.gate <- struct{}{}:
-			t.Stop()
-		case <-t.C:
-			return nil, &TimeoutError{Key: key, Wait: wait}
-		case <-ctx.Done():
-			t.Stop()
-			return nil, ctx.Err()
-		}
+	token, sent, err := p.room.acquire(ctx, key, wait, p.opts, func(deadline time.Time, willWait bool) (int64, time.Time, time.Duration, error) {
+		return p.attempt(ctx, key, ttl, deadline, willWait)
+	})
+	if err != nil {
+		return nil, err
 	}
-	defer func() { <-kw.gate }()
-	select {
-	case <-wake: // a release from before our first attempt: it will see it
-	default:
-	}
-
-	for {
-		token, sent, remaining, err := p.attempt(ctx, key, ttl, deadline, time.Until(deadline) > 0)
-		if err != nil {
-			return nil, err
-		}
-		if token > 0 {
-			return newLease(key, p.owner, token, ttl, sent, p, p.opts, p.log), nil
-		}
-		left := time.Until(deadline)
-		if left <= 0 {
-			return nil, &TimeoutError{Key: key, Wait: wait}
-		}
-		// Sleep until a release notification, the holder's expiry by the
-		// database clock, the next fallback poll, or (last attempt) exactly
-		// our deadline, whichever comes first.
-		sleep := min(p.opts.pollInterval, left)
-		if remaining >= 0 {
-			sleep = min(sleep, remaining)
-		}
-		if p.opts.waitHook != nil {
-			p.opts.waitHook(key)
-		}
-		t := time.NewTimer(sleep)
-		select {
-		case <-wake:
-		case <-t.C:
-		case <-ctx.Done():
-			t.Stop()
-			return nil, ctx.Err()
-		}
-		t.Stop()
-	}
+	return newLease(key, p.owner, token, ttl, sent, p, p.opts, p.log), nil
 }
 
 // attempt tries to take key: acquireSQL, then if the key was not free,
@@ -401,19 +341,32 @@ func (p *Postgres) renew(ctx context.Context, key string, token int64, owner str
 	return tag.RowsAffected() == 1, err
 }
 
-func (p *Postgres) release(ctx context.Context, key string, token int64, owner string) (bool, error) {
+func (p *Postgres) release(ctx context.Context, key string, token int64, owner string) (int64, bool, error) {
 	tag, err := p.pool.Exec(ctx, releaseSQL, key, token, owner)
-	return tag.RowsAffected() == 1, err
+	if err != nil || tag.RowsAffected() == 1 {
+		return 0, err == nil, err
+	}
+	// Expired: the key's current token says whether someone took it over.
+	// Only for the warning, so a failed read costs nothing but the field.
+	var highest int64
+	_ = p.pool.QueryRow(ctx, `SELECT token FROM worker_lock WHERE key = $1`, key).Scan(&highest)
+	return highest, false, nil
 }
 
-func (p *Postgres) fence(ctx context.Context, tx pgx.Tx, key string, token int64, owner string, ttl time.Duration) (bool, error) {
+func (p *Postgres) fence(ctx context.Context, tx pgx.Tx, key string, token int64, owner string, ttl time.Duration) (int64, bool, error) {
 	idle := strconv.FormatInt(max(ttl.Milliseconds(), 1), 10)
 	var set string
 	err := tx.QueryRow(ctx, fenceSQL, key, token, owner, idle).Scan(&set)
-	if errors.Is(err, pgx.ErrNoRows) {
-		return false, nil
+	if !errors.Is(err, pgx.ErrNoRows) {
+		return 0, err == nil, err
 	}
-	return err == nil, err
+	// Refused. The key's current token tells the operator whether someone
+	// took it over; tx rolls back anyway, so this read costs nothing later.
+	var highest int64
+	if err := tx.QueryRow(ctx, `SELECT token FROM worker_lock WHERE key = $1`, key).Scan(&highest); err != nil && !errors.Is(err, pgx.ErrNoRows) {
+		return 0, false, err
+	}
+	return highest, false, nil
 }
 
 // Reap deletes lease rows that expired more than olderThan ago, in bounded
@@ -430,57 +383,6 @@ func (p *Postgres) Reap(ctx context.Context, olderThan time.Duration) (int64, er
 		total += tag.RowsAffected()
 		if tag.RowsAffected() < reapBatch {
 			return total, nil
-		}
-	}
-}
-
-func (p *Postgres) subscribe(key string) (*keyWaiters, chan struct{}) {
-	wake := make(chan struct{}, 1)
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	kw := p.keys[key]
-	if kw == nil {
-		kw = &keyWaiters{gate: make(chan struct{}, 1), waiters: map[chan struct{}]struct{}{}}
-		p.keys[key] = kw
-	}
-	kw.waiters[wake] = struct{}{}
-	return kw, wake
-}
-
-func (p *Postgres) unsubscribe(key string, wake chan struct{}) {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	kw := p.keys[key]
-	delete(kw.waiters, wake)
-	if len(kw.waiters) == 0 {
-		delete(p.keys, key)
-	}
-}
-
-// wake signals the local waiters of key.
-func (p *Postgres) wake(key string) {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	if kw := p.keys[key]; kw != nil {
-		kw.signal()
-	}
-}
-
-// wakeAll signals every local waiter: after the listener (re)connects, a
-// release may have gone by unheard.
-func (p *Postgres) wakeAll() {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	for _, kw := range p.keys {
-		kw.signal()
-	}
-}
-
-func (kw *keyWaiters) signal() {
-	for w := range kw.waiters {
-		select {
-		case w <- struct{}{}:
-		default: // already signalled
 		}
 	}
 }

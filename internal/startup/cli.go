@@ -130,7 +130,7 @@ func (e *cmdEnv) fatalLogger() *slog.Logger {
 	sinks.NATS.URL, sinks.NATS.Password, sinks.NATS.Token = env["APP_OUTBOX_NATS_URL"], env["APP_OUTBOX_NATS_PASSWORD"], env["APP_OUTBOX_NATS_TOKEN"]
 	sinks.RabbitMQ.URL, sinks.Kafka.SASLPassword = env["APP_OUTBOX_RABBITMQ_URL"], env["APP_OUTBOX_KAFKA_SASL_PASSWORD"]
 	log, err := obs.NewLogger(e.Stderr, earlyLogFormat(e.ConfigPath, e.Environ), "info", earlyInstanceID(e.ConfigPath, e.Environ),
-		logSecrets(env["APP_DATABASE_URL"], append(sinkSecrets(sinks), env["APP_UI_PASSWORD"])...)...)
+		logSecrets(env["APP_DATABASE_URL"], append(sinkSecrets(sinks), env["APP_UI_PASSWORD"], redisPassword(env["APP_LOCK_REDIS_URL"]))...)...)
 	if err != nil {
 		panic(err) // earlyLogFormat returns only formats NewLogger knows
 	}

@@ -17,13 +17,40 @@ import (
 // must never overlap, every gap from one run's end to the next start must lie
 // in [delay, delay+1s], and after SIGKILL of the replica in the middle of a
 // run another replica must take over within lease_ttl + delay + 1s.
-func TestClusterCadenceAcrossThreeProcesses(t *testing.T) {
+//
+// Serial, as both variants: the bounds are timing, which the parallel
+// tests would only stretch.
+func TestClusterCadenceAcrossThreeProcesses(t *testing.T) { clusterCadence(t, "postgres") }
+
+// The same with the leases in Redis.
+func TestClusterCadenceAcrossThreeProcessesRedis(t *testing.T) { clusterCadence(t, "redis") }
+
+func clusterCadence(t *testing.T, provider string) {
 	const (
 		delay    = time.Second
 		leaseTTL = 3 * time.Second
 		window   = 30 * time.Second
 	)
-	pgtest.Need(t, 3*replicaConns+pgtest.PoolConns)
+	env := append([]string{"APP_MULTI_INSTANCE_ENABLED=true", "APP_LOCK_PROVIDER=" + provider, "APP_LOG_LEVEL=info"}, replicaOnly...)
+	// leaseOwner is the owner of the job's current grant, and for the
+	// PostgreSQL provider when it was granted and expires.
+	var leaseOwner func() (owner string, acquired, expires time.Time)
+	switch provider {
+	case "postgres":
+		if n := workerConns(env, nil); n != replicaConns {
+			t.Fatalf("a replica may hold %d connections, want replicaConns = %d", n, replicaConns)
+		}
+	case "redis":
+		prefix := testkit.RedisPrefix(t)
+		env = append(env, "APP_LOCK_REDIS_KEY_PREFIX="+prefix)
+		rdb := testkit.RedisClient(t)
+		leaseOwner = func() (string, time.Time, time.Time) {
+			v, _ := rdb.Get(context.Background(), prefix+"{job:tick}").Result() // "<token> <owner>"
+			_, owner, _ := strings.Cut(v, " ")
+			return owner, time.Time{}, time.Time{}
+		}
+	}
+	pgtest.Need(t, 3*workerConns(env, nil)+pgtest.PoolConns)
 	db := pgtest.New(t)
 	ctx := context.Background()
 	if _, err := db.Pool.Exec(ctx, `CREATE TABLE tick (started_at timestamptz, finished_at timestamptz, app text)`); err != nil {
@@ -44,16 +71,19 @@ jobs:
         INSERT INTO tick VALUES (t, clock_timestamp(), current_setting('application_name'));
       END $$
 `, delay, leaseTTL))
-	if n := workerConns(append([]string{"APP_MULTI_INSTANCE_ENABLED=true", "APP_LOCK_PROVIDER=postgres"}, replicaOnly...), nil); n != replicaConns {
-		t.Fatalf("a replica may hold %d connections, want replicaConns = %d", n, replicaConns)
+	if leaseOwner == nil {
+		leaseOwner = func() (owner string, acquired, expires time.Time) {
+			if err := db.Pool.QueryRow(ctx, `SELECT owner, acquired_at, expires_at FROM worker_lock WHERE key = 'job:tick'`).
+				Scan(&owner, &acquired, &expires); err != nil {
+				t.Fatal(err)
+			}
+			return owner, acquired, expires
+		}
 	}
 	procs := map[string]*proc{}
 	for i := range 3 {
 		id := fmt.Sprintf("replica-%d", i)
-		procs["worker "+id] = startWorker(t, append([]string{
-			"APP_DATABASE_URL=" + db.URL, "APP_CONFIG_FILE=" + cfg, "APP_INSTANCE_ID=" + id,
-			"APP_MULTI_INSTANCE_ENABLED=true", "APP_LOCK_PROVIDER=postgres", "APP_LOG_LEVEL=info",
-		}, replicaOnly...))
+		procs["worker "+id] = startWorker(t, append([]string{"APP_DATABASE_URL=" + db.URL, "APP_CONFIG_FILE=" + cfg, "APP_INSTANCE_ID=" + id}, env...))
 		time.Sleep(time.Duration(i) * 370 * time.Millisecond) // unsynchronized timers
 	}
 	time.Sleep(window)
@@ -115,13 +145,8 @@ jobs:
 	// check period), and the next run starts delay after the takeover.
 	var expired, takenOver time.Time
 	testkit.Eventually(t, limit+5*time.Second, "another replica to take the lease over", func() bool {
-		var owner string
-		var acquired, expires time.Time
-		if err := db.Pool.QueryRow(ctx, `SELECT owner, acquired_at, expires_at FROM worker_lock WHERE key = 'job:tick'`).
-			Scan(&owner, &acquired, &expires); err != nil {
-			t.Fatal(err)
-		}
-		if strings.HasPrefix(owner, strings.TrimPrefix(victim, "worker ")+"-") {
+		owner, acquired, expires := leaseOwner()
+		if owner == "" || strings.HasPrefix(owner, strings.TrimPrefix(victim, "worker ")+"-") {
 			expired = expires
 			return false
 		}
@@ -135,8 +160,12 @@ jobs:
 			ORDER BY started_at LIMIT 1`, killed, victim).Scan(&resumed, &by)
 		return err == nil
 	})
-	t.Logf("killed %s; %s resumed the job %s later (limit %s): lease expired after %s, taken over %s later, run started %s after that",
-		victim, by, resumed.Sub(killed), limit, expired.Sub(killed), takenOver.Sub(expired), resumed.Sub(takenOver))
+	if provider == "postgres" {
+		t.Logf("killed %s; %s resumed the job %s later (limit %s): lease expired after %s, taken over %s later, run started %s after that",
+			victim, by, resumed.Sub(killed), limit, expired.Sub(killed), takenOver.Sub(expired), resumed.Sub(takenOver))
+	} else {
+		t.Logf("killed %s; %s resumed the job %s later (limit %s)", victim, by, resumed.Sub(killed), limit)
+	}
 	if resumed.Sub(killed) > limit {
 		t.Errorf("resumed %s after the kill, limit %s", resumed.Sub(killed), limit)
 	}

@@ -24,6 +24,7 @@ import (
 
 	"github.com/worker-dev/worker/internal/inbox"
 	"github.com/worker-dev/worker/internal/jobs"
+	"github.com/worker-dev/worker/internal/lock"
 	"github.com/worker-dev/worker/internal/obs"
 	"github.com/worker-dev/worker/internal/outbox"
 	"github.com/worker-dev/worker/internal/tasks"
@@ -45,9 +46,10 @@ type Config struct {
 		ID string `koanf:"id"`
 	} `koanf:"instance"`
 	Lock struct {
-		Provider string        `koanf:"provider"`
-		WaitTime time.Duration `koanf:"wait_time"`
-		LeaseTTL time.Duration `koanf:"lease_ttl"`
+		Provider string          `koanf:"provider"`
+		WaitTime time.Duration   `koanf:"wait_time"`
+		LeaseTTL time.Duration   `koanf:"lease_ttl"`
+		Redis    RedisLockConfig `koanf:"redis"`
 	} `koanf:"lock"`
 	HTTP struct {
 		Addr string `koanf:"addr"`
@@ -94,6 +96,7 @@ func (c *Config) checkUI() error {
 const (
 	ProviderInProcess = "inprocess"
 	ProviderPostgres  = "postgres"
+	ProviderRedis     = "redis"
 )
 
 // setting is one scalar configuration key. The table below is the single
@@ -117,6 +120,11 @@ func settings() []setting {
 		{"lock.provider", ""},
 		{"lock.wait_time", 100 * time.Millisecond},
 		{"lock.lease_ttl", 30 * time.Second},
+		{"lock.redis.url", "redis://127.0.0.1:6379/0"},
+		{"lock.redis.tls_ca_file", ""},
+		{"lock.redis.tls_cert_file", ""},
+		{"lock.redis.tls_key_file", ""},
+		{"lock.redis.key_prefix", lock.DefaultRedisKeyPrefix},
 		{"http.addr", ":9090"},
 		{"shutdown.timeout", 20 * time.Second},
 		{"log.level", "info"},
@@ -408,8 +416,13 @@ func (c *Config) validate(source func(string) string) error {
 	}
 	switch c.Lock.Provider {
 	case "", ProviderInProcess, ProviderPostgres:
+	case ProviderRedis:
+		if _, err := c.Lock.Redis.options(c.Instance.ID); err != nil {
+			return configErrorf("%v", err)
+		}
 	default:
-		return configErrorf("%s=%q is not a lock provider; want %s or %s", source("lock.provider"), c.Lock.Provider, ProviderPostgres, ProviderInProcess)
+		return configErrorf("%s=%q is not a lock provider; want %s, %s or %s", source("lock.provider"), c.Lock.Provider,
+			ProviderPostgres, ProviderRedis, ProviderInProcess)
 	}
 	if c.Lock.Provider == "" && !c.MultiInstance.Enabled {
 		c.Lock.Provider = ProviderInProcess

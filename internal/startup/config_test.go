@@ -90,6 +90,15 @@ func TestInvalidConfig(t *testing.T) {
 		{"bad http port", "{}", []string{"APP_HTTP_ADDR=:abc"}, []string{"APP_HTTP_ADDR", "abc", "not a port"}},
 		{"relays use every connection", "{}", []string{"APP_DATABASE_MAX_CONNS=4", "APP_OUTBOX_RELAYS=4"}, []string{"APP_DATABASE_MAX_CONNS", "APP_OUTBOX_RELAYS", "exceed"}},
 		{"bad database url", "{}", []string{"APP_DATABASE_URL=postgres://u:hunter2@[::1"}, []string{"APP_DATABASE_URL"}},
+		{"bad redis url", "{}", []string{"APP_LOCK_PROVIDER=redis", "APP_LOCK_REDIS_URL=redis://u:hunter2@[::1"}, []string{"APP_LOCK_REDIS_URL", "rediss://"}},
+		{"redis url scheme", "{}", []string{"APP_LOCK_PROVIDER=redis", "APP_LOCK_REDIS_URL=http://u:hunter2@cache:6379/0"}, []string{"APP_LOCK_REDIS_URL", "scheme"}},
+		{"redis database number", "{}", []string{"APP_LOCK_PROVIDER=redis", "APP_LOCK_REDIS_URL=redis://:hunter2@cache:6379/one"}, []string{"APP_LOCK_REDIS_URL", "database number"}},
+		{"redis tls files without rediss", "{}", []string{"APP_LOCK_PROVIDER=redis", "APP_LOCK_REDIS_URL=redis://:hunter2@cache:6379/0", "APP_LOCK_REDIS_TLS_CA_FILE=/ca.pem"},
+			[]string{"rediss://"}},
+		{"redis cert without key", "{}", []string{"APP_LOCK_PROVIDER=redis", "APP_LOCK_REDIS_URL=rediss://cache:6379/0", "APP_LOCK_REDIS_TLS_CERT_FILE=/c.pem"},
+			[]string{"APP_LOCK_REDIS_TLS_CERT_FILE", "tls_key_file"}},
+		{"redis ca file missing", "{}", []string{"APP_LOCK_PROVIDER=redis", "APP_LOCK_REDIS_URL=rediss://cache:6379/0", "APP_LOCK_REDIS_TLS_CA_FILE=/nonexistent/ca.pem"},
+			[]string{"APP_LOCK_REDIS_TLS_CA_FILE", "/nonexistent/ca.pem"}},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
@@ -121,6 +130,7 @@ func TestPrintConfigMasksSecrets(t *testing.T) {
 		"APP_DATABASE_URL=postgres://app-user:s3cr3t-pw@db:5432/app?application_name=billing",
 		"APP_OUTBOX_WEBHOOK_SECRET=whsec_c2VjcmV0LXNpZ25pbmcta2V5",
 		"APP_OUTBOX_WEBHOOK_URL=https://example.test/hook",
+		"APP_LOCK_PROVIDER=redis", "APP_LOCK_REDIS_URL=rediss://lease-user:r3d1s-pw@cache:6380/2",
 	})
 	if err != nil {
 		t.Fatal(err)
@@ -130,7 +140,10 @@ func TestPrintConfigMasksSecrets(t *testing.T) {
 		t.Fatal(err)
 	}
 	s := out.String()
-	for _, secret := range []string{"s3cr3t-pw", "c2VjcmV0LXNpZ25pbmcta2V5", "app-user", "billing"} {
+	if !strings.Contains(s, "rediss://xxxxx@cache:6380/2") {
+		t.Errorf("config print does not show the Redis URL masked:\n%s", s)
+	}
+	for _, secret := range []string{"s3cr3t-pw", "c2VjcmV0LXNpZ25pbmcta2V5", "app-user", "billing", "r3d1s-pw", "lease-user"} {
 		if strings.Contains(s, secret) {
 			t.Fatalf("config print leaks %q:\n%s", secret, s)
 		}
@@ -184,6 +197,7 @@ func TestStartupSafety(t *testing.T) {
 		{[]string{"APP_MULTI_INSTANCE_ENABLED=true"}, ExitUnsafe, "set APP_LOCK_PROVIDER=postgres"},
 		{[]string{"APP_MULTI_INSTANCE_ENABLED=true", "APP_LOCK_PROVIDER=inprocess"}, ExitUnsafe, "APP_LOCK_PROVIDER=postgres"},
 		{[]string{"APP_MULTI_INSTANCE_ENABLED=true", "APP_LOCK_PROVIDER=postgres"}, ExitOK, ""},
+		{[]string{"APP_MULTI_INSTANCE_ENABLED=true", "APP_LOCK_PROVIDER=redis"}, ExitOK, ""},
 		{[]string{"APP_LOCK_PROVIDER=postgres"}, ExitOK, ""},
 	}
 	for _, c := range cases {

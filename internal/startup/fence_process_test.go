@@ -3,6 +3,7 @@ package startup_test
 import (
 	"context"
 	"fmt"
+	"strconv"
 	"strings"
 	"syscall"
 	"testing"
@@ -12,19 +13,47 @@ import (
 	"github.com/worker-dev/worker/internal/testkit"
 )
 
-// The reproduction of a paused replica committing after it lost its lease:
-// two real worker processes share a sql job; the one running it is stopped
-// (SIGSTOP) mid-run until the other has taken the job over and started the
-// next run, then continued. Its transaction must roll back (outcome
-// lease_lost), and no run may commit after a run with a higher fencing token
-// started. Commit times are measured on the database clock by a deferred
-// constraint trigger, which fires inside COMMIT.
-//
+// pausedReplicas is the reproduction of a paused replica committing after
+// it lost its lease: real worker processes share a sql job; the one running
+// it is stopped (SIGSTOP) mid-run past its lease, then continued. Its
+// transaction must roll back (outcome lease_lost), and no run may commit
+// after a run with a higher fencing token started. Commit times are
+// measured on the database clock by a deferred constraint trigger, which
+// fires inside COMMIT.
+type pausedReplicas struct {
+	provider string   // lock.provider
+	env      []string // more environment for every replica
+	replicas int
+	cycles   int           // paused runs that must be caught before their commit
+	leaseTTL time.Duration // the job's lease_ttl
+	// pause is how long a replica stays stopped at least; it is continued
+	// once another replica has started the next run, and not before.
+	pause time.Duration
+}
+
 // Serial: it pauses processes and needs the lease to expire on time; the
 // parallel tests would only stretch it.
 func TestPausedReplicaNeverCommitsAfterTakeover(t *testing.T) {
-	const cycles = 6
-	pgtest.Need(t, 2*replicaConns+pgtest.PoolConns)
+	pausedReplicas{provider: "postgres", replicas: 2, cycles: 6, leaseTTL: 2 * time.Second}.run(t)
+}
+
+// The same with leases in Redis, whose fence cannot lock the lease until
+// the COMMIT: three replicas, ten pauses of 6s past a 3s lease. The
+// database refuses the late commits (lock_fence and the idle bound), and
+// every refusal at the fence names both tokens. In parallel: Redis and
+// the database judge expiry, so a loaded machine only slows it down.
+func TestPausedRedisReplicaNeverCommitsLate(t *testing.T) {
+	t.Parallel()
+	pausedReplicas{
+		provider: "redis", env: []string{"APP_LOCK_REDIS_KEY_PREFIX=" + testkit.RedisPrefix(t)},
+		replicas: 3, cycles: 10, leaseTTL: 3 * time.Second, pause: 6 * time.Second,
+	}.run(t)
+}
+
+func (s pausedReplicas) run(t *testing.T) {
+	env := append([]string{"APP_MULTI_INSTANCE_ENABLED=true", "APP_LOCK_PROVIDER=" + s.provider, "APP_LOG_LEVEL=info"}, replicaOnly...)
+	env = append(env, s.env...)
+	pgtest.Need(t, s.replicas*workerConns(env, nil)+pgtest.PoolConns)
 	db := pgtest.New(t)
 	ctx := context.Background()
 	if _, err := db.Pool.Exec(ctx, `
@@ -49,24 +78,22 @@ CREATE TRIGGER log_start AFTER UPDATE ON job_state
   FOR EACH ROW WHEN (NEW.last_outcome = 'running') EXECUTE FUNCTION log_start();`); err != nil {
 		t.Fatal(err)
 	}
-	cfg := configFile(t, `
+	cfg := configFile(t, fmt.Sprintf(`
 jobs:
   - name: fenced
     kind: sql
     delay: 1s
-    lease_ttl: 2s
+    lease_ttl: %s
     timeout: 30s
     sql: |
       INSERT INTO run_log (token, app, kind) VALUES (current_setting('worker.fencing_token')::bigint, current_setting('application_name'), 'start');
       SELECT pg_sleep(0.6);
       INSERT INTO run_log (token, app, kind) VALUES (current_setting('worker.fencing_token')::bigint, current_setting('application_name'), 'end');
-`)
+`, s.leaseTTL))
 	procs := map[string]*proc{}
-	for _, id := range []string{"replica-a", "replica-b"} {
-		procs["worker "+id] = startWorker(t, append([]string{
-			"APP_DATABASE_URL=" + db.URL, "APP_CONFIG_FILE=" + cfg, "APP_INSTANCE_ID=" + id,
-			"APP_MULTI_INSTANCE_ENABLED=true", "APP_LOCK_PROVIDER=postgres", "APP_LOG_LEVEL=info",
-		}, replicaOnly...))
+	for i := range s.replicas {
+		id := fmt.Sprintf("replica-%c", 'a'+i)
+		procs["worker "+id] = startWorker(t, append([]string{"APP_DATABASE_URL=" + db.URL, "APP_CONFIG_FILE=" + cfg, "APP_INSTANCE_ID=" + id}, env...))
 	}
 
 	// A pause counts once it caught a run before its COMMIT. On a loaded
@@ -74,11 +101,11 @@ jobs:
 	// rightly a success (its commit preceded the takeover, which the check
 	// below verifies) and the test pauses another run.
 	var (
-		lost, missed int
-		next         int64 // token of the run after the last paused one
+		lost, missed, refused int
+		next                  int64 // token of the run after the last paused one
 	)
-	for attempt := 0; lost < cycles; attempt++ {
-		if attempt == 3*cycles {
+	for attempt := 0; lost < s.cycles; attempt++ {
+		if attempt == 3*s.cycles {
 			t.Fatalf("only %d of %d pauses caught a run before its commit", lost, attempt)
 		}
 		var (
@@ -96,11 +123,13 @@ jobs:
 		if err := p.cmd.Process.Signal(syscall.SIGSTOP); err != nil {
 			t.Fatal(err)
 		}
-		testkit.Eventually(t, 20*time.Second, "the other replica to start the next run", func() bool {
+		stopped := time.Now()
+		testkit.Eventually(t, 20*time.Second, "another replica to start the next run", func() bool {
 			err := db.Pool.QueryRow(ctx, `SELECT last_token FROM job_state
 				WHERE name = 'fenced' AND last_token > $1 AND last_outcome = 'running'`, token).Scan(&next)
 			return err == nil
 		})
+		time.Sleep(time.Until(stopped.Add(s.pause))) // the pause itself, not a wait for anything
 		if err := p.cmd.Process.Signal(syscall.SIGCONT); err != nil {
 			t.Fatal(err)
 		}
@@ -127,6 +156,9 @@ jobs:
 			t.Errorf("paused run %d reported %v with %d rows committed; want lease_lost and none (or success and both, had it committed before the pause)",
 				token, outcome, rows)
 		}
+		if rows == 0 {
+			refused += namesBothTokens(t, p, token)
+		}
 	}
 	rows, err := db.Pool.Query(ctx, `
 SELECT c.token, c.committed_at, s.token, s.started_at
@@ -135,6 +167,7 @@ SELECT c.token, c.committed_at, s.token, s.started_at
 		t.Fatal(err)
 	}
 	defer rows.Close()
+	late := 0
 	for rows.Next() {
 		var (
 			token, next   int64
@@ -143,16 +176,47 @@ SELECT c.token, c.committed_at, s.token, s.started_at
 		if err := rows.Scan(&token, &commit, &next, &start); err != nil {
 			t.Fatal(err)
 		}
+		late++
 		t.Errorf("run %d committed at %s, %s after run %d started", token, commit.Format(time.StampMicro), commit.Sub(start), next)
 	}
 	var committed int
 	if err := db.Pool.QueryRow(ctx, `SELECT count(*) FROM commit_log`).Scan(&committed); err != nil {
 		t.Fatal(err)
 	}
-	t.Logf("%d runs paused before their commit rolled back; %d pauses came after the commit; %d runs committed", lost, missed, committed)
-	if committed < cycles {
+	t.Logf("%s, %d replicas: %d runs paused before their commit rolled back, each logged with its token and the higher one "+
+		"(%d refused at the fence, the rest stopped by the lost lease first); "+
+		"%d pauses came after the commit; %d runs committed, %d of them late", s.provider, s.replicas, lost, refused, missed, committed, late)
+	if committed < s.cycles {
 		t.Errorf("%d committed runs; want at least one after each paused run", committed)
 	}
+}
+
+// namesBothTokens waits until p has logged, for the paused run with token,
+// a line naming our token and a higher one: the fence's refusal, or the
+// release that found the lease expired (which follows every lost lease,
+// also one the heartbeat noticed before the run reached its fence). It
+// returns 1 if the fence refused.
+func namesBothTokens(t *testing.T, p *proc, token int64) (refusedAtFence int) {
+	t.Helper()
+	higher := func(msg string) (found bool) {
+		for _, l := range p.out.Lines(t, msg) {
+			if fmt.Sprint(l["token"]) != fmt.Sprint(token) {
+				continue
+			}
+			if highest, _ := strconv.ParseInt(fmt.Sprint(l["highest_token"]), 10, 64); highest <= token {
+				t.Errorf("%q for run %d names highest_token %v, not a higher one: %v", msg, token, l["highest_token"], l)
+			}
+			return true
+		}
+		return false
+	}
+	testkit.Eventually(t, 10*time.Second, fmt.Sprintf("a line naming run %d's token and the higher one", token), func() bool {
+		return higher("lock lease released after it expired; the protected work may have overlapped another holder")
+	})
+	if higher("lock fence refused the commit: the lease is no longer held") {
+		return 1
+	}
+	return 0
 }
 
 // runEnd returns the "job run finished" log line of the run with token,

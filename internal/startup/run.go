@@ -131,7 +131,11 @@ func (runCmd) Run(e *cmdEnv) error {
 		}
 	}
 
-	if err := CheckLockStore(ctx, cfg, func(ctx context.Context) error { return lock.CheckStore(ctx, pool) }); err != nil {
+	checkStore := lock.CheckStore
+	if cfg.Lock.Provider == ProviderRedis {
+		checkStore = lock.CheckFenceStore // the leases live in Redis, their fence here
+	}
+	if err := CheckLockStore(ctx, cfg, func(ctx context.Context) error { return checkStore(ctx, pool) }); err != nil {
 		if ctx.Err() != nil {
 			return nil // SIGTERM while checking: not an unsafe setup
 		}
@@ -263,7 +267,7 @@ func shutdownAll(parts []component, budget time.Duration, log *slog.Logger) {
 
 func newLogger(e *cmdEnv, cfg *Config) (*slog.Logger, error) {
 	log, err := obs.NewLogger(e.Stderr, cfg.Log.Format, cfg.Log.Level, cfg.Instance.ID,
-		logSecrets(cfg.Database.URL, append(append(sinkSecrets(cfg.Outbox), inboxSecrets(cfg.Inbox)...), cfg.UI.Password)...)...)
+		logSecrets(cfg.Database.URL, append(append(sinkSecrets(cfg.Outbox), inboxSecrets(cfg.Inbox)...), cfg.UI.Password, redisPassword(cfg.Lock.Redis.URL))...)...)
 	if err != nil {
 		return nil, configErrorf("%w", err)
 	}

@@ -17,9 +17,9 @@ func CheckLockProvider(cfg *Config) error {
 	}
 	switch cfg.Lock.Provider {
 	case "":
-		return &SafetyError{Msg: "APP_MULTI_INSTANCE_ENABLED=true but APP_LOCK_PROVIDER is not set; set APP_LOCK_PROVIDER=postgres so replicas share job leases"}
+		return &SafetyError{Msg: "APP_MULTI_INSTANCE_ENABLED=true but APP_LOCK_PROVIDER is not set; set APP_LOCK_PROVIDER=postgres or redis so replicas share job leases"}
 	case ProviderInProcess:
-		return &SafetyError{Msg: "APP_MULTI_INSTANCE_ENABLED=true but APP_LOCK_PROVIDER=inprocess only locks within one process; set APP_LOCK_PROVIDER=postgres"}
+		return &SafetyError{Msg: "APP_MULTI_INSTANCE_ENABLED=true but APP_LOCK_PROVIDER=inprocess only locks within one process; set APP_LOCK_PROVIDER=postgres or redis"}
 	}
 	return nil
 }

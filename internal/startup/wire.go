@@ -69,6 +69,12 @@ func wire(ctx context.Context, cfg *Config, pool *pgxpool.Pool, log *slog.Logger
 			}),
 			Delay: lockReapDelay,
 		})
+	case ProviderRedis:
+		rl, closeRedis, err := newRedisLocker(ctx, cfg, log)
+		if err != nil {
+			return nil, cleanup, err
+		}
+		cleanup, locker = closeRedis, rl
 	default:
 		locker = lock.NewInProcess(cfg.Instance.ID, log)
 	}

@@ -1,0 +1,187 @@
+package startup
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net/url"
+	"strings"
+	"time"
+
+	"github.com/cenkalti/backoff/v5"
+	"github.com/redis/go-redis/v9"
+
+	"github.com/worker-dev/worker/internal/lock"
+	"github.com/worker-dev/worker/internal/obs"
+	"github.com/worker-dev/worker/internal/outbox/sink"
+)
+
+// RedisLockConfig is lock.redis: the Redis of lock.provider=redis. The TLS
+// files follow the sinks' keys.
+type RedisLockConfig struct {
+	// URL: redis://[user:password@]host:port/db, or rediss:// for TLS.
+	URL         string `koanf:"url" secret:"url"`
+	TLSCAFile   string `koanf:"tls_ca_file"`
+	TLSCertFile string `koanf:"tls_cert_file"`
+	TLSKeyFile  string `koanf:"tls_key_file"`
+	// KeyPrefix starts every key the provider writes, so that deployments
+	// can share one Redis database.
+	KeyPrefix string `koanf:"key_prefix"`
+}
+
+// redisLeaseConns bounds the lease client's pool: lease scripts are single
+// short commands. The release subscription holds one more connection.
+const redisLeaseConns = 4
+
+// options turns the configuration into the client's options; errors name
+// the key and never show the password.
+func (c RedisLockConfig) options(instanceID string) (*redis.Options, error) {
+	o, err := redis.ParseURL(c.URL)
+	if err != nil {
+		return nil, fmt.Errorf("lock.redis.url=%q is not a Redis URL (want redis:// or rediss://host:port/db): %s",
+			obs.MaskDSN(c.URL), obs.MaskDSN(err.Error()))
+	}
+	tlsFiles := c.TLSCAFile != "" || c.TLSCertFile != "" || c.TLSKeyFile != ""
+	switch {
+	case (c.TLSCertFile == "") != (c.TLSKeyFile == ""):
+		return nil, errors.New("lock.redis.tls_cert_file and lock.redis.tls_key_file: set both for a client certificate, or neither")
+	case tlsFiles && o.TLSConfig == nil:
+		return nil, fmt.Errorf("lock.redis.tls_* files are set but lock.redis.url=%q is not rediss://; use rediss:// for TLS", obs.MaskDSN(c.URL))
+	case o.TLSConfig != nil:
+		tc, err := sink.TLSConfig("lock.redis", c.TLSCAFile, c.TLSCertFile, c.TLSKeyFile)
+		if err != nil {
+			return nil, err
+		}
+		tc.ServerName = o.TLSConfig.ServerName
+		o.TLSConfig = tc
+	}
+	// Deadlines must reach the socket: an acquire on a hung server is
+	// bounded like a database statement.
+	o.ContextTimeoutEnabled = true
+	// The lease machinery retries by itself (the heartbeat within the ttl,
+	// the caller for acquire and release); a client retry could run a
+	// script twice and misreport the second run (a release that already
+	// happened, an acquire that finds its own grant held).
+	o.MaxRetries = -1
+	o.PoolSize = redisLeaseConns
+	o.ClientName = "worker-" + strings.Map(func(r rune) rune {
+		if r <= ' ' {
+			return '-'
+		}
+		return r
+	}, instanceID)
+	return o, nil
+}
+
+// redisPassword is the password in a Redis URL, for the logger to hide.
+func redisPassword(raw string) string {
+	if u, err := url.Parse(raw); err == nil && u.User != nil {
+		p, _ := u.User.Password()
+		return p
+	}
+	return ""
+}
+
+// newRedisLocker connects to lock.redis.url, waiting for it like the
+// database (database.connect_timeout), and returns the provider and what
+// closes it.
+func newRedisLocker(ctx context.Context, cfg *Config, log *slog.Logger) (*lock.Redis, func(), error) {
+	o, err := cfg.Lock.Redis.options(cfg.Instance.ID)
+	if err != nil {
+		return nil, nil, configErrorf("%v", err)
+	}
+	// go-redis logs through a package logger of its own (plain text on
+	// stderr); route it through ours, masked, as JSON.
+	redis.SetLogger(redisLog{log.With("component", "redis client")})
+	rdb := redis.NewClient(o)
+	if err := waitForRedis(ctx, rdb, cfg, log); err != nil {
+		_ = rdb.Close()
+		return nil, nil, err
+	}
+	rl, err := lock.NewRedis(rdb, cfg.Lock.Redis.KeyPrefix, cfg.Instance.ID, log)
+	if err != nil {
+		_ = rdb.Close()
+		return nil, nil, err
+	}
+	return rl, func() {
+		rl.Close()
+		_ = rdb.Close()
+	}, nil
+}
+
+// waitForRedis pings until Redis answers, a permanent error comes back, or
+// the connect budget is spent, as waitForDB does for the database.
+func waitForRedis(ctx context.Context, rdb *redis.Client, cfg *Config, log *slog.Logger) error {
+	budget := cfg.Database.ConnectTimeout
+	start := time.Now()
+	deadline := start.Add(budget)
+	wait := &backoff.ExponentialBackOff{
+		InitialInterval:     100 * time.Millisecond,
+		RandomizationFactor: 0.2,
+		Multiplier:          2,
+		MaxInterval:         3 * time.Second,
+	}
+	wait.Reset()
+	shown := obs.MaskDSN(cfg.Lock.Redis.URL)
+	for {
+		limit := min(pingTimeout, max(time.Until(deadline), lastPing))
+		pctx, cancel := context.WithTimeout(ctx, limit)
+		err := rdb.Ping(pctx).Err()
+		cancel()
+		switch {
+		case err == nil:
+			return nil
+		case ctx.Err() != nil:
+			return ctx.Err()
+		}
+		if perr := permanentRedisError(err, shown); perr != nil {
+			return perr
+		}
+		remaining := time.Until(deadline)
+		if remaining <= 0 {
+			elapsed := time.Since(start).Round(100 * time.Millisecond)
+			return &exitError{code: ExitUnavailable, err: err, msg: fmt.Sprintf("redis %s unreachable after %s (APP_DATABASE_CONNECT_TIMEOUT=%s): %s",
+				shown, elapsed, budget, obs.MaskDSN(err.Error()))}
+		}
+		log.Warn("redis not reachable yet, retrying", "error", err, "elapsed_ms", time.Since(start).Milliseconds())
+		t := time.NewTimer(min(wait.NextBackOff(), remaining))
+		select {
+		case <-ctx.Done():
+			t.Stop()
+			return ctx.Err()
+		case <-t.C:
+		}
+	}
+}
+
+// permanentRedisError classifies what no retry can fix: refused
+// credentials or permissions (exit 77, like the database's), a database
+// number the server does not have, and TLS that cannot work (exit 78).
+// It returns nil for everything else.
+func permanentRedisError(err error, shown string) error {
+	for _, prefix := range []string{"WRONGPASS", "NOAUTH", "NOPERM", "AUTH"} {
+		if redis.HasErrorPrefix(err, prefix) {
+			return &exitError{code: ExitNoPerm, err: err, msg: fmt.Sprintf("redis %s (APP_LOCK_REDIS_URL): authentication refused: %s",
+				shown, obs.MaskDSN(err.Error()))}
+		}
+	}
+	if redis.HasErrorPrefix(err, "DB index is out of range") {
+		return &ConfigError{Err: err, Msg: fmt.Sprintf("redis %s (APP_LOCK_REDIS_URL): the server has no such database number: %s",
+			shown, obs.MaskDSN(err.Error()))}
+	}
+	if tlsErr := sink.TLSVerdict("lock.redis", err); tlsErr != nil {
+		if errors.Is(tlsErr, sink.ErrRefused) {
+			return &exitError{code: ExitNoPerm, err: tlsErr, msg: fmt.Sprintf("redis %s: %s", shown, obs.MaskDSN(tlsErr.Error()))}
+		}
+		return &ConfigError{Err: tlsErr, Msg: fmt.Sprintf("redis %s: %s", shown, obs.MaskDSN(tlsErr.Error()))}
+	}
+	return nil
+}
+
+// redisLog is go-redis's logger interface over the worker's logger.
+type redisLog struct{ log *slog.Logger }
+
+func (l redisLog) Printf(ctx context.Context, format string, v ...any) {
+	l.log.WarnContext(ctx, fmt.Sprintf(format, v...))
+}
