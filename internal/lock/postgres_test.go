@@ -490,10 +490,10 @@ func TestPostgresFailedReleaseStillReportsLoss(t *testing.T) {
 
 // fencedTx takes key "k" with a 1s ttl from l and opens a transaction on
 // db that has passed the lease's fence.
-func fencedTx(t *testing.T, db *pgtest.DB, l Locker) (Lease, pgx.Tx) {
+func fencedTx(t *testing.T, db *pgtest.DB, l Locker, ttl time.Duration) (Lease, pgx.Tx) {
 	t.Helper()
 	ctx := testCtx(t)
-	lease, err := l.TryAcquire(ctx, "k", 0, time.Second)
+	lease, err := l.TryAcquire(ctx, "k", 0, ttl)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -513,14 +513,30 @@ type grant struct {
 	err   error
 }
 
-// blockedTaker has another replica acquire key "k" (waiting up to wait)
-// while a fenced transaction is open, waits until its statement is
-// blocked on the lease row, and checks it has not returned. The grant
-// comes on the channel once the fenced transaction ended.
-func blockedTaker(t *testing.T, db *pgtest.DB, wait time.Duration) <-chan grant {
+// newTaker is another replica, its connections open before the test's
+// fenced transaction starts: on a busy machine opening them may take
+// longer than the fence lets the transaction sit idle.
+func newTaker(t *testing.T, db *pgtest.DB) Locker {
 	t.Helper()
 	ctx := testCtx(t)
 	taker := newPostgres(t, db, nil)
+	l, err := taker.TryAcquire(ctx, "warm-up", time.Second, time.Minute)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := l.Release(ctx); err != nil {
+		t.Fatal(err)
+	}
+	return taker
+}
+
+// blockedTaker has taker acquire key "k" (waiting up to wait) while a
+// fenced transaction is open, waits until its statement is blocked on the
+// lease row, and checks it has not returned. The grant comes on the
+// channel once the fenced transaction ended.
+func blockedTaker(t *testing.T, db *pgtest.DB, taker Locker, wait time.Duration) <-chan grant {
+	t.Helper()
+	ctx := testCtx(t)
 	taken := make(chan grant, 1)
 	go func() {
 		l, err := taker.TryAcquire(ctx, "k", wait, time.Minute)
@@ -548,10 +564,11 @@ func TestPostgresFenceHoldsOffTakeoverUntilCommit(t *testing.T) {
 	t.Parallel()
 	db := pgtest.New(t)
 	ctx := testCtx(t)
-	lease, tx := fencedTx(t, db, newPostgres(t, db, nil, WithoutHeartbeat()))
+	taker := newTaker(t, db)
+	lease, tx := fencedTx(t, db, newPostgres(t, db, nil, WithoutHeartbeat()), 3*time.Second)
 	// The taker waits for the key: marking the held grant awaited is an
 	// UPDATE of its row, which waits for the fenced transaction's row lock.
-	taken := blockedTaker(t, db, 30*time.Second)
+	taken := blockedTaker(t, db, taker, 30*time.Second)
 	var committedAt time.Time
 	if err := tx.QueryRow(ctx, `SELECT clock_timestamp()`).Scan(&committedAt); err != nil {
 		t.Fatal(err)
@@ -581,14 +598,15 @@ func TestPostgresFenceHoldsOffTryOnExpiredGrant(t *testing.T) {
 	t.Parallel()
 	db := pgtest.New(t)
 	ctx := testCtx(t)
-	lease, tx := fencedTx(t, db, newPostgres(t, db, nil, WithoutHeartbeat()))
+	taker := newTaker(t, db)
+	lease, tx := fencedTx(t, db, newPostgres(t, db, nil, WithoutHeartbeat()), 3*time.Second)
 	// Busy, not idle (the fence bounds idleness to the ttl), until the
 	// grant has expired on the server's clock.
 	if _, err := tx.Exec(ctx, `SELECT pg_sleep(greatest(0, extract(epoch FROM expires_at - clock_timestamp())) + 0.01)
 		FROM worker_lock WHERE key = 'k'`); err != nil {
 		t.Fatal(err)
 	}
-	taken := blockedTaker(t, db, 0)
+	taken := blockedTaker(t, db, taker, 0)
 	if err := tx.Commit(ctx); err != nil {
 		t.Fatalf("commit of the fenced transaction: %v", err)
 	}
@@ -611,7 +629,7 @@ func TestPostgresFencedTransactionIdleIsBounded(t *testing.T) {
 	t.Parallel()
 	db := pgtest.New(t)
 	ctx := testCtx(t)
-	lease, tx := fencedTx(t, db, newPostgres(t, db, nil))
+	lease, tx := fencedTx(t, db, newPostgres(t, db, nil), time.Second)
 	defer lease.Release(ctx)
 	pid := tx.Conn().PgConn().PID()
 	testkit.Eventually(t, 10*time.Second, "the server to end the idle fenced transaction", func() bool {

@@ -95,13 +95,15 @@ func didYouMean(key string, known []string) string {
 		}
 	}
 	if best == "" {
+		// The key of another section: every section that has it.
 		leaf := key[strings.LastIndex(key, ".")+1:]
+		var sections []string
 		for _, k := range known {
 			if strings.HasSuffix(k, "."+leaf) {
-				best = k
-				break
+				sections = append(sections, k)
 			}
 		}
+		best = strings.Join(sections, " or ")
 	}
 	if best == "" {
 		return ""

@@ -336,7 +336,7 @@ func TestUnknownKeySuggestsNearestKeyAndLine(t *testing.T) {
 	cases := []struct{ file, want string }{
 		{"log:\n  level: info\nlock:\n  lease_tll: 30s\n", `:4: unknown key "lock.lease_tll" (did you mean lock.lease_ttl?)`},
 		{"databse:\n  url: x\n", `:2: unknown key "databse.url" (did you mean database.url?)`},
-		{"lease_ttl: 30s\n", `:1: unknown key "lease_ttl" (did you mean lock.lease_ttl?)`},
+		{"lease_ttl: 30s\n", `:1: unknown key "lease_ttl" (did you mean inbox.lease_ttl or lock.lease_ttl?)`},
 		{"jobs:\n  - name: a\n    kind: sql\n    delay: 1s\n    sql: SELECT 1\n    dealy: 2s\n", `:6: jobs[0] "a": unknown key "dealy" (did you mean delay?)`},
 	}
 	for _, c := range cases {
