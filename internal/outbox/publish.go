@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"log/slog"
 	"math/rand/v2"
+	"runtime/debug"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -149,7 +150,7 @@ func (p *publisher) work(ctx context.Context, b *batch, skew time.Duration) {
 			err := ev.unreadable // permanent: DEAD without reaching the sink
 			start := time.Now()
 			if err == nil {
-				err = p.sink.Publish(ctx, ev.Event)
+				err = p.call(ctx, ev.Event)
 				p.notePublish(time.Since(start))
 			}
 			o := p.outcome(*ev, start, err, skew, b.probe)
@@ -160,6 +161,19 @@ func (p *publisher) work(ctx context.Context, b *batch, skew time.Duration) {
 			}
 		}
 	}
+}
+
+// call publishes ev. A sink that panics fails the publish instead of
+// taking the process down with its publish slot: the event's attempts
+// count, as for any failure of its own.
+func (p *publisher) call(ctx context.Context, ev Event) (err error) {
+	defer func() {
+		if v := recover(); v != nil {
+			err = fmt.Errorf("outbox: sink %s panicked: %v", p.sink.Name(), v)
+			p.log.Error("outbox sink panicked", "event_id", ev.EventID, "panic", fmt.Sprint(v), "stack", string(debug.Stack()))
+		}
+	}()
+	return p.sink.Publish(ctx, ev)
 }
 
 // outcome classifies the publish of ev sent at sent; probe says it was the

@@ -296,6 +296,26 @@ func TestPublisherReturnsEverySlot(t *testing.T) {
 				}
 			},
 		},
+		{
+			name: "sink panics", runs: []int{2, 2, 2},
+			answer: func(*pubTest) func(context.Context, Event) error {
+				return func(_ context.Context, e Event) error {
+					if e.AggregateID == "agg-1" {
+						panic("poisoned payload")
+					}
+					return nil
+				}
+			},
+			check: func(t *testing.T, out *outcomes) {
+				if len(out.failed) != 1 || len(out.published) != 4 || len(out.handBack) != 0 {
+					t.Fatalf("failed %d, published %d, handed back %d; want agg-1's head failed, the other 4 published",
+						len(out.failed), len(out.published), len(out.handBack))
+				}
+				if f := out.failed[0]; f.status != StatusFailed || f.ev.AggregateID != "agg-1" {
+					t.Errorf("failure %s of %s, want FAILED of agg-1", f.status, f.ev.AggregateID)
+				}
+			},
+		},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			synctest.Test(t, func(t *testing.T) {
