@@ -29,7 +29,8 @@ type batch struct {
 	runs     []*runState
 	// more, when not nil, lets a run that published all its events ask the
 	// loop for its aggregate's next ones (extendRuns). A token: asked is
-	// not empty.
+	// not empty. Only the loop's goroutine sets it (to nil, under mu) and
+	// receives from it; workers send under mu.
 	more      chan struct{}
 	idle      *sync.Cond  // signalled when a run is added or the batch is cut
 	next      int         // the next run a worker takes

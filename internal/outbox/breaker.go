@@ -31,7 +31,14 @@ import (
 // probeBackoffBase is the first wait between probes.
 const probeBackoffBase = 100 * time.Millisecond
 
-// breaker is the relay's view of whether its sink is available.
+// breaker is the relay's view of whether its sink is available. It is a
+// type of its own, told of publishes and asked for admission; it knows
+// nothing of claims or batches beyond aggregate keys. The loops (admit,
+// probeEnded, unprobed, forgetFailed) and the publish workers (answered,
+// unavailable, sinkWide) share it: the atomics are read without the lock,
+// mu guards every other field, and max, onOpen and onClose are set at
+// construction. onOpen and onClose run on the goroutine that changed the
+// state, after mu is released.
 type breaker struct {
 	max     time.Duration // cap of the wait between probes
 	onOpen  func(cause error)
@@ -41,7 +48,7 @@ type breaker struct {
 	failing   atomic.Bool // alike holds failures since the last answer
 	hasFailed atomic.Bool // failed is not empty
 
-	mu        sync.Mutex
+	mu        sync.Mutex // guards the fields below
 	openedAt  time.Time
 	cause     string // the failure that opened it, its event's id removed
 	probes    int    // failed probes since it opened

@@ -63,13 +63,15 @@ type Relay struct {
 	// and is read-only after.
 	life *lifetime
 
-	mu           sync.Mutex // guards started
+	// Start sets started and the cancel functions under mu; Shutdown reads
+	// them after reading started under mu.
+	mu           sync.Mutex
 	started      bool
 	hardCancel   context.CancelFunc
 	stopClaiming context.CancelFunc
-	loops        sync.WaitGroup
-	background   sync.WaitGroup
-	stopped      chan struct{} // closed once the relay stopped and owes the database nothing
+	loops        sync.WaitGroup // the loops
+	background   sync.WaitGroup // the listener, the gauges and windDown
+	stopped      chan struct{}  // closed once the relay stopped and owes the database nothing
 }
 
 // lifetime is the relay's two stop signals, shared by its parts.
