@@ -101,17 +101,18 @@ func NewRelay(pool *pgxpool.Pool, sink Sink, cfg Config, instanceID string, log 
 		return nil, fmt.Errorf("outbox: register metrics: %w", err)
 	}
 	log = log.With("job", RelayJobName, "sink", sink.Name())
+	wake := newWakers(cfg.Relays)
 	r := &Relay{
 		cfg:     cfg,
 		log:     log,
 		m:       m,
-		wake:    newWakers(cfg.Relays),
+		wake:    wake,
 		life:    &lifetime{},
 		stopped: make(chan struct{}),
 	}
 	rep := &reporter{m: m, log: log, pool: pool, probeBackoffMax: cfg.ProbeBackoffMax}
 	r.brk = newBreaker(cfg.ProbeBackoffMax, rep.sinkDown, func(openFor time.Duration) {
-		r.wake.all() // loops idle since before the outage look again at once
+		wake.all() // loops idle since before the outage look again at once
 		rep.sinkBack(openFor)
 	})
 	r.done = newCompleter(pgCompletions{pool: pool, instanceID: instanceID}, rep, m, log)
@@ -121,11 +122,11 @@ func NewRelay(pool *pgxpool.Pool, sink Sink, cfg Config, instanceID string, log 
 	} else {
 		r.pub = newPublisher(sink, cfg, instanceID, policy, r.brk, rep, r.done, r.life, log)
 	}
-	r.listener = newListener(pool, cfg.InFlightTimeout, log, r.wake.all)
+	r.listener = newListener(pool, cfg.InFlightTimeout, log, wake.all)
 	r.gauges = &gauges{pool: pool, m: m, interval: cfg.MetricsInterval, log: log}
 	var sh *shares
 	if cfg.Relays > 1 {
-		sh = newShares(r.wake)
+		sh = newShares(wake)
 	}
 	stmts := &claimSQL{lock: lockSQL(cfg.BlockOnDead), extend: extendSQL(cfg.BlockOnDead)}
 	fin := finishSQL{instanceID: instanceID, inFlightTimeout: cfg.InFlightTimeout, marker: &r.listener.marker}
