@@ -31,7 +31,14 @@ import (
 // probeBackoffBase is the first wait between probes.
 const probeBackoffBase = 100 * time.Millisecond
 
-// breaker is the relay's view of whether its sink is available.
+// breaker is the relay's view of whether its sink is available. It is a
+// type of its own, told of publishes and asked for admission; it knows
+// nothing of claims or batches beyond aggregate keys. The loops (admit,
+// probeEnded, unprobed, forgetFailed) and the publish workers (answered,
+// unavailable, sinkWide) share it: the atomics are read without the lock,
+// mu guards every other field, and max, onOpen and onClose are set at
+// construction. onOpen and onClose run on the goroutine that changed the
+// state, after mu is released.
 type breaker struct {
 	max     time.Duration // cap of the wait between probes
 	onOpen  func(cause error)
@@ -41,7 +48,7 @@ type breaker struct {
 	failing   atomic.Bool // alike holds failures since the last answer
 	hasFailed atomic.Bool // failed is not empty
 
-	mu        sync.Mutex
+	mu        sync.Mutex // guards the fields below
 	openedAt  time.Time
 	cause     string // the failure that opened it, its event's id removed
 	probes    int    // failed probes since it opened
@@ -247,53 +254,3 @@ func failureText(ev Event, err error) string {
 // poison event looks like; so the first two aggregates of an outage that
 // answers with an unclassified error each spend an attempt.
 const minSinkWide = 3
-
-// sinkDown accounts for a publish of ev that failed because the sink is
-// unavailable: counted, never logged per event, and it opens the breaker.
-func (r *Relay) sinkDown(ev Event, err error, probe bool) {
-	r.m.failures.WithLabelValues(r.m.eventType(ev.EventType), kindUnavailable).Inc()
-	r.sinkUp.unavailable(ev, err, probe)
-}
-
-// sinkWideFailure turns into hand-backs the failures of a batch that are
-// the failure the breaker opened on meanwhile (breaker.sinkWide): they were
-// the sink's, and must not spend their events' attempts.
-func (r *Relay) sinkWideFailure(out *outcomes) {
-	if !r.sinkUp.open() {
-		return
-	}
-	kept := out.failed[:0]
-	for _, f := range out.failed {
-		if IsPermanent(f.err) || f.ev.unreadable != nil || !r.sinkUp.sinkWide(f.ev.Event, f.err) {
-			kept = append(kept, f)
-			continue
-		}
-		ev := f.ev
-		out.handBack = append(out.handBack, &ev)
-		r.m.failures.WithLabelValues(r.m.eventType(ev.EventType), kindUnavailable).Inc()
-	}
-	out.failed = kept
-}
-
-// breakerOpened logs the outage once, with its cause.
-func (r *Relay) breakerOpened(cause error) {
-	r.m.sinkUp.Set(0)
-	r.m.breakerOpened.Inc()
-	r.log.Warn("outbox sink unavailable; claiming stops, events wait with their attempts untouched, one event probes the sink until it answers",
-		"error", cause, "probe_backoff_max", r.cfg.ProbeBackoffMax)
-}
-
-// breakerClosed logs the end of the outage once: how long it lasted and
-// how many events waited for it.
-func (r *Relay) breakerClosed(openFor time.Duration) {
-	r.m.sinkUp.Set(1)
-	r.wakeAll()
-	attrs := []any{"open_for", openFor.Round(time.Millisecond).String()}
-	ctx, cancel := context.WithTimeout(context.Background(), time.Second)
-	defer cancel()
-	var waiting int64
-	if err := r.pool.QueryRow(ctx, `SELECT count(*) FROM outbox_event WHERE `+unfinished).Scan(&waiting); err == nil {
-		attrs = append(attrs, "events_waiting", waiting)
-	}
-	r.log.Info("outbox sink available again; claiming resumes", attrs...)
-}

@@ -2,7 +2,6 @@ package outbox
 
 import (
 	"context"
-	"time"
 
 	"github.com/jackc/pgx/v5"
 )
@@ -14,7 +13,9 @@ import (
 // batch has time left, a run that published all its events asks the loop
 // for its aggregate's next ones, and the loop locks them in the batch's
 // transaction: the aggregate is the batch's anyway, since its claimed
-// events are unfinished and no relay takes an event behind them.
+// events are unfinished and no relay takes an event behind them. The
+// publisher decides when (batch.askMore, publisher.extendRuns); the claimer
+// runs the statement, as it alone uses the claim transaction.
 
 // extendSQL locks, for each aggregate ($1, $2) after event $3, its next
 // unfinished events, at most $4 each, and returns those that follow one
@@ -43,68 +44,24 @@ WHERE NOT EXISTS (SELECT 1 FROM w g WHERE g.i = w.i AND g.id < w.id AND g.id NOT
 ORDER BY w.i, w.id`
 }
 
-// askMore queues run, which published all its events, for its aggregate's
-// next ones, if the batch has time left for one more publish. Called with
-// b.mu held.
-func (b *batch) askMore(run *runState) {
-	if b.more == nil || b.cut || time.Until(b.cutAt) < b.latency {
-		return
-	}
-	b.asked = append(b.asked, run)
-	b.extending++
-	select {
-	case b.more <- struct{}{}:
-	default: // the loop has been told already
-	}
-}
-
-// extend locks the next events of the aggregates whose runs asked, as
-// many as the sink can take before detach_after cuts the batch, and hands
-// them to the workers as new runs. Runs with nothing more are over.
-func (r *Relay) extend(conn *pgx.Conn, b *batch) {
-	b.mu.Lock()
-	asked := b.asked
-	b.asked = nil
-	b.mu.Unlock()
-	if len(asked) == 0 {
-		return
-	}
-	n := max(1, int(time.Until(b.cutAt)/max(b.latency, time.Millisecond)))
-	types := make([]string, len(asked))
-	ids := make([]string, len(asked))
-	after := make([]int64, len(asked))
-	for i, run := range asked {
-		last := run.events[len(run.events)-1]
+// extend locks, in the claim transaction, the next events of the
+// aggregates whose runs end with tails, at most n each: the publisher's
+// extension of a sink-bound batch (publisher.extendRuns).
+func (c *claimer) extend(ctx context.Context, tails []claimedRow, n int) ([]claimedRow, error) {
+	types := make([]string, len(tails))
+	ids := make([]string, len(tails))
+	after := make([]int64, len(tails))
+	for i, last := range tails {
 		types[i], ids[i], after[i] = last.AggregateType, last.AggregateID, last.Seq
 	}
-	// A failed statement aborts the transaction, and with it the batch's
-	// outcomes: bound it by the finish timeout, not by detach_after.
-	ctx, cancel := context.WithTimeout(r.hardCtx, finishTimeout)
-	_, rows, err := readEvents(conn.Query(ctx, r.extendSQL, types, ids, after, n))
-	cancel()
-	more := make(map[aggregateKey][]claimedRow, len(asked))
-	for _, row := range rows {
-		more[row.key()] = append(more[row.key()], row)
-	}
-	r.m.claimed.Add(float64(len(rows)))
+	_, rows, err := readEvents(c.conn.Conn().Query(ctx, c.sql.extend, types, ids, after, n))
+	c.m.claimed.Add(float64(len(rows)))
+	c.claimed += len(rows)
+	return rows, err
+}
 
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	if err != nil {
-		b.more = nil // the transaction is lost: extend nothing more
-		if r.hardCtx.Err() == nil {
-			r.log.Warn("outbox batch could not extend its runs; its outcomes will not be recorded and its events will be published again", "error", err)
-		}
-	}
-	b.extending -= len(asked)
-	b.out.claimed += len(rows)
-	for _, run := range asked {
-		// A new run, not more of the old one: the batch's outcomes point
-		// into the old run's events.
-		if evs := more[run.events[0].key()]; len(evs) > 0 {
-			b.runs = append(b.runs, &runState{events: evs})
-			b.events += len(evs)
-		}
-	}
-	b.idle.Broadcast()
+// savepoint opens a savepoint in the claim transaction, for a TxSink to
+// write in (sink_tx.go).
+func (c *claimer) savepoint(ctx context.Context) (pgx.Tx, error) {
+	return (&claimTx{conn: c.conn.Conn()}).Begin(ctx)
 }

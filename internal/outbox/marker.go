@@ -99,7 +99,7 @@ const (
 // markerBound is the shortest time after the last look that found its
 // marker held for which the relay's marker session may end on its own
 // account, or for silence on the server's (see above).
-func (r *Relay) markerBound() time.Duration { return r.cfg.InFlightTimeout + markerFresh }
+func (l *listener) markerBound() time.Duration { return l.inFlightTimeout + markerFresh }
 
 // marker is the relay's marker as its detaches see it.
 type marker struct {
@@ -221,50 +221,50 @@ RETURNING e.claimed_by`
 )
 
 // markerHooks keep the marker and the watch on the listener's session.
-func (r *Relay) markerHooks() pglisten.Hooks {
-	return pglisten.Hooks{Setup: r.markerSetup, Tick: r.markerTick, Every: markerPoll, Ended: r.marker.lost}
+func (l *listener) markerHooks() pglisten.Hooks {
+	return pglisten.Hooks{Setup: l.markerSetup, Tick: l.markerTick, Every: markerPoll, Ended: l.marker.lost}
 }
 
 // markerSetup takes the marker on a new listener session.
-func (r *Relay) markerSetup(ctx context.Context, conn *pgx.Conn) error {
+func (l *listener) markerSetup(ctx context.Context, conn *pgx.Conn) error {
 	start := time.Now()
-	r.watch = &markerWatch{seen: map[int64]time.Time{}, lastGood: start, lastPing: start}
-	id, off := r.marker.snapshot()
+	l.watch = &markerWatch{seen: map[int64]time.Time{}, lastGood: start, lastPing: start}
+	id, off := l.marker.snapshot()
 	if off {
 		return nil
 	}
-	qctx, cancel := context.WithTimeout(ctx, r.markerBound())
+	qctx, cancel := context.WithTimeout(ctx, l.markerBound())
 	defer cancel()
 	var pid uint32
 	var unix bool
 	if err := conn.QueryRow(qctx, `SELECT pg_backend_pid(), inet_client_addr() IS NULL`).Scan(&pid, &unix); err != nil {
-		return r.markerError(conn, "check the listener's session", err)
+		return l.markerError(conn, "check the listener's session", err)
 	}
 	if pid != conn.PgConn().PID() {
-		r.markerOff()
+		l.markerOff()
 		return nil
 	}
-	silence := r.markerBound()
+	silence := l.markerBound()
 	wantIdle := int64(math.Ceil(silence.Seconds()))
 	var keepIdle, userTimeout string
 	var locked bool
 	if err := conn.QueryRow(qctx, markerSetupSQL, id, strconv.FormatInt(wantIdle, 10),
 		strconv.FormatInt(silence.Milliseconds(), 10)).Scan(&id, &keepIdle, &userTimeout, &locked); err != nil {
-		return r.markerError(conn, "take the relay's marker", err)
+		return l.markerError(conn, "take the relay's marker", err)
 	}
-	r.marker.drawn(id)
+	l.marker.drawn(id)
 	if !unix && (atLeast(keepIdle, wantIdle) != nil || atLeast(userTimeout, silence.Milliseconds()) != nil) {
-		r.log.WarnContext(ctx, "outbox relay marker not taken: the server cannot be told to keep its session through a silence; events this relay detaches wait for outbox.in_flight_timeout if it dies",
+		l.log.WarnContext(ctx, "outbox relay marker not taken: the server cannot be told to keep its session through a silence; events this relay detaches wait for outbox.in_flight_timeout if it dies",
 			"tcp_keepalives_idle", keepIdle, "tcp_user_timeout", userTimeout)
 		return nil
 	}
 	if !locked {
-		r.log.WarnContext(ctx, "outbox relay marker not taken: another session holds it exclusively; events this relay detaches wait for outbox.in_flight_timeout if it dies",
+		l.log.WarnContext(ctx, "outbox relay marker not taken: another session holds it exclusively; events this relay detaches wait for outbox.in_flight_timeout if it dies",
 			"marker", id)
 		return nil
 	}
-	r.watch.named = true
-	r.marker.held(id, pid, start.Add(markerFresh))
+	l.watch.named = true
+	l.marker.held(id, pid, start.Add(markerFresh))
 	return nil
 }
 
@@ -278,30 +278,30 @@ func atLeast(v string, want int64) error {
 
 // markerError ends the session if its connection is gone; otherwise the
 // relay goes on without a marker on this session.
-func (r *Relay) markerError(conn *pgx.Conn, what string, err error) error {
+func (l *listener) markerError(conn *pgx.Conn, what string, err error) error {
 	if conn.IsClosed() {
 		return err
 	}
-	r.log.Warn("outbox relay marker not taken: could not "+what+"; events this relay detaches wait for outbox.in_flight_timeout if it dies",
+	l.log.Warn("outbox relay marker not taken: could not "+what+"; events this relay detaches wait for outbox.in_flight_timeout if it dies",
 		"error", err)
 	return nil
 }
 
 // markerOff gives up the marker for the relay's life: its listener has no
 // session of its own.
-func (r *Relay) markerOff() {
-	r.marker.mu.Lock()
-	r.marker.off, r.marker.pid = true, 0
-	r.marker.mu.Unlock()
-	r.log.Warn("outbox relay marker off: the listener's connection is not a session of its own (a connection pooler?); events a dead replica detached wait for outbox.in_flight_timeout")
+func (l *listener) markerOff() {
+	l.marker.mu.Lock()
+	l.marker.off, l.marker.pid = true, 0
+	l.marker.mu.Unlock()
+	l.log.Warn("outbox relay marker off: the listener's connection is not a session of its own (a connection pooler?); events a dead replica detached wait for outbox.in_flight_timeout")
 }
 
 // markerTick looks at the markers: it confirms this relay's own and
 // reclaims the events of the owners whose markers are gone.
-func (r *Relay) markerTick(ctx context.Context, conn *pgx.Conn) error {
-	w := r.watch
+func (l *listener) markerTick(ctx context.Context, conn *pgx.Conn) error {
+	w := l.watch
 	start := time.Now()
-	id, off := r.marker.snapshot()
+	id, off := l.marker.snapshot()
 	if off {
 		// No marker: a health check every pglisten.DefaultIdle, as a
 		// listener without one does.
@@ -313,26 +313,26 @@ func (r *Relay) markerTick(ctx context.Context, conn *pgx.Conn) error {
 		defer cancel()
 		return conn.Ping(pctx)
 	}
-	qctx, cancel := context.WithTimeout(ctx, r.markerBound())
+	qctx, cancel := context.WithTimeout(ctx, l.markerBound())
 	defer cancel()
 	var pid uint32
 	var held []int64
 	var mine bool
 	if err := conn.QueryRow(qctx, markerPollSQL, id).Scan(&pid, &held, &mine); err != nil {
-		return r.lookFailed(w, conn, err)
+		return l.lookFailed(w, conn, err)
 	}
 	if pid != conn.PgConn().PID() {
-		r.markerOff()
+		l.markerOff()
 		return nil
 	}
 	w.lastGood = start
 	if w.named && mine {
-		r.marker.held(id, pid, start.Add(markerFresh))
+		l.marker.held(id, pid, start.Add(markerFresh))
 	}
-	r.looks.Add(1)
+	l.looks.Add(1)
 	for _, m := range w.observe(held, id, start) {
-		if err := r.reclaim(ctx, conn, m); err != nil {
-			return r.lookFailed(w, conn, err) // the marker stays seen: tried again next look
+		if err := l.reclaim(ctx, conn, m); err != nil {
+			return l.lookFailed(w, conn, err) // the marker stays seen: tried again next look
 		}
 		delete(w.seen, m)
 	}
@@ -343,30 +343,30 @@ func (r *Relay) markerTick(ctx context.Context, conn *pgx.Conn) error {
 // lookFailed decides what a failed statement on the marker session means:
 // a lost connection ends the session, and so does a connection that has
 // not answered for markerBound; anything else waits for the next look.
-func (r *Relay) lookFailed(w *markerWatch, conn *pgx.Conn, err error) error {
-	if conn.IsClosed() || time.Since(w.lastGood) >= r.markerBound() {
+func (l *listener) lookFailed(w *markerWatch, conn *pgx.Conn, err error) error {
+	if conn.IsClosed() || time.Since(w.lastGood) >= l.markerBound() {
 		return err
 	}
 	if !w.failing {
 		w.failing = true
-		r.log.Warn("outbox relay marker look failed; trying again", "error", err)
+		l.log.Warn("outbox relay marker look failed; trying again", "error", err)
 	}
 	return nil
 }
 
 // reclaim makes the IN_FLIGHT events of the dead owner of marker m due,
 // wakes the relays and logs one line.
-func (r *Relay) reclaim(ctx context.Context, conn *pgx.Conn, m int64) error {
-	qctx, cancel := context.WithTimeout(ctx, r.markerBound())
+func (l *listener) reclaim(ctx context.Context, conn *pgx.Conn, m int64) error {
+	qctx, cancel := context.WithTimeout(ctx, l.markerBound())
 	defer cancel()
 	rows, _ := conn.Query(qctx, reclaimSQL, m)
 	tokens, err := pgx.CollectRows(rows, pgx.RowTo[string])
 	if err != nil || len(tokens) == 0 {
 		return err
 	}
-	r.log.InfoContext(ctx, "outbox relay gone; its detached events reclaimed", "events", len(tokens),
+	l.log.InfoContext(ctx, "outbox relay gone; its detached events reclaimed", "events", len(tokens),
 		"owner", ownerOf(tokens[0]), "marker", m)
-	r.wakeAll()
+	l.wake()
 	// The other replicas' loops may be idle, every head they saw being in
 	// flight; without the notification they find the events at their next
 	// poll.

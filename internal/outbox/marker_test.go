@@ -209,8 +209,8 @@ const relayConns = 2
 // awaitLooks waits until r has looked at the markers n more times.
 func awaitLooks(t *testing.T, r *Relay, n int64, what string) {
 	t.Helper()
-	want := r.looks.Load() + n
-	testkit.Eventually(t, 30*time.Second, what, func() bool { return r.looks.Load() >= want })
+	want := r.listener.looks.Load() + n
+	testkit.Eventually(t, 30*time.Second, what, func() bool { return r.listener.looks.Load() >= want })
 }
 
 // TestReclaimSparesALiveOwner: relay A detaches a publish that never
@@ -235,20 +235,20 @@ func TestReclaimSparesALiveOwner(t *testing.T) {
 
 	var detached inFlightRow
 	testkit.Eventually(t, 10*time.Second, "A to detach the stuck publish, naming its marker", func() bool {
-		id, _ := a.marker.snapshot()
+		id, _ := a.listener.marker.snapshot()
 		detached = inFlightOf(t, db.Pool, held)
 		return id > 0 && detached.status == StatusInFlight && strings.HasSuffix(detached.claimedBy, fmt.Sprintf("@%d", id))
 	})
 	b, bLogs := startLoggedRelay(t, db.NewPool(t, relayConns), &recorder{}, cfg, "relay-b")
 	awaitLooks(t, b, 2, "B to see A's marker")
 
-	_, oldPID, ok := a.marker.current()
+	_, oldPID, ok := a.listener.marker.current()
 	if !ok {
 		t.Fatal("A holds no marker")
 	}
 	exec(t, db.Pool, `SELECT pg_terminate_backend($1)`, int32(oldPID))
 	testkit.Eventually(t, 10*time.Second, "A to take its marker again on a new session", func() bool {
-		_, pid, ok := a.marker.current()
+		_, pid, ok := a.listener.marker.current()
 		return ok && pid != oldPID
 	})
 	awaitLooks(t, b, 10, "B to look at the markers for two seconds more")

@@ -407,31 +407,3 @@ func TestRelayClaimsWhatASlowSinkTakes(t *testing.T) {
 		t.Errorf("claimed %.0f events to publish %d: batches do not follow what the sink takes", claimed, total)
 	}
 }
-
-func TestNextSize(t *testing.T) {
-	cfg := testConfig()
-	cfg.MaxInFlight = 64
-	r := &Relay{cfg: cfg} // batch_size 500
-	for _, c := range []struct {
-		size int
-		out  outcomes
-		want int
-		why  string
-	}{
-		{500, outcomes{started: 500}, 500, "a batch that finished keeps batch_size"},
-		{500, outcomes{started: 120, cutShort: true}, 120, "cut short: claim what was started"},
-		{120, outcomes{started: 120}, 240, "finished: double"},
-		{400, outcomes{started: 400}, 500, "double, up to batch_size"},
-		{100, outcomes{started: 300, cutShort: true}, 100, "never more than was claimed"},
-		{10, outcomes{started: 0, cutShort: true}, 1, "at least one"},
-	} {
-		if got := r.nextSize(c.size, &c.out); got != c.want {
-			t.Errorf("%s: nextSize(%d, started %d) = %d, want %d", c.why, c.size, c.out.started, got, c.want)
-		}
-	}
-	for _, c := range []struct{ n, want int }{{500, 0}, {499, 8}, {64, 1}, {65, 2}, {1, 1}} {
-		if got := r.depth(c.n); got != c.want {
-			t.Errorf("depth(%d) with max_in_flight 64 = %d, want %d", c.n, got, c.want)
-		}
-	}
-}

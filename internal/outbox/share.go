@@ -23,8 +23,10 @@ import (
 // published meanwhile is not taken again. Other processes are not
 // coordinated; SKIP LOCKED keeps them apart as before.
 type shares struct {
-	seed  maphash.Seed
-	wake  []chan struct{} // the loops' wake-up channels, by share
+	seed maphash.Seed
+	wake []chan struct{} // the loops' wake-up channels, by share
+	// Every loop takes, splits, gives back and holds through the methods
+	// below, from its own goroutine: mu guards the fields after it.
 	mu    sync.Mutex
 	queue [][]*candidate              // per loop: candidates not taken yet, oldest head first
 	gen   uint64                      // bumped when a window replaces the queues
@@ -127,7 +129,7 @@ func (s *shares) take(loop, n, depth, spare int) ([]*candidate, uint64) {
 
 // spareHeads is how many heads a claim from a share offers the lock
 // statement beyond those it needs, per head it needs, when the sink is slow
-// (Relay.spares). Other processes' loops hold some of a share's
+// (pace.spares). Other processes' loops hold some of a share's
 // aggregates, and more of them the fewer aggregates there are: three
 // replicas of two loops over 200 aggregates locked 17 of the 63 heads they
 // asked for, and drained a 20 ms sink at 0.46 of the ideal. The statement

@@ -246,12 +246,12 @@ func TestSpareHeadsPassOverHeadsOthersHold(t *testing.T) {
 		t.Fatal(err)
 	}
 
-	r, tx, cands := lockWindowSetup(t, db, testConfig())
+	c, tx, cands := lockWindowSetup(t, db, testConfig())
 	s := newShares([]chan struct{}{make(chan struct{}, 1)})
 	s.split(cands, 0, 0, 0, 0)
 
 	plain, _ := s.take(0, 5, 0, 0)
-	runs, _, err := r.lockWindow(ctx, tx.Conn(), plain, 5, 0)
+	runs, _, err := c.lockWindow(ctx, tx.Conn(), plain, 5, 0)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -261,7 +261,7 @@ func TestSpareHeadsPassOverHeadsOthersHold(t *testing.T) {
 
 	s.split(cands, 0, 0, 0, 0)
 	spared, gen := s.take(0, 5, 0, spareHeads)
-	runs, rest, err := r.lockWindow(ctx, tx.Conn(), spared, 5, 0)
+	runs, rest, err := c.lockWindow(ctx, tx.Conn(), spared, 5, 0)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -295,38 +295,22 @@ func TestClaimFromAStaleShareKeepsItsAggregates(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	r.latency.Store(int64(cfg.DetachAfter / 2)) // sink-bound: runs of two events
+	pub := r.pub.(*publisher)
+	pub.latency.Store(int64(cfg.DetachAfter / 2)) // sink-bound: runs of two events
 	win, err := readWindow(db.Pool.Query(ctx, windowSQL, 100))
 	if err != nil {
 		t.Fatal(err)
 	}
-	r.shares.queue[0] = candidates(win) // the share a sibling's window left
+	r.claimers[0].shares.queue[0] = candidates(win) // the share a sibling's window left
 	// The loop's last batch published k1 after that window was read.
 	exec(t, db.Pool, `UPDATE outbox_event SET status = 'PUBLISHED' WHERE event_id = $1`, k1)
 
-	conn, err := db.Pool.Acquire(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	st := &loopState{window: r.minWindow(), conn: conn, kept: []aggregateKey{{"order", "k"}}}
-	defer r.settle(st)
-	runs, _, err := r.claim(ctx, st, 0)
-	if err != nil {
-		t.Fatal(err)
-	}
-	var got [][]string
-	for _, run := range runs {
-		var types []string
-		for _, ev := range run {
-			types = append(types, ev.EventType)
-		}
-		got = append(got, types)
-	}
+	c := r.claimers[0]
+	c.window, c.kept = c.minWindow(), []aggregateKey{{"order", "k"}}
+	pc, _ := pub.pace(ctx, false, false)
+	got := claimOnce(t, c, pc)
 	if fmt.Sprint(got) != "[[o1] [k2 k3]]" {
 		t.Errorf("claimed %v, want [[o1] [k2 k3]]: o1, the oldest head, then k's current head and run", got)
-	}
-	if _, err := conn.Exec(ctx, "ROLLBACK"); err != nil {
-		t.Fatal(err)
 	}
 }
 

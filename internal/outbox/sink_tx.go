@@ -15,8 +15,8 @@ import (
 // TxSink is a Sink that hands events over by writing them in the relay's
 // own claim transaction instead of calling out: the same commit writes
 // them and marks them PUBLISHED, so the hand-off has no duplicates, even
-// across crashes. The relay detects it on the Sink (as pgx detects tracer
-// capabilities) and then never calls Publish.
+// across crashes. The relay detects it on the Sink once, when it is built
+// (as pgx detects tracer capabilities), and then never calls Publish.
 //
 // PublishTx gets the batch's events, each aggregate's in order. It
 // returns one error per event (nil: written), or err when the write failed
@@ -29,18 +29,41 @@ type TxSink interface {
 	PublishTx(ctx context.Context, tx pgx.Tx, events []Event) (failed []error, err error)
 }
 
-// publishTx hands a claimed batch to a TxSink in the claim transaction.
-// Nothing crosses a network, so there is nothing to run concurrently or to
-// detach: the outcomes are committed with the next claim, like any batch's.
-func (r *Relay) publishTx(sink TxSink, conn *pgx.Conn, runs [][]claimedRow, skew time.Duration) *outcomes {
-	out := &outcomes{settled: make(chan struct{})}
+// txPublisher hands claims to a TxSink in the claim transaction. Nothing
+// crosses a network, so there is nothing to run concurrently, to pace or
+// to detach: the outcomes are committed with the next claim, like any
+// batch's. It runs on the loop's goroutine and keeps no state.
+type txPublisher struct {
+	sink            TxSink
+	policy          retryPolicy
+	life            *lifetime
+	inFlightTimeout time.Duration
+}
+
+// pace claims one event for a probe, else what the claimer sizes.
+func (p *txPublisher) pace(_ context.Context, probe, _ bool) (pace, bool) {
+	pc := pace{probe: probe, runLen: 1}
+	if probe {
+		pc.limit = 1
+	}
+	return pc, true
+}
+
+func (p *txPublisher) unreserve(pace) {}
+
+func (p *txPublisher) wait() {}
+
+// publish writes the claim's events through the sink in a savepoint of
+// the claim transaction.
+func (p *txPublisher) publish(cl *claim) *outcomes {
+	out := newOutcomes()
 	var events []Event
 	var rows []*claimedRow
-	for _, run := range runs {
+	for _, run := range cl.runs {
 		for i := range run {
 			ev := &run[i]
 			if ev.unreadable != nil {
-				f := r.classify(*ev, ev.unreadable)
+				f := p.policy.classify(*ev, ev.unreadable)
 				out.failed = append(out.failed, f)
 				handBack(out, run[i+1:])
 				break
@@ -52,11 +75,11 @@ func (r *Relay) publishTx(sink TxSink, conn *pgx.Conn, runs [][]claimedRow, skew
 	if len(events) == 0 {
 		return out
 	}
-	errs, err := r.writeTx(sink, conn, events)
+	errs, err := p.write(cl.tx, events)
 	if err != nil {
 		errs = slices.Repeat([]error{err}, len(events))
 	}
-	at := time.Now().Add(skew)
+	at := time.Now().Add(cl.skew)
 	failedAgg := map[aggregateKey]bool{}
 	for i, ev := range rows {
 		key := ev.key()
@@ -65,11 +88,11 @@ func (r *Relay) publishTx(sink TxSink, conn *pgx.Conn, runs [][]claimedRow, skew
 			out.handBack = append(out.handBack, ev) // must not overtake the failed event
 		case errs[i] != nil:
 			failedAgg[key] = true
-			if r.hardCtx.Err() != nil { // cancelled by a hard stop: not the sink's fault
+			if p.life.hard.Err() != nil { // cancelled by a hard stop: not the sink's fault
 				out.handBack = append(out.handBack, ev)
 				continue
 			}
-			out.failed = append(out.failed, r.classify(*ev, errs[i]))
+			out.failed = append(out.failed, p.policy.classify(*ev, errs[i]))
 		default:
 			out.published = append(out.published, ev)
 			out.at = append(out.at, at)
@@ -78,19 +101,18 @@ func (r *Relay) publishTx(sink TxSink, conn *pgx.Conn, runs [][]claimedRow, skew
 	return out
 }
 
-// writeTx calls the sink inside a savepoint, so that a failed call leaves
+// write calls the sink inside a savepoint, so that a failed call leaves
 // the claim transaction usable for recording the failures.
-func (r *Relay) writeTx(sink TxSink, conn *pgx.Conn, events []Event) ([]error, error) {
-	ctx, cancel := context.WithTimeout(r.hardCtx, r.cfg.InFlightTimeout-r.cfg.InFlightTimeout/10)
+func (p *txPublisher) write(tx claimTxn, events []Event) ([]error, error) {
+	ctx, cancel := context.WithTimeout(p.life.hard, p.inFlightTimeout-p.inFlightTimeout/10)
 	defer cancel()
-	claim := &claimTx{conn: conn}
-	sp, err := claim.Begin(ctx)
+	sp, err := tx.savepoint(ctx)
 	if err != nil {
 		return nil, err
 	}
-	errs, err := sink.PublishTx(ctx, sp, events)
+	errs, err := p.sink.PublishTx(ctx, sp, events)
 	if err == nil && len(errs) != len(events) {
-		err = fmt.Errorf("outbox: sink %s returned %d outcomes for %d events", sink.Name(), len(errs), len(events))
+		err = fmt.Errorf("outbox: sink %s returned %d outcomes for %d events", p.sink.Name(), len(errs), len(events))
 	}
 	if err != nil {
 		if rbErr := sp.Rollback(context.WithoutCancel(ctx)); rbErr != nil {

@@ -236,7 +236,7 @@ RETURNING e.id`
 
 	// Sets up the claim transaction and reads the database clock, which
 	// latency is measured on. The idle timeout is the server side of the
-	// visibility timeout (see Relay.claim). Generic plans: the claim
+	// visibility timeout (see claimer.open). Generic plans: the claim
 	// statements take their sizes and ctids as parameters, and PostgreSQL
 	// would otherwise keep planning them afresh on every call (their generic
 	// plans cost more on paper than a custom plan for one call), which costs
