@@ -4,7 +4,6 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
-	"fmt"
 	"log/slog"
 	"time"
 
@@ -148,13 +147,12 @@ func (b *batchState) receive(ctx context.Context, batch []*Delivery) ([]*claim, 
 	var claims []*claim
 	var valid, invalid []*Delivery
 	for _, d := range batch {
-		s, i := d.key()
-		if first, ok := byKey[[2]string{s, i}]; ok {
+		if first, ok := byKey[d.keyPair()]; ok {
 			first.twins = append(first.twins, d)
 			continue
 		}
 		cl := &claim{d: d}
-		byKey[[2]string{s, i}] = cl
+		byKey[d.keyPair()] = cl
 		claims = append(claims, cl)
 		if d.Invalid != nil {
 			invalid = append(invalid, d)
@@ -180,24 +178,16 @@ func (b *batchState) receive(ctx context.Context, batch []*Delivery) ([]*claim, 
 		for n, d := range valid {
 			ok[n], ty[n], og[n], h[n], body[n] = d.Message.OrderKey, d.Message.Type, d.Message.Origin, headersJSON(d.Message.Headers), d.Message.Body
 		}
-		rows, err := c.pool.Query(ctx, insertClaimed, c.name, s, i, c.owner, c.cfg.LeaseTTL, ok, ty, og, h, body)
+		tokens, err := collectKeyed[int64](c.pool.Query(ctx, insertClaimed, c.name, s, i, c.owner, c.cfg.LeaseTTL, ok, ty, og, h, body))
 		if err != nil {
 			return nil, err
 		}
-		for rows.Next() {
-			var k [2]string
-			if err := rows.Scan(&k[0], &k[1], &b.token); err != nil {
-				rows.Close()
-				return nil, err
-			}
-			inserted[k] = true
-		}
-		if err := rows.Err(); err != nil {
-			return nil, err
+		for k, token := range tokens {
+			inserted[k], b.token = true, token // one token for the statement
 		}
 	}
 	for _, cl := range claims {
-		if s, i := cl.d.key(); inserted[[2]string{s, i}] {
+		if inserted[cl.d.keyPair()] {
 			owned[cl] = true
 		}
 	}
@@ -218,15 +208,18 @@ func (b *batchState) receive(ctx context.Context, batch []*Delivery) ([]*claim, 
 			for n, d := range invalid {
 				e[n], og[n], h[n], body[n] = d.Invalid.Error(), d.Message.Origin, headersJSON(d.Message.Headers), d.Message.Body
 			}
-			if err := collectKeys(ctx, tx, inserted, insertDead, c.name, s, i, e, og, h, body); err != nil {
+			dead, err := collectKeyed[struct{}](tx.Query(ctx, insertDead, c.name, s, i, e, og, h, body))
+			if err != nil {
 				return err
+			}
+			for k := range dead {
+				inserted[k] = true
 			}
 		}
 		var existing []*claim
 		for _, cl := range claims {
-			s, i := cl.d.key()
 			switch {
-			case !inserted[[2]string{s, i}]:
+			case !inserted[cl.d.keyPair()]:
 				existing = append(existing, cl)
 			case cl.d.Invalid != nil:
 				settled = append(settled, decided{cl, Dead, 0})
@@ -262,8 +255,7 @@ func (b *batchState) receive(ctx context.Context, batch []*Delivery) ([]*claim, 
 		}
 		var takeover, recover []*claim
 		for _, cl := range existing {
-			s, i := cl.d.key()
-			r, ok := found[[2]string{s, i}]
+			r, ok := found[cl.d.keyPair()]
 			switch {
 			case !ok: // its work is committing elsewhere now
 				settled = append(settled, decided{cl, Busy, time.Second})
@@ -279,26 +271,12 @@ func (b *batchState) receive(ctx context.Context, batch []*Delivery) ([]*claim, 
 		}
 		if len(takeover) > 0 {
 			s, i := keyArrays(claimDeliveries(takeover))
-			rows, err := tx.Query(ctx, takeOver, c.name, s, i, c.owner, b.token, c.cfg.LeaseTTL)
+			got, err := collectKeyed[int](tx.Query(ctx, takeOver, c.name, s, i, c.owner, b.token, c.cfg.LeaseTTL))
 			if err != nil {
 				return err
 			}
-			got := map[[2]string]int{}
-			for rows.Next() {
-				var k [2]string
-				var attempts int
-				if err := rows.Scan(&k[0], &k[1], &attempts); err != nil {
-					rows.Close()
-					return err
-				}
-				got[k] = attempts
-			}
-			if err := rows.Err(); err != nil {
-				return err
-			}
 			for _, cl := range takeover {
-				s, i := cl.d.key()
-				if attempts, ok := got[[2]string{s, i}]; ok {
+				if attempts, ok := got[cl.d.keyPair()]; ok {
 					cl.attempts = attempts
 					owned[cl] = true
 				} else {
@@ -308,21 +286,12 @@ func (b *batchState) receive(ctx context.Context, batch []*Delivery) ([]*claim, 
 		}
 		if len(recover) > 0 {
 			s, i := keyArrays(claimDeliveries(recover))
-			rows, err := tx.Query(ctx, toRecovery, c.name, s, i)
+			reasons, err := collectKeyed[string](tx.Query(ctx, toRecovery, c.name, s, i))
 			if err != nil {
 				return err
 			}
-			for rows.Next() {
-				var k [2]string
-				var reason string
-				if err := rows.Scan(&k[0], &k[1], &reason); err != nil {
-					rows.Close()
-					return err
-				}
+			for k, reason := range reasons {
 				recovered = append(recovered, k[0]+"/"+k[1]+": "+reason)
-			}
-			if err := rows.Err(); err != nil {
-				return err
 			}
 			for _, cl := range recover {
 				settled = append(settled, decided{cl, Duplicate, 0})
@@ -356,7 +325,7 @@ func (b *batchState) receive(ctx context.Context, batch []*Delivery) ([]*claim, 
 	if err != nil {
 		var mine []*claim
 		for _, cl := range claims {
-			if s, i := cl.d.key(); inserted[[2]string{s, i}] && cl.d.Invalid == nil {
+			if inserted[cl.d.keyPair()] && cl.d.Invalid == nil {
 				mine = append(mine, cl)
 			}
 		}
@@ -406,22 +375,26 @@ func (b *batchState) letGo(claims []*claim) {
 	}
 }
 
-// collectKeys runs a statement returning (msg_source, msg_id) rows and
-// adds them to into.
-func collectKeys(ctx context.Context, tx pgx.Tx, into map[[2]string]bool, sql string, args ...any) error {
-	rows, err := tx.Query(ctx, sql, args...)
+// collectKeyed maps the rows of a statement, (msg_source, msg_id, value),
+// by key: the inbox's statements return their keys, so the caller learns
+// which rows its compare-and-set matched. Its arguments are a Query's
+// results; a T of struct{} reads the keys alone.
+func collectKeyed[T any](rows pgx.Rows, err error) (map[[2]string]T, error) {
 	if err != nil {
-		return err
+		return nil, err
 	}
-	for rows.Next() {
-		var k [2]string
-		if err := rows.Scan(&k[0], &k[1]); err != nil {
-			rows.Close()
-			return err
-		}
-		into[k] = true
+	out := map[[2]string]T{}
+	var k [2]string
+	var v T
+	dest := []any{&k[0], &k[1]}
+	if _, keysOnly := any(v).(struct{}); !keysOnly {
+		dest = append(dest, &v)
 	}
-	return rows.Err()
+	_, err = pgx.ForEachRow(rows, dest, func() error {
+		out[k] = v
+		return nil
+	})
+	return out, err
 }
 
 func claimDeliveries(cls []*claim) []*Delivery {
@@ -497,8 +470,3 @@ func (c *Consumer) databaseTrouble(err error) {
 // errLost is returned by a work transaction that found some of its claims
 // taken: it rolls back and runs again without them.
 var errLost = errors.New("inbox claim lost")
-
-func fmtKey(d *Delivery) string {
-	s, i := d.key()
-	return fmt.Sprintf("%s/%s", s, i)
-}

@@ -87,6 +87,12 @@ func (d *Delivery) key() (source, id string) {
 	return unkeyedSource, ref
 }
 
+// keyPair is key as a map key.
+func (d *Delivery) keyPair() [2]string {
+	s, i := d.key()
+	return [2]string{s, i}
+}
+
 // unkeyedSource is msg_source for messages dead-lettered without a key.
 const unkeyedSource = "!unkeyed"
 

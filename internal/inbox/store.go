@@ -101,7 +101,7 @@ UPDATE inbox_message m
   FROM unnest($2::text[], $3::text[], $6::text[], $7::float8[], $10::bool[]) AS f(s, i, e, w, p)
  WHERE m.consumer = $1 AND m.msg_source = f.s AND m.msg_id = f.i
    AND m.owner = $4 AND m.lease_token = $5 AND m.state = 'PROCESSING'
-RETURNING m.msg_source, m.msg_id, m.state, m.attempts`
+RETURNING m.msg_source, m.msg_id, m.state`
 
 // release puts rows whose work did not run (held behind a failure of
 // their order key, or let go) back to RECEIVED, so a takeover may run

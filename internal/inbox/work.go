@@ -90,26 +90,12 @@ func (b *batchState) round(ctx context.Context, claims []*claim, fresh bool) (ne
 func (b *batchState) begin(ctx context.Context, claims []*claim) (run, lost []*claim, err error) {
 	c := b.c
 	s, i := keyArrays(claimDeliveries(claims))
-	rows, err := c.pool.Query(ctx, begin, c.name, s, i, c.owner, b.token, c.cfg.LeaseTTL)
+	attempts, err := collectKeyed[int](c.pool.Query(ctx, begin, c.name, s, i, c.owner, b.token, c.cfg.LeaseTTL))
 	if err != nil {
 		return nil, nil, err
 	}
-	attempts := map[[2]string]int{}
-	for rows.Next() {
-		var k [2]string
-		var a int
-		if err := rows.Scan(&k[0], &k[1], &a); err != nil {
-			rows.Close()
-			return nil, nil, err
-		}
-		attempts[k] = a
-	}
-	if err := rows.Err(); err != nil {
-		return nil, nil, err
-	}
 	for _, cl := range claims {
-		s, i := cl.d.key()
-		if a, ok := attempts[[2]string{s, i}]; ok {
+		if a, ok := attempts[cl.d.keyPair()]; ok {
 			cl.attempts = a
 			run = append(run, cl)
 		} else {
@@ -181,13 +167,13 @@ func (b *batchState) work(ctx context.Context, run []*claim, isolate bool) (res 
 			res.done = append(res.done, cl)
 		}
 		if len(res.done) > 0 {
-			got := map[[2]string]bool{}
 			s, i := keyArrays(claimDeliveries(res.done))
-			if err := collectKeys(ctx, tx, got, markProcessed, c.name, s, i, c.owner, b.token); err != nil {
+			got, err := collectKeyed[struct{}](tx.Query(ctx, markProcessed, c.name, s, i, c.owner, b.token))
+			if err != nil {
 				return err
 			}
 			for _, cl := range res.done {
-				if s, i := cl.d.key(); !got[[2]string{s, i}] {
+				if _, ok := got[cl.d.keyPair()]; !ok {
 					res.lost = append(res.lost, cl)
 				}
 			}
@@ -239,24 +225,12 @@ func (b *batchState) workPipelined(ctx context.Context, run []*claim, q batchQue
 				return &handlerFailure{err}
 			}
 		}
-		rows, err := br.Query()
+		got, err := collectKeyed[struct{}](br.Query())
 		if err != nil {
 			return err
 		}
-		got := map[[2]string]bool{}
-		for rows.Next() {
-			var k [2]string
-			if err := rows.Scan(&k[0], &k[1]); err != nil {
-				rows.Close()
-				return err
-			}
-			got[k] = true
-		}
-		if err := rows.Err(); err != nil {
-			return err
-		}
 		for _, cl := range run {
-			if s, i := cl.d.key(); got[[2]string{s, i}] {
+			if _, ok := got[cl.d.keyPair()]; ok {
 				res.done = append(res.done, cl)
 			} else {
 				res.lost = append(res.lost, cl)
@@ -300,27 +274,12 @@ func (b *batchState) recordFailures(ctx context.Context, tx pgx.Tx, failed []fai
 		failed[n].wait = obs.FullJitter(c.cfg.BackoffBase, c.cfg.BackoffMax, failed[n].cl.attempts+1)
 		errs[n], waits[n], permanent[n] = failed[n].err.Error(), failed[n].wait.Seconds(), isPermanent(failed[n].err)
 	}
-	rows, err := tx.Query(ctx, markFailed, c.name, s, i, c.owner, b.token, errs, waits, c.cfg.MaxAttempts, c.cfg.LeaseTTL, permanent)
+	state, err := collectKeyed[string](tx.Query(ctx, markFailed, c.name, s, i, c.owner, b.token, errs, waits, c.cfg.MaxAttempts, c.cfg.LeaseTTL, permanent))
 	if err != nil {
 		return err
 	}
-	state := map[[2]string]string{}
-	for rows.Next() {
-		var k [2]string
-		var st string
-		var attempts int
-		if err := rows.Scan(&k[0], &k[1], &st, &attempts); err != nil {
-			rows.Close()
-			return err
-		}
-		state[k] = st
-	}
-	if err := rows.Err(); err != nil {
-		return err
-	}
 	for _, f := range failed {
-		s, i := f.cl.d.key()
-		switch state[[2]string{s, i}] {
+		switch state[f.cl.d.keyPair()] {
 		case "DEAD":
 			res.dead = append(res.dead, f)
 		case "FAILED":
@@ -361,26 +320,12 @@ func (b *batchState) settleLost(ctx context.Context, lost []*claim) error {
 	}
 	c := b.c
 	s, i := keyArrays(claimDeliveries(lost))
-	rows, err := c.pool.Query(ctx, states, c.name, s, i)
+	state, err := collectKeyed[string](c.pool.Query(ctx, states, c.name, s, i))
 	if err != nil {
 		return err
 	}
-	state := map[[2]string]string{}
-	for rows.Next() {
-		var k [2]string
-		var st string
-		if err := rows.Scan(&k[0], &k[1], &st); err != nil {
-			rows.Close()
-			return err
-		}
-		state[k] = st
-	}
-	if err := rows.Err(); err != nil {
-		return err
-	}
 	for _, cl := range lost {
-		s, i := cl.d.key()
-		switch state[[2]string{s, i}] {
+		switch state[cl.d.keyPair()] {
 		case "PROCESSED", "RESOLVED", "DEAD", "RECOVERY_REQUIRED":
 			b.settleClaim(ctx, cl, Duplicate, 0)
 		default:
