@@ -65,10 +65,29 @@ func connectDB(ctx context.Context, cfg *Config, log *slog.Logger) (*pgxpool.Poo
 }
 
 // waitForDB pings until the database answers, a permanent error comes back,
-// or the connect budget is spent. The last attempt is made when the budget
-// runs out, so the worker really keeps trying for the whole budget.
+// or the connect budget is spent.
 func waitForDB(ctx context.Context, pool *pgxpool.Pool, cfg *Config, log *slog.Logger) error {
-	budget := cfg.Database.ConnectTimeout
+	return waitFor(ctx, dependency{
+		name:      "database",
+		shown:     obs.MaskDSN(cfg.Database.URL),
+		ping:      pool.Ping,
+		permanent: func(err error) error { return permanentDBError(err, cfg.Database.URL) },
+	}, cfg.Database.ConnectTimeout, log)
+}
+
+// dependency is what waitFor needs to know of one the worker connects to
+// at start.
+type dependency struct {
+	name      string // in errors and logs: "database", "redis"
+	shown     string // its URL, credentials masked
+	ping      func(context.Context) error
+	permanent func(error) error // what no retry can fix, as the exit error; nil to retry
+}
+
+// waitFor pings d until it answers, a permanent error comes back, or the
+// connect budget is spent (exit 69). The last attempt is made when the
+// budget runs out, so the worker really keeps trying for the whole budget.
+func waitFor(ctx context.Context, d dependency, budget time.Duration, log *slog.Logger) error {
 	start := time.Now()
 	deadline := start.Add(budget)
 	wait := &backoff.ExponentialBackOff{
@@ -81,7 +100,7 @@ func waitForDB(ctx context.Context, pool *pgxpool.Pool, cfg *Config, log *slog.L
 	for {
 		limit := min(pingTimeout, max(time.Until(deadline), lastPing))
 		pctx, cancel := context.WithTimeout(ctx, limit)
-		err := pool.Ping(pctx)
+		err := d.ping(pctx)
 		cancel()
 		switch {
 		case err == nil:
@@ -95,16 +114,16 @@ func waitForDB(ctx context.Context, pool *pgxpool.Pool, cfg *Config, log *slog.L
 			// exceeded".
 			err = fmt.Errorf("no answer within %s: %w", limit.Round(time.Millisecond), err)
 		}
-		if perr := permanentDBError(err, cfg.Database.URL); perr != nil {
+		if perr := d.permanent(err); perr != nil {
 			return perr
 		}
 		remaining := time.Until(deadline)
 		if remaining <= 0 {
 			elapsed := time.Since(start).Round(100 * time.Millisecond)
-			return &exitError{code: ExitUnavailable, err: err, msg: fmt.Sprintf("database %s unreachable after %s (APP_DATABASE_CONNECT_TIMEOUT=%s): %s",
-				obs.MaskDSN(cfg.Database.URL), elapsed, budget, obs.MaskDSN(err.Error()))}
+			return &exitError{code: ExitUnavailable, err: err, msg: fmt.Sprintf("%s %s unreachable after %s (APP_DATABASE_CONNECT_TIMEOUT=%s): %s",
+				d.name, d.shown, elapsed, budget, obs.MaskDSN(err.Error()))}
 		}
-		log.Warn("database not reachable yet, retrying", "error", err, "elapsed_ms", time.Since(start).Milliseconds())
+		log.Warn(d.name+" not reachable yet, retrying", "error", err, "elapsed_ms", time.Since(start).Milliseconds())
 		t := time.NewTimer(min(wait.NextBackOff(), remaining))
 		select {
 		case <-ctx.Done():

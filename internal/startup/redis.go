@@ -7,9 +7,7 @@ import (
 	"log/slog"
 	"net/url"
 	"strings"
-	"time"
 
-	"github.com/cenkalti/backoff/v5"
 	"github.com/redis/go-redis/v9"
 
 	"github.com/worker-dev/worker/internal/lock"
@@ -113,46 +111,13 @@ func newRedisLocker(ctx context.Context, cfg *Config, log *slog.Logger) (*lock.R
 // waitForRedis pings until Redis answers, a permanent error comes back, or
 // the connect budget is spent, as waitForDB does for the database.
 func waitForRedis(ctx context.Context, rdb *redis.Client, cfg *Config, log *slog.Logger) error {
-	budget := cfg.Database.ConnectTimeout
-	start := time.Now()
-	deadline := start.Add(budget)
-	wait := &backoff.ExponentialBackOff{
-		InitialInterval:     100 * time.Millisecond,
-		RandomizationFactor: 0.2,
-		Multiplier:          2,
-		MaxInterval:         3 * time.Second,
-	}
-	wait.Reset()
 	shown := obs.MaskDSN(cfg.Lock.Redis.URL)
-	for {
-		limit := min(pingTimeout, max(time.Until(deadline), lastPing))
-		pctx, cancel := context.WithTimeout(ctx, limit)
-		err := rdb.Ping(pctx).Err()
-		cancel()
-		switch {
-		case err == nil:
-			return nil
-		case ctx.Err() != nil:
-			return ctx.Err()
-		}
-		if perr := permanentRedisError(err, shown); perr != nil {
-			return perr
-		}
-		remaining := time.Until(deadline)
-		if remaining <= 0 {
-			elapsed := time.Since(start).Round(100 * time.Millisecond)
-			return &exitError{code: ExitUnavailable, err: err, msg: fmt.Sprintf("redis %s unreachable after %s (APP_DATABASE_CONNECT_TIMEOUT=%s): %s",
-				shown, elapsed, budget, obs.MaskDSN(err.Error()))}
-		}
-		log.Warn("redis not reachable yet, retrying", "error", err, "elapsed_ms", time.Since(start).Milliseconds())
-		t := time.NewTimer(min(wait.NextBackOff(), remaining))
-		select {
-		case <-ctx.Done():
-			t.Stop()
-			return ctx.Err()
-		case <-t.C:
-		}
-	}
+	return waitFor(ctx, dependency{
+		name:      "redis",
+		shown:     shown,
+		ping:      func(ctx context.Context) error { return rdb.Ping(ctx).Err() },
+		permanent: func(err error) error { return permanentRedisError(err, shown) },
+	}, cfg.Database.ConnectTimeout, log)
 }
 
 // permanentRedisError classifies what no retry can fix: refused
