@@ -592,7 +592,7 @@ func TestPostgresFenceHoldsOffTakeoverUntilCommit(t *testing.T) {
 
 // The case the fence exists for: the grant expired while the fenced
 // transaction was still open (its holder was slow), and another replica's
-// single try finds the key free. The try's UPDATE waits for the COMMIT, so
+// try finds the key free. The try's UPDATE waits for the COMMIT, so
 // it cannot take the key between the fence and the commit.
 func TestPostgresFenceHoldsOffTryOnExpiredGrant(t *testing.T) {
 	t.Parallel()
@@ -606,7 +606,11 @@ func TestPostgresFenceHoldsOffTryOnExpiredGrant(t *testing.T) {
 		FROM worker_lock WHERE key = 'k'`); err != nil {
 		t.Fatal(err)
 	}
-	taken := blockedTaker(t, db, taker, 0)
+	// The grant has expired, so the taker's first statement takes the key:
+	// it is that statement that must wait for the COMMIT. Its budget is
+	// generous (a single try's would be a second), so that a busy machine
+	// seeing it blocked and committing is not a race against it.
+	taken := blockedTaker(t, db, taker, 10*time.Second)
 	if err := tx.Commit(ctx); err != nil {
 		t.Fatalf("commit of the fenced transaction: %v", err)
 	}
