@@ -157,13 +157,3 @@ func (c Config) Validate() error {
 	}
 	return nil
 }
-
-// SourceWithName returns the source named name.
-func (c Config) SourceWithName(name string) (SourceConfig, bool) {
-	for _, s := range c.Sources {
-		if s.Name == name {
-			return s, true
-		}
-	}
-	return SourceConfig{}, false
-}

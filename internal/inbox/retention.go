@@ -24,10 +24,10 @@ SELECT consumer, state, count(*) FROM inbox_message
  WHERE state IN ('DEAD', 'RECOVERY_REQUIRED') AND finished_at IS NOT NULL
  GROUP BY consumer, state`
 
-// Reap deletes expired dedupe records in batches of cfg.ReapBatch, each its
+// reap deletes expired dedupe records in batches of cfg.ReapBatch, each its
 // own transaction, until none is left or ctx ends. It returns how many it
 // deleted.
-func Reap(ctx context.Context, pool *pgxpool.Pool, cfg Config) (int64, error) {
+func reap(ctx context.Context, pool *pgxpool.Pool, cfg Config) (int64, error) {
 	var total int64
 	for ctx.Err() == nil {
 		tag, err := pool.Exec(ctx, reapBatch, cfg.Retention, cfg.ReapBatch)
@@ -52,8 +52,8 @@ type Housekeeper struct {
 	sources []string
 }
 
-// NewHousekeeper returns the housekeeper of the configured sources.
-func NewHousekeeper(pool *pgxpool.Pool, cfg Config, log *slog.Logger, m *Metrics) *Housekeeper {
+// newHousekeeper returns the housekeeper of the configured sources.
+func newHousekeeper(pool *pgxpool.Pool, cfg Config, log *slog.Logger, m *Metrics) *Housekeeper {
 	h := &Housekeeper{pool: pool, cfg: cfg, log: log.With("job_name", "inbox-reaper"), m: m}
 	for _, s := range cfg.Sources {
 		h.sources = append(h.sources, s.Name)
@@ -76,7 +76,7 @@ func (h *Housekeeper) Run(ctx context.Context) {
 }
 
 func (h *Housekeeper) once(ctx context.Context) {
-	n, err := Reap(ctx, h.pool, h.cfg)
+	n, err := reap(ctx, h.pool, h.cfg)
 	h.m.reaped.Add(float64(n))
 	if err != nil && ctx.Err() == nil {
 		h.log.Warn("inbox retention failed; it runs again next interval", "error", err, "deleted", n)

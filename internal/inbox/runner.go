@@ -38,7 +38,7 @@ type Part struct {
 func NewRunner(pool *pgxpool.Pool, cfg Config, parts []Part, owner string, log *slog.Logger, m *Metrics) *Runner {
 	hard, hardCancel := context.WithCancel(context.Background())
 	r := &Runner{
-		hk:         NewHousekeeper(pool, cfg, log, m),
+		hk:         newHousekeeper(pool, cfg, log, m),
 		pool:       pool,
 		cfg:        cfg,
 		log:        log,
