@@ -97,7 +97,7 @@ func TestShop(t *testing.T) {
 				t.Errorf("order %s: written %v, the sink received %v", id, written, received)
 			}
 		}
-		if n := count(t, db, "SELECT count(*) FROM outbox_event WHERE status <> 'PUBLISHED'"); n != 0 {
+		if n := count(t, db, "SELECT count(*) FROM outbox_event_state WHERE status <> 'PUBLISHED'"); n != 0 {
 			t.Errorf("%d events not published", n)
 		}
 	})

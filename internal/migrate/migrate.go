@@ -11,6 +11,8 @@ import (
 	"log/slog"
 	"time"
 
+	"github.com/jackc/pgerrcode"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/jackc/pgx/v5/stdlib"
 	"github.com/pressly/goose/v3"
@@ -49,12 +51,8 @@ func Up(ctx context.Context, pool *pgxpool.Pool, log *slog.Logger) (err error) {
 	if err != nil {
 		return err
 	}
-	res, err := p.Up(ctx)
-	if err != nil {
-		return fmt.Errorf("apply worker migrations: %w", err)
-	}
-	for _, r := range res {
-		log.Info("migration applied", "version", r.Source.Version, "file", r.Source.Path, "duration_ms", r.Duration.Milliseconds())
+	if err := upWorker(ctx, p, log); err != nil {
+		return err
 	}
 	// River logs every step under its own generic message; one line per
 	// applied version (below) is enough.
@@ -70,6 +68,41 @@ func Up(ctx context.Context, pool *pgxpool.Pool, log *slog.Logger) (err error) {
 		log.Info("river migration applied", "version", v.Version, "name", v.Name)
 	}
 	return nil
+}
+
+// lockAttempts bounds how often a migration that could not take its lock
+// in time (its lock_timeout) is tried again. The outbox V2 cutover locks
+// outbox_event, which a long transaction of an application or an old relay
+// may hold; failing fast and retrying keeps producers from queueing behind
+// the cutover's wait for long.
+const lockAttempts = 30
+
+// upWorker applies the worker's migrations, retrying one that gave up
+// waiting for a lock. Goose records each migration as it commits, so a
+// retry resumes at the one that failed, whose transaction rolled back whole.
+func upWorker(ctx context.Context, p *goose.Provider, log *slog.Logger) error {
+	for attempt := 1; ; attempt++ {
+		res, err := p.Up(ctx)
+		if partial := (*goose.PartialError)(nil); errors.As(err, &partial) {
+			res = partial.Applied
+		}
+		for _, r := range res {
+			log.Info("migration applied", "version", r.Source.Version, "file", r.Source.Path, "duration_ms", r.Duration.Milliseconds())
+		}
+		var pgErr *pgconn.PgError
+		if err == nil || !errors.As(err, &pgErr) || pgErr.Code != pgerrcode.LockNotAvailable || attempt == lockAttempts {
+			if err != nil {
+				return fmt.Errorf("apply worker migrations: %w", err)
+			}
+			return nil
+		}
+		log.Warn("migration waiting for a lock; trying again", "attempt", attempt, "error", err)
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(time.Second):
+		}
+	}
 }
 
 // Pending reports whether any worker or River migration is not yet applied.

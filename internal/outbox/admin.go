@@ -31,7 +31,10 @@ func Emit(ctx context.Context, pool *pgxpool.Pool, e NewEvent) (eventID string, 
 
 // Stats is the outbox at a glance.
 type Stats struct {
-	ByStatus map[string]int64 // rows by status; every status is present
+	// Events by status; every status is present. PUBLISHED counts the
+	// published events still kept, in partitions not yet dropped (purged
+	// ones are not).
+	ByStatus map[string]int64
 	// OldestPending is the occurred_at of the oldest event not yet
 	// PUBLISHED or DEAD, and OldestPendingAge its age on the database
 	// clock; both zero when there is none.
@@ -46,7 +49,11 @@ func ReadStats(ctx context.Context, pool *pgxpool.Pool) (Stats, error) {
 	for _, st := range allStatuses {
 		s.ByStatus[st] = 0
 	}
-	rows, err := pool.Query(ctx, `SELECT status, count(*) FROM outbox_event GROUP BY status`)
+	rows, err := pool.Query(ctx, `
+SELECT status, count(*) FROM outbox_delivery GROUP BY status
+UNION ALL
+SELECT 'PUBLISHED', (SELECT count(*) FROM outbox_event) - (SELECT count(*) FROM outbox_delivery)
+                    - (SELECT count(*) FROM outbox_purged)`)
 	if err != nil {
 		return s, err
 	}
@@ -67,8 +74,9 @@ func ReadStats(ctx context.Context, pool *pgxpool.Pool) (Stats, error) {
 	var oldest *time.Time
 	var age *float64
 	err = pool.QueryRow(ctx, `
-SELECT min(occurred_at), extract(epoch FROM now() - min(occurred_at))::float8
-FROM outbox_event WHERE `+unfinished+` AND isfinite(occurred_at)`).Scan(&oldest, &age)
+SELECT min(v.occurred_at), extract(epoch FROM now() - min(v.occurred_at))::float8
+FROM outbox_delivery e JOIN outbox_event v ON v.id = e.id AND v.created_at = e.created_at
+WHERE e.`+live+` AND isfinite(v.occurred_at)`).Scan(&oldest, &age)
 	if err != nil {
 		return s, err
 	}
@@ -137,13 +145,13 @@ func ListDead(ctx context.Context, pool *pgxpool.Pool, limit int) (list []DeadEv
 	if limit <= 0 {
 		return nil, 0, fmt.Errorf("outbox: list dead: limit must be positive, got %d", limit)
 	}
-	// next_attempt_at of a DEAD row is when it was marked dead. The window
-	// count is taken before LIMIT, so it is the total.
+	// The window count is taken before LIMIT, so it is the total.
 	rows, err := pool.Query(ctx, `
-SELECT id, event_id::text, aggregate_type, aggregate_id, event_type, payload, headers, occurred_at,
-       attempts, coalesce(last_error, ''), next_attempt_at, count(*) OVER ()
-FROM outbox_event WHERE status = 'DEAD'
-ORDER BY id LIMIT $1`, limit)
+SELECT e.id, v.event_id::text, e.aggregate_type, e.aggregate_id, v.event_type, v.payload, v.headers, v.occurred_at,
+       e.attempts, coalesce(e.last_error, ''), e.dead_at, count(*) OVER ()
+FROM outbox_delivery e JOIN outbox_event v ON v.id = e.id AND v.created_at = e.created_at
+WHERE e.dead_at IS NOT NULL
+ORDER BY e.id LIMIT $1`, limit)
 	if err != nil {
 		return nil, 0, err
 	}
@@ -170,91 +178,41 @@ ORDER BY id LIMIT $1`, limit)
 // (or does not exist).
 var ErrNotDead = errors.New("outbox: no DEAD event with that event_id")
 
-// RulesLeftError reports DEAD events that RetryDead left DEAD because they
-// break a producer rule (rows written before the rules existed): requeued,
-// they would only go DEAD again. Purge them instead.
-type RulesLeftError struct{ Left int64 }
-
-func (e *RulesLeftError) Error() string {
-	return fmt.Sprintf("outbox: %d DEAD event(s) left DEAD: they break a producer rule and can only be purged", e.Left)
-}
+// deadSelected picks the DEAD delivery rows an admin statement acts on:
+// all, or the one whose envelope has event_id $1.
+const deadSelected = `dead_at IS NOT NULL
+  AND ($1::uuid IS NULL OR id IN (SELECT id FROM outbox_event WHERE event_id = $1::uuid))`
 
 const retryDeadSQL = `
-UPDATE outbox_event
-SET status = 'PENDING', attempts = 0, next_attempt_at = now(), claimed_by = NULL
-WHERE status = 'DEAD' AND ($1::uuid IS NULL OR event_id = $1::uuid)`
+UPDATE outbox_delivery
+SET status = 'PENDING', attempts = 0, next_attempt_at = now(), claimed_by = NULL, dead_at = NULL
+WHERE ` + deadSelected
 
 // RetryDead puts DEAD events back to PENDING with their attempts reset, so
 // the relay publishes them again; last_error is kept for the record. It
 // acts on one event (eventID) or, when eventID is empty, on every DEAD
 // event, logs who did it (actor) and returns how many it requeued.
 //
-// Resetting attempts subjects a row to the producer rules again, so an
-// event that breaks one cannot be requeued: for one event RetryDead returns
-// the *RuleError; for all, it requeues the others and returns their count
-// with a *RulesLeftError.
-//
 // With block_on_dead=false later events of the aggregate may already be
 // published, so a retried event reaches consumers after them.
 func RetryDead(ctx context.Context, pool *pgxpool.Pool, eventID, actor string, log *slog.Logger) (int64, error) {
 	n, err := deadAdmin(ctx, pool, retryDeadSQL, eventID, actor)
-	var left int64
-	var re *RuleError
-	if eventID == "" && errors.As(err, &re) {
-		n, left, err = retryDeadOneByOne(ctx, pool)
-	}
 	if err != nil {
 		return 0, err
 	}
 	logAdmin(log, "outbox dead events requeued", eventID, actor, n)
-	if left > 0 {
-		if log != nil {
-			log.Warn("outbox dead events left DEAD: they break a producer rule", "job", RelayJobName, "actor", actor, "count", left)
-		}
-		return n, &RulesLeftError{Left: left}
-	}
 	return n, nil
 }
 
-// retryDeadOneByOne requeues every DEAD event that the producer rules
-// allow, each under its own savepoint, and counts the ones they refuse. It
-// is the slow path of RetryDead, taken only when some row breaks a rule.
-func retryDeadOneByOne(ctx context.Context, pool *pgxpool.Pool) (requeued, left int64, err error) {
-	err = pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
-		rows, err := tx.Query(ctx, "SELECT event_id::text FROM outbox_event WHERE status = 'DEAD' ORDER BY id")
-		if err != nil {
-			return err
-		}
-		ids, err := pgx.CollectRows(rows, pgx.RowTo[string])
-		if err != nil {
-			return err
-		}
-		for _, id := range ids {
-			err := pgx.BeginFunc(ctx, tx, func(sp pgx.Tx) error {
-				_, err := sp.Exec(ctx, retryDeadSQL, id)
-				return asRuleError(err)
-			})
-			var re *RuleError
-			switch {
-			case errors.As(err, &re):
-				left++
-			case err != nil:
-				return err
-			default:
-				requeued++
-			}
-		}
-		_, err = tx.Exec(ctx, "SELECT pg_notify($1, '')", NotifyChannel)
-		return err
-	})
-	return requeued, left, err
-}
-
-// PurgeDead deletes DEAD events for good: one (eventID) or, when eventID is
-// empty, every DEAD event. It logs who did it and returns how many it
-// deleted.
+// PurgeDead gives up on DEAD events for good: one (eventID) or, when
+// eventID is empty, every DEAD event. Their delivery rows go, so their
+// partitions can be dropped; a row in outbox_purged tells them from
+// published events until then. It logs who did it and returns how many it
+// purged.
 func PurgeDead(ctx context.Context, pool *pgxpool.Pool, eventID, actor string, log *slog.Logger) (int64, error) {
-	const purge = `DELETE FROM outbox_event WHERE status = 'DEAD' AND ($1::uuid IS NULL OR event_id = $1::uuid)`
+	const purge = `
+WITH gone AS (DELETE FROM outbox_delivery WHERE ` + deadSelected + ` RETURNING id, created_at, last_error)
+INSERT INTO outbox_purged (id, created_at, last_error) SELECT id, created_at, last_error FROM gone`
 	n, err := deadAdmin(ctx, pool, purge, eventID, actor)
 	if err != nil {
 		return 0, err
@@ -279,7 +237,7 @@ func deadAdmin(ctx context.Context, pool *pgxpool.Pool, sql, eventID, actor stri
 			if errors.As(err, &pgErr) && pgErr.Code == "22P02" {
 				return fmt.Errorf("outbox: event_id %q is not a uuid", eventID)
 			}
-			return asRuleError(err)
+			return err
 		}
 		n = tag.RowsAffected()
 		// Requeued rows wake the relays like new ones (a no-op for purge).

@@ -38,7 +38,7 @@ func TestAppendStd(t *testing.T) {
 		t.Fatal(err)
 	}
 	var traceparent string
-	if err := pdb.Pool.QueryRow(ctx, "SELECT headers->>'traceparent' FROM outbox_event WHERE event_id = $1", id).Scan(&traceparent); err != nil || traceparent != "00-1-2-01" {
+	if err := pdb.Pool.QueryRow(ctx, "SELECT headers->>'traceparent' FROM outbox_event_state WHERE event_id = $1", id).Scan(&traceparent); err != nil || traceparent != "00-1-2-01" {
 		t.Fatalf("event %s after commit: traceparent %q, %v", id, traceparent, err)
 	}
 
@@ -53,7 +53,7 @@ func TestAppendStd(t *testing.T) {
 		t.Fatal(err)
 	}
 	var n int
-	if err := pdb.Pool.QueryRow(ctx, "SELECT count(*) FROM outbox_event WHERE aggregate_id = '2'").Scan(&n); err != nil || n != 0 {
+	if err := pdb.Pool.QueryRow(ctx, "SELECT count(*) FROM outbox_event_state WHERE aggregate_id = '2'").Scan(&n); err != nil || n != 0 {
 		t.Fatalf("rolled-back append: %d rows, %v; want none", n, err)
 	}
 }

@@ -54,31 +54,50 @@ FROM generate_series(1, $1) g`, n, aggs)
 	}
 }
 
-// saveBacklog moves the loaded events into table, so every phase can start
-// from exactly the same rows without paying for the trigger path again.
+// saveBacklog moves the loaded events (envelopes, and delivery rows in
+// table_delivery) into table, so every phase can start from exactly the
+// same rows without paying for the trigger path again.
 func saveBacklog(tb testing.TB, pool *pgxpool.Pool, table string) {
 	tb.Helper()
 	exec(tb, pool, "CREATE TABLE "+table+" AS SELECT * FROM outbox_event")
-	exec(tb, pool, "TRUNCATE outbox_event")
+	exec(tb, pool, "CREATE TABLE "+table+"_delivery AS SELECT * FROM outbox_delivery")
+	exec(tb, pool, "TRUNCATE outbox_event, outbox_delivery")
 }
 
-// restoreBacklog replaces the table's contents with a saved backlog, then
+// restoreBacklog replaces the outbox's contents with a saved backlog, then
 // vacuums and checkpoints, so every phase starts alike. The user triggers
 // are off while copying: the rows already went through them once, and the
-// copy keeps their ids and event_ids.
+// copy keeps their ids and event_ids. It also starts counting publishes
+// afresh (trackPublished).
 func restoreBacklog(tb testing.TB, pool *pgxpool.Pool, table string) {
 	tb.Helper()
 	for _, q := range []string{
-		"TRUNCATE outbox_event",
+		trackPublishedSQL,
+		"TRUNCATE outbox_event, outbox_delivery, bench_published",
 		"ALTER TABLE outbox_event DISABLE TRIGGER USER",
 		"INSERT INTO outbox_event SELECT * FROM " + table,
 		"ALTER TABLE outbox_event ENABLE TRIGGER USER",
-		"VACUUM ANALYZE outbox_event",
+		"INSERT INTO outbox_delivery SELECT * FROM " + table + "_delivery",
+		"VACUUM ANALYZE outbox_event, outbox_delivery",
 		"CHECKPOINT",
 	} {
 		exec(tb, pool, q)
 	}
 }
+
+// trackPublishedSQL records, per statement that deletes delivery rows (a
+// batch marked published, or completed), when it ran and how many rows it
+// deleted: a published event leaves no row to time it by. One small
+// insert per batch of hundreds.
+const trackPublishedSQL = `
+CREATE TABLE IF NOT EXISTS bench_published (at timestamptz NOT NULL, n bigint NOT NULL);
+CREATE OR REPLACE FUNCTION bench_published() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    INSERT INTO bench_published SELECT clock_timestamp(), count(*) FROM gone HAVING count(*) > 0;
+    RETURN NULL;
+END $$;
+CREATE OR REPLACE TRIGGER bench_published AFTER DELETE ON outbox_delivery
+    REFERENCING OLD TABLE AS gone FOR EACH STATEMENT EXECUTE FUNCTION bench_published()`
 
 // drainResult is one drained backlog: its rate from the database's own
 // timestamps, and the CPU it cost.
@@ -89,15 +108,16 @@ type drainResult struct {
 	clientCPU time.Duration // the relay processes, or this process for the ceiling
 }
 
-// publishedSpan reads how many events are PUBLISHED and the rate between
-// the first and the last published_at.
+// publishedSpan reads how many events were published since the backlog
+// was restored, and the rate between the first and the last publishing
+// statement.
 func publishedSpan(tb testing.TB, pool *pgxpool.Pool) (int, float64) {
 	tb.Helper()
 	var n int
 	var secs float64
 	err := pool.QueryRow(context.Background(), `
-SELECT count(*), coalesce(extract(epoch FROM max(published_at) - min(published_at)), 0)::float8
-FROM outbox_event WHERE status = 'PUBLISHED'`).Scan(&n, &secs)
+SELECT coalesce(sum(n), 0), coalesce(extract(epoch FROM max(at) - min(at)), 0)::float8
+FROM bench_published`).Scan(&n, &secs)
 	if err != nil {
 		tb.Fatal(err)
 	}
@@ -105,52 +125,6 @@ FROM outbox_event WHERE status = 'PUBLISHED'`).Scan(&n, &secs)
 		return n, 0
 	}
 	return n, float64(n) / secs
-}
-
-// ceilingSQL is the reference loop of PERFORMANCE.md: claim and mark
-// PUBLISHED in one statement, no ordering gate, no sink, one write per row.
-// It returns the columns a relay needs, as any relay must read them.
-const ceilingSQL = `
-UPDATE outbox_event SET status = 'PUBLISHED', published_at = clock_timestamp(), attempts = attempts + 1
-WHERE id IN (SELECT id FROM outbox_event
-             WHERE ` + unfinished + ` AND next_attempt_at <= now()
-             ORDER BY id LIMIT 500 FOR UPDATE SKIP LOCKED)
-RETURNING id, event_id::text, aggregate_type, aggregate_id, event_type, payload, headers, occurred_at, attempts`
-
-// drainCeiling runs the ceiling loop on one connection until the table is
-// drained.
-func drainCeiling(tb testing.TB, db *pgtest.DB) drainResult {
-	tb.Helper()
-	pool := benchPool(tb, db, "bench-ceiling", 1)
-	defer pool.Close()
-	cpu0 := testkit.SelfCPU(tb)
-	for {
-		rows, err := pool.Query(context.Background(), ceilingSQL)
-		if err != nil {
-			tb.Fatal(err)
-		}
-		n := 0
-		for rows.Next() {
-			var id int64
-			var attempts int
-			var eid, at, ai, et string
-			var payload, headers []byte
-			var occurred time.Time
-			if err := rows.Scan(&id, &eid, &at, &ai, &et, &payload, &headers, &occurred, &attempts); err != nil {
-				tb.Fatal(err)
-			}
-			n++
-		}
-		if err := rows.Err(); err != nil {
-			tb.Fatal(err)
-		}
-		if n == 0 {
-			break
-		}
-	}
-	res := drainResult{clientCPU: testkit.SelfCPU(tb) - cpu0, dbCPU: serverCPU(tb, db, "bench-ceiling")}
-	res.events, res.rate = publishedSpan(tb, db.Pool)
-	return res
 }
 
 // benchPool opens a pool whose sessions carry appName, so serverCPU can
@@ -432,7 +406,7 @@ func waitDrained(tb testing.TB, pool *pgxpool.Pool, within time.Duration) {
 	deadline := time.Now().Add(within)
 	for {
 		var left bool
-		err := pool.QueryRow(context.Background(), `SELECT EXISTS (SELECT 1 FROM outbox_event WHERE `+unfinished+`)`).Scan(&left)
+		err := pool.QueryRow(context.Background(), `SELECT EXISTS (SELECT 1 FROM outbox_delivery WHERE `+live+`)`).Scan(&left)
 		if err != nil {
 			tb.Fatal(err)
 		}

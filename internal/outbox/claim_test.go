@@ -48,14 +48,13 @@ func TestLockWindowChecksHeadIdentity(t *testing.T) {
 	c1 := appendEvent(t, db.Pool, "c", "c1")
 	c2 := appendEvent(t, db.Pool, "c", "c2")
 	appendEvent(t, db.Pool, "a", "a1")
-	exec(t, db.Pool, `UPDATE outbox_event SET status = 'FAILED', attempts = 1, next_attempt_at = now() + interval '1 hour'
-		WHERE event_id = $1`, c1)
+	setDelivery(t, db.Pool, c1, "status = 'FAILED', attempts = 1, next_attempt_at = now() + interval '1 hour'")
 	c, tx, cands := lockWindowSetup(t, db, testConfig())
 	if len(cands) != 1 || cands[0].head.key.id != "a" {
 		t.Fatalf("candidates %+v, want only aggregate a", cands)
 	}
 	// Stand in for the slot being reused: the head's slot now holds c2.
-	if err := tx.QueryRow(ctx, `SELECT ctid FROM outbox_event WHERE event_id = $1`, c2).Scan(&cands[0].head.tid); err != nil {
+	if err := tx.QueryRow(ctx, `SELECT d.ctid FROM outbox_delivery d JOIN outbox_event e ON e.id = d.id WHERE e.event_id = $1`, c2).Scan(&cands[0].head.tid); err != nil {
 		t.Fatal(err)
 	}
 	runs, _, err := c.lockWindow(ctx, tx.Conn(), cands, 100, 0)
@@ -78,7 +77,7 @@ func TestLockWindowSeesRetriedDeadEvent(t *testing.T) {
 	ctx := context.Background()
 	dead := appendEvent(t, db.Pool, "x", "x1")
 	appendEvent(t, db.Pool, "x", "x2")
-	exec(t, db.Pool, `UPDATE outbox_event SET status = 'DEAD', attempts = 3 WHERE event_id = $1`, dead)
+	setDelivery(t, db.Pool, dead, "status = 'DEAD', attempts = 3, dead_at = now()")
 	cfg := testConfig()
 	cfg.BlockOnDead = true
 	c, tx, cands := lockWindowSetup(t, db, cfg)
@@ -141,7 +140,7 @@ SELECT 'order', 'hot', 'hot', '{}' FROM generate_series(1, 100)`)
 		t.Fatal(err)
 	}
 	defer holder.Rollback(ctx)
-	if _, err := holder.Exec(ctx, `SELECT 1 FROM outbox_event WHERE event_id = $1 FOR UPDATE`, hot); err != nil {
+	if _, err := holder.Exec(ctx, `SELECT 1 FROM outbox_delivery WHERE id = (SELECT id FROM outbox_event WHERE event_id = $1) FOR UPDATE`, hot); err != nil {
 		t.Fatal(err)
 	}
 

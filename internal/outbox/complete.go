@@ -183,7 +183,7 @@ func (c *completer) handBackOutstanding() {
 	}
 }
 
-// pgCompletions writes completions to outbox_event.
+// pgCompletions writes completions to outbox_delivery.
 type pgCompletions struct {
 	pool       *pgxpool.Pool
 	instanceID string

@@ -31,7 +31,13 @@ type Config struct {
 	// unavailable (breaker.go).
 	ProbeBackoffMax time.Duration `koanf:"probe_backoff_max" yaml:"probe_backoff_max"`
 	BlockOnDead     bool          `koanf:"block_on_dead" yaml:"block_on_dead"`
-	Retention       time.Duration `koanf:"retention" yaml:"retention"`
+	// Retention is how long published events are kept: a partition is
+	// dropped once it ends this long ago and all its events are done.
+	Retention time.Duration `koanf:"retention" yaml:"retention"`
+	// PartitionInterval is the time span of one outbox_event partition;
+	// PartitionsAhead how many are kept ready past now.
+	PartitionInterval time.Duration `koanf:"partition_interval" yaml:"partition_interval"`
+	PartitionsAhead   int           `koanf:"partitions_ahead" yaml:"partitions_ahead"`
 	// MetricsInterval is how often the relay refreshes outbox_pending_size
 	// and outbox_publisher_lag_seconds from the table.
 	MetricsInterval time.Duration  `koanf:"metrics_interval" yaml:"metrics_interval"`
@@ -95,24 +101,26 @@ func DefaultMaxInFlight(sink string) int {
 // DefaultConfig is the outbox configuration when nothing is set.
 func DefaultConfig() Config {
 	return Config{
-		Enabled:         true,
-		Sink:            SinkLog,
-		Relays:          1,
-		BatchSize:       500,
-		MaxInFlight:     0, // the sink's
-		DetachAfter:     100 * time.Millisecond,
-		PollInterval:    time.Second,
-		InFlightTimeout: 30 * time.Second,
-		MaxAttempts:     3,
-		BackoffBase:     time.Second,
-		BackoffMax:      5 * time.Minute,
-		ProbeBackoffMax: 5 * time.Second,
-		Retention:       168 * time.Hour,
-		MetricsInterval: 5 * time.Second,
-		Webhook:         WebhookConfig{Timeout: 10 * time.Second},
-		NATS:            DefaultNATSConfig(),
-		RabbitMQ:        DefaultRabbitMQConfig(),
-		Kafka:           DefaultKafkaConfig(),
+		Enabled:           true,
+		Sink:              SinkLog,
+		Relays:            1,
+		BatchSize:         500,
+		MaxInFlight:       0, // the sink's
+		DetachAfter:       100 * time.Millisecond,
+		PollInterval:      time.Second,
+		InFlightTimeout:   30 * time.Second,
+		MaxAttempts:       3,
+		BackoffBase:       time.Second,
+		BackoffMax:        5 * time.Minute,
+		ProbeBackoffMax:   5 * time.Second,
+		Retention:         168 * time.Hour,
+		PartitionInterval: 24 * time.Hour,
+		PartitionsAhead:   7,
+		MetricsInterval:   5 * time.Second,
+		Webhook:           WebhookConfig{Timeout: 10 * time.Second},
+		NATS:              DefaultNATSConfig(),
+		RabbitMQ:          DefaultRabbitMQConfig(),
+		Kafka:             DefaultKafkaConfig(),
 	}
 }
 
@@ -145,6 +153,8 @@ func (c Config) Validate() error {
 		atLeast("backoff_base", c.BackoffBase, time.Millisecond),
 		atLeast("probe_backoff_max", c.ProbeBackoffMax, 10*time.Millisecond),
 		atLeast("retention", c.Retention, time.Minute),
+		atLeast("partition_interval", c.PartitionInterval, time.Second),
+		between("partitions_ahead", c.PartitionsAhead, 2, 1000),
 		atLeast("metrics_interval", c.MetricsInterval, 100*time.Millisecond),
 	} {
 		if err != nil {

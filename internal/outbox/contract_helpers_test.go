@@ -2,7 +2,8 @@ package outbox_test
 
 // Shared scaffolding of the outbox contract tests (contract_*_test.go). They
 // are black-box: they drive the relay through its public API, produce events
-// through the real insert trigger, and read outbox_event with plain SQL.
+// through the real insert trigger, and read the events' state with plain
+// SQL (the view outbox_event_state).
 
 import (
 	"context"
@@ -112,20 +113,25 @@ func contractNewEvent(aggID, eventType string) outbox.NewEvent {
 	}
 }
 
-// contractRow is the relay-visible state of one outbox_event row.
+// contractRow is the relay-visible state of one event, as the view
+// outbox_event_state shows it.
 type contractRow struct {
 	ID          int64
 	EventID     string
 	AggregateID string
 	Status      string
-	Attempts    int
+	// Attempts of an event still to publish, or DEAD; 0 for a PUBLISHED
+	// event, whose delivery row (and with it its attempts) is deleted when
+	// it is published. How many attempts a publication took is read from
+	// the sink instead: contractRecordingSink.publishedOnAttempt.
+	Attempts int
 }
 
-// contractRows returns every row of outbox_event in id (insertion) order.
+// contractRows returns every event in id (insertion) order.
 func contractRows(t testing.TB, pool *pgxpool.Pool) []contractRow {
 	t.Helper()
 	rows, err := pool.Query(context.Background(),
-		`SELECT id, event_id::text, aggregate_id, status, attempts FROM outbox_event ORDER BY id`)
+		`SELECT id, coalesce(event_id::text, ''), aggregate_id, status, coalesce(attempts, 0) FROM outbox_event_state ORDER BY id`)
 	if err != nil {
 		t.Fatalf("read outbox_event: %v", err)
 	}
@@ -145,7 +151,7 @@ func contractRowOf(t testing.TB, pool *pgxpool.Pool, eventID string) contractRow
 	t.Helper()
 	var c contractRow
 	err := pool.QueryRow(context.Background(),
-		`SELECT id, event_id::text, aggregate_id, status, attempts FROM outbox_event WHERE event_id = $1`, eventID).
+		`SELECT id, coalesce(event_id::text, ''), aggregate_id, status, coalesce(attempts, 0) FROM outbox_event_state WHERE event_id = $1`, eventID).
 		Scan(&c.ID, &c.EventID, &c.AggregateID, &c.Status, &c.Attempts)
 	if err != nil {
 		t.Fatalf("read event %s: %v", eventID, err)
@@ -164,7 +170,7 @@ func contractCountStatus(t testing.TB, pool *pgxpool.Pool, status string) int {
 	t.Helper()
 	var n int
 	if err := pool.QueryRow(context.Background(),
-		`SELECT count(*) FROM outbox_event WHERE status = $1`, status).Scan(&n); err != nil {
+		`SELECT count(*) FROM outbox_event_state WHERE status = $1`, status).Scan(&n); err != nil {
 		t.Fatalf("count %s: %v", status, err)
 	}
 	return n
@@ -226,6 +232,23 @@ func (s *contractRecordingSink) deliveredCount(eventID string) int {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	return s.okByID[eventID]
+}
+
+// publishedOnAttempt is the attempt, counting from 1, on which eventID
+// was last delivered (the delivery the relay recorded as its publication):
+// one more than the Event.Attempts, the attempts the relay had counted
+// before, that the successful Publish carried; 0 if it was never
+// delivered. A PUBLISHED event keeps no attempts in the outbox, so this is
+// where a test reads what its publication cost.
+func (s *contractRecordingSink) publishedOnAttempt(eventID string) int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for i := len(s.delivered) - 1; i >= 0; i-- {
+		if e := s.delivered[i].Event; e.EventID == eventID {
+			return e.Attempts + 1
+		}
+	}
+	return 0
 }
 
 // callCount is the number of Publish calls for eventID.

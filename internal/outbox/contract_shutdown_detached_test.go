@@ -102,7 +102,10 @@ func contractReleaseOnCleanup(t testing.TB, h *contractHold, reg prometheus.Gath
 	})
 }
 
-// contractClaim is an event's claim columns.
+// contractClaim is an event's claim columns. A PUBLISHED event has none
+// (its delivery row is deleted): it reads 0 attempts, no owner and not
+// due; who published it and on which attempt is read from the sinks
+// (contractAssertOwnedBy, publishedOnAttempt).
 type contractClaim struct {
 	Status    string
 	Attempts  int
@@ -114,7 +117,8 @@ func contractClaimOf(t testing.TB, pool *pgxpool.Pool, eventID string) contractC
 	t.Helper()
 	var c contractClaim
 	err := pool.QueryRow(context.Background(),
-		`SELECT status, attempts, coalesce(claimed_by, ''), next_attempt_at <= now() FROM outbox_event WHERE event_id = $1`,
+		`SELECT status, coalesce(attempts, 0), coalesce(claimed_by, ''), coalesce(next_attempt_at <= now(), false)
+		 FROM outbox_event_state WHERE event_id = $1`,
 		eventID).Scan(&c.Status, &c.Attempts, &c.ClaimedBy, &c.Due)
 	if err != nil {
 		t.Fatalf("read event %s: %v", eventID, err)
@@ -203,8 +207,9 @@ func contractAssertHandedBack(t testing.TB, pool *pgxpool.Pool, ids []string) {
 
 // contractAssertRepublished starts a fresh relay and checks that it
 // publishes every event once, each aggregate in order, well before the
-// visibility timeout would have released an event left IN_FLIGHT.
-func contractAssertRepublished(t testing.TB, pool *pgxpool.Pool, ids []string) {
+// visibility timeout would have released an event left IN_FLIGHT. It
+// returns the fresh relay's sink.
+func contractAssertRepublished(t testing.TB, pool *pgxpool.Pool, ids []string) *contractRecordingSink {
 	t.Helper()
 	cfg := contractConfig()
 	rec := newContractRecordingSink(nil)
@@ -218,17 +223,36 @@ func contractAssertRepublished(t testing.TB, pool *pgxpool.Pool, ids []string) {
 		}
 	}
 	contractAssertAggregateOrder(t, pool, rec)
+	return rec
 }
 
-// contractAssertOwnedBy checks that the events are PUBLISHED and were
-// recorded by owner (claimed_by).
-func contractAssertOwnedBy(t testing.TB, pool *pgxpool.Pool, ids []string, owner string) {
+// contractAssertOwnedBy checks that the events are PUBLISHED and that the
+// relay named owner published them, once each: its sink, owned, delivered
+// each exactly once. A published event keeps no claimed_by (its delivery
+// row is deleted), so the relay that published it is told by its sink.
+func contractAssertOwnedBy(t testing.TB, pool *pgxpool.Pool, ids []string, owned *contractRecordingSink, owner string) {
 	t.Helper()
 	for _, id := range ids {
-		if c := contractClaimOf(t, pool, id); c.Status != outbox.StatusPublished || c.ClaimedBy != owner {
-			t.Errorf("event %s: %+v, want PUBLISHED by %s", id, c, owner)
+		if c := contractClaimOf(t, pool, id); c.Status != outbox.StatusPublished || owned.deliveredCount(id) != 1 {
+			t.Errorf("event %s: %+v, delivered %d times by %s; want PUBLISHED by %s, once", id, c, owned.deliveredCount(id), owner, owner)
 		}
 	}
+}
+
+// contractTeeSink publishes through a sink that several relays share and
+// records its own successful publishes on own, so a test can tell which
+// relay published an event.
+type contractTeeSink struct {
+	shared, own *contractRecordingSink
+}
+
+func (s contractTeeSink) Name() string { return s.shared.Name() }
+
+func (s contractTeeSink) Publish(ctx context.Context, e outbox.Event) error {
+	if err := s.shared.Publish(ctx, e); err != nil {
+		return err
+	}
+	return s.own.Publish(ctx, e)
 }
 
 // TestContractShutdownWaitsForDetachedPublishes: Shutdown with time to spare
@@ -254,9 +278,13 @@ func TestContractShutdownWaitsForDetachedPublishes(t *testing.T) {
 	}
 
 	// Read at once: Shutdown returns only after the outcomes are written.
+	// Only r1 has run, and rec is its sink so far: a published event keeps
+	// no owner or attempts, so rec tells that r1 published each head once,
+	// on its first attempt.
 	for _, id := range heads {
-		if c := contractClaimOf(t, db.Pool, id); c.Status != outbox.StatusPublished || c.Attempts != 1 || c.ClaimedBy != "r1" {
-			t.Errorf("detached head %s when Shutdown returned: %+v, want PUBLISHED by r1 with 1 attempt", id, c)
+		if c := contractClaimOf(t, db.Pool, id); c.Status != outbox.StatusPublished || rec.deliveredCount(id) != 1 || rec.publishedOnAttempt(id) != 1 {
+			t.Errorf("detached head %s when Shutdown returned: %+v, delivered %d times, on attempt %d; want PUBLISHED by r1, once, on attempt 1",
+				id, c, rec.deliveredCount(id), rec.publishedOnAttempt(id))
 		}
 	}
 	contractAssertHandedBack(t, db.Pool, behind) // and nothing IN_FLIGHT
@@ -267,7 +295,9 @@ func TestContractShutdownWaitsForDetachedPublishes(t *testing.T) {
 	}
 
 	// The same sink for the fresh relay: it would count a second delivery.
-	contractStartRelay(t, db.Pool, rec, contractConfig(), "r2", nil, prometheus.NewRegistry())
+	// rec2 records what r2 itself publishes.
+	rec2 := newContractRecordingSink(nil)
+	contractStartRelay(t, db.Pool, contractTeeSink{shared: rec, own: rec2}, contractConfig(), "r2", nil, prometheus.NewRegistry())
 	all := append(append(append([]string(nil), heads...), behind...), free...)
 	contractAwaitStatus(t, db.Pool, all, outbox.StatusPublished, "every event published")
 	for _, id := range all {
@@ -275,7 +305,7 @@ func TestContractShutdownWaitsForDetachedPublishes(t *testing.T) {
 			t.Errorf("event %s delivered %d times, want 1", id, n)
 		}
 	}
-	contractAssertOwnedBy(t, db.Pool, behind, "r2")
+	contractAssertOwnedBy(t, db.Pool, behind, rec2, "r2")
 	contractAssertAggregateOrder(t, db.Pool, rec)
 }
 
@@ -307,14 +337,14 @@ func TestContractShutdownDeadlineHandsBackDetached(t *testing.T) {
 	contractAssertHandedBack(t, db.Pool, heads)
 	contractAssertHandedBack(t, db.Pool, append(behindObedient, behindStuck...))
 	ids := append(append(append([]string(nil), heads...), behindObedient...), behindStuck...)
-	contractAssertRepublished(t, db.Pool, ids)
+	rec2 := contractAssertRepublished(t, db.Pool, ids)
 
 	// The stuck publishes fail at last: too late to record anything.
 	for _, id := range stuck {
 		hold.let(id, errors.New("gave up"))
 	}
 	contractAwaitDetachedDone(t, reg, 0)
-	contractAssertOwnedBy(t, db.Pool, ids, "r2")
+	contractAssertOwnedBy(t, db.Pool, ids, rec2, "r2")
 }
 
 // TestContractHardStopHandsBackDetached: cancelling Start's context while
@@ -349,13 +379,13 @@ func TestContractHardStopHandsBackDetached(t *testing.T) {
 	contractAssertHandedBack(t, db.Pool, heads)
 	contractAssertHandedBack(t, db.Pool, append(behindObedient, behindStuck...))
 	ids := append(append(append([]string(nil), heads...), behindObedient...), behindStuck...)
-	contractAssertRepublished(t, db.Pool, ids)
+	rec2 := contractAssertRepublished(t, db.Pool, ids)
 
 	for _, id := range stuck {
 		hold.let(id, errors.New("gave up"))
 	}
 	contractAwaitDetachedDone(t, reg, 0)
-	contractAssertOwnedBy(t, db.Pool, ids, "r2")
+	contractAssertOwnedBy(t, db.Pool, ids, rec2, "r2")
 }
 
 // TestContractLateDetachedSuccessChangesNothing: a stuck publish that
@@ -409,9 +439,11 @@ func TestContractLateDetachedSuccessChangesNothing(t *testing.T) {
 
 	hold2.let(x[0], nil)
 	contractAwaitStatus(t, db.Pool, x, outbox.StatusPublished, "X published by r2")
-	contractAssertOwnedBy(t, db.Pool, append(x, y), "r2")
-	if c := contractClaimOf(t, db.Pool, x[0]); c.Attempts != 1 {
-		t.Errorf("X's head: %d attempts, want 1 (r1's attempt returned at the hand-back)", c.Attempts)
+	contractAssertOwnedBy(t, db.Pool, append(x, y), rec2, "r2")
+	// r2 published X's head on the attempt it detached it with, its first:
+	// r1's attempt was returned at the hand-back.
+	if n := rec2.publishedOnAttempt(x[0]); n != 1 {
+		t.Errorf("X's head published on attempt %d, want 1 (r1's attempt returned at the hand-back)", n)
 	}
 	contractAssertAggregateOrder(t, db.Pool, rec2)
 }

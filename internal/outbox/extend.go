@@ -23,25 +23,25 @@ import (
 // another session holds or, with block_on_dead, that follows a DEAD event.
 // The rows come back in the shape of lockSQL's, none of them a head.
 func extendSQL(blockOnDead bool) string {
-	return `
+	return withEnvelopes(`
 WITH w AS MATERIALIZED (
     SELECT a.i, x.ctid AS tid, x.id
     FROM unnest($1::text[], $2::text[], $3::bigint[]) WITH ORDINALITY AS a(typ, agg, after, i)
     CROSS JOIN LATERAL (
-        SELECT e.ctid, e.id FROM outbox_event e
-        WHERE e.aggregate_type = a.typ AND e.aggregate_id = a.agg AND e.` + unfinished + ` AND e.id > a.after
+        SELECT e.ctid, e.id FROM outbox_delivery e
+        WHERE e.aggregate_type = a.typ AND e.aggregate_id = a.agg AND e.`+live+` AND e.id > a.after
         ORDER BY e.id
         LIMIT $4
     ) x
 ), l AS MATERIALIZED (
-    SELECT ` + eventColumns + `
-    FROM outbox_event e
-    WHERE e.ctid IN (SELECT tid FROM w) AND ` + claimable + deadGateIf(blockOnDead) + `
+    SELECT `+deliveryColumns+`
+    FROM outbox_delivery e
+    WHERE e.ctid IN (SELECT tid FROM w) AND `+claimable+deadGateIf(blockOnDead)+`
     FOR UPDATE OF e SKIP LOCKED
 )
-SELECT false, l.* FROM w JOIN l ON l.id = w.id
-WHERE NOT EXISTS (SELECT 1 FROM w g WHERE g.i = w.i AND g.id < w.id AND g.id NOT IN (SELECT id FROM l))
-ORDER BY w.i, w.id`
+SELECT false AS is_head, l.*, w.i FROM w JOIN l ON l.id = w.id
+WHERE NOT EXISTS (SELECT 1 FROM w g WHERE g.i = w.i AND g.id < w.id AND g.id NOT IN (SELECT id FROM l))`,
+		`x.i, x.id`)
 }
 
 // extend locks, in the claim transaction, the next events of the

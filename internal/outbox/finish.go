@@ -58,7 +58,7 @@ func (f finishSQL) queue(b *pgx.Batch, out *outcomes) int {
 		for i, ev := range out.published {
 			tids[i] = ev.tid
 		}
-		b.Queue(markPublishedSQL, tids, f.instanceID)
+		b.Queue(markPublishedSQL, tids)
 	}
 	if len(out.failed) > 0 {
 		tids := make([]pgtype.TID, len(out.failed))

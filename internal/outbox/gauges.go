@@ -41,12 +41,18 @@ func (g *gauges) run(ctx context.Context) {
 // occurred_at (PostgreSQL cannot subtract it, and the relay dead-letters
 // such rows) and reads 0 for one in the future.
 const gaugesSQL = `
-SELECT status, event_type, count(*),
-       greatest(extract(epoch FROM now() - min(occurred_at) FILTER (WHERE isfinite(occurred_at))), 0)::float8
-FROM outbox_event WHERE ` + unfinished + `
-GROUP BY status, event_type
+SELECT e.status, v.event_type, count(*),
+       greatest(extract(epoch FROM now() - min(v.occurred_at) FILTER (WHERE isfinite(v.occurred_at))), 0)::float8
+FROM outbox_delivery e JOIN outbox_event v ON v.id = e.id AND v.created_at = e.created_at
+WHERE e.` + live + `
+GROUP BY e.status, v.event_type
 UNION ALL
-SELECT 'DEAD', NULL, count(*), NULL FROM outbox_event WHERE status = 'DEAD'`
+SELECT 'DEAD', NULL, count(*), NULL FROM outbox_delivery WHERE dead_at IS NOT NULL
+UNION ALL
+SELECT '` + partitionsAhead + `', NULL, count(*), NULL FROM outbox_partition WHERE lo > now()`
+
+// partitionsAhead is gaugesSQL's row for the partitions ready ahead of now.
+const partitionsAhead = "partitions ahead"
 
 func (g *gauges) update(ctx context.Context) error {
 	counts := map[string]float64{}
@@ -69,6 +75,7 @@ func (g *gauges) update(ctx context.Context) error {
 	for _, s := range []string{StatusPending, StatusInFlight, StatusFailed, StatusDead} {
 		g.m.pending.WithLabelValues(s).Set(counts[s])
 	}
+	g.m.ahead.Set(counts[partitionsAhead])
 	// Event types seen before and now drained report 0, not their last lag.
 	for _, t := range append(g.m.eventTypes.known(), otherEventType) {
 		g.m.lag.WithLabelValues(t).Set(lag[t])

@@ -26,8 +26,8 @@ const keptHeadsSQL = `
 SELECT x.ctid, x.id, a.typ, a.agg, x.next_attempt_at <= now()
 FROM unnest($1::text[], $2::text[]) AS a(typ, agg)
 CROSS JOIN LATERAL (
-    SELECT e.ctid, e.id, e.next_attempt_at FROM outbox_event e
-    WHERE e.aggregate_type = a.typ AND e.aggregate_id = a.agg AND e.` + unfinished + `
+    SELECT e.ctid, e.id, e.next_attempt_at FROM outbox_delivery e
+    WHERE e.aggregate_type = a.typ AND e.aggregate_id = a.agg AND e.` + live + `
     ORDER BY e.id
     LIMIT $3
 ) x

@@ -210,12 +210,12 @@ SELECT pg_backend_pid(), coalesce(array_agg(DISTINCT l.objid::bigint), '{}'),
 	reclaimSQL = `
 WITH held AS (SELECT 1` + markerHolders + ` AND l.objid::bigint = $1),
 due AS (
-    SELECT e.ctid FROM outbox_event e
+    SELECT e.ctid FROM outbox_delivery e
     WHERE e.status = 'IN_FLIGHT' AND e.next_attempt_at > now()
       AND e.claimed_by LIKE '%@' || $1::bigint AND NOT EXISTS (SELECT 1 FROM held)
     FOR UPDATE SKIP LOCKED
 )
-UPDATE outbox_event e SET next_attempt_at = clock_timestamp()
+UPDATE outbox_delivery e SET next_attempt_at = clock_timestamp()
 FROM due WHERE e.ctid = due.ctid
 RETURNING e.claimed_by`
 )

@@ -39,8 +39,8 @@ type inFlightRow struct {
 func inFlightOf(t *testing.T, pool *pgxpool.Pool, eventID string) inFlightRow {
 	t.Helper()
 	var r inFlightRow
-	if err := pool.QueryRow(context.Background(), `SELECT status, coalesce(claimed_by, ''), next_attempt_at
-		FROM outbox_event WHERE event_id = $1`, eventID).Scan(&r.status, &r.claimedBy, &r.due); err != nil {
+	if err := pool.QueryRow(context.Background(), `SELECT status, coalesce(claimed_by, ''), coalesce(next_attempt_at, 'epoch')
+		FROM outbox_event_state WHERE event_id = $1`, eventID).Scan(&r.status, &r.claimedBy, &r.due); err != nil {
 		t.Fatal(err)
 	}
 	return r
@@ -64,7 +64,7 @@ func TestMarkerStatements(t *testing.T) {
 	detach := func(name, token string, marker int64, holder int32) {
 		t.Helper()
 		var tid pgtype.TID
-		if err := db.Pool.QueryRow(ctx, `SELECT ctid FROM outbox_event WHERE event_id = $1`, ev[name]).Scan(&tid); err != nil {
+		if err := db.Pool.QueryRow(ctx, `SELECT d.ctid FROM outbox_delivery d JOIN outbox_event e ON e.id = d.id WHERE e.event_id = $1`, ev[name]).Scan(&tid); err != nil {
 			t.Fatal(err)
 		}
 		var err error
@@ -82,7 +82,7 @@ func TestMarkerStatements(t *testing.T) {
 	detach("other-marker", "relay/0000000000000003", id+1, pid)   // a marker nobody holds
 	detach("unnamed", "relay/0000000000000004", 0, 0)
 	detach("due", "relay/0000000000000005", id, pid)
-	exec(t, db.Pool, `UPDATE outbox_event SET next_attempt_at = now() - interval '1 second' WHERE event_id = $1`, ev["due"])
+	setDelivery(t, db.Pool, ev["due"], "next_attempt_at = now() - interval '1 second'")
 	want := map[string]string{
 		"named": fmt.Sprintf("relay/0000000000000001@%d", id), "other-pid": "relay/0000000000000002",
 		"other-marker": "relay/0000000000000003", "unnamed": "relay/0000000000000004",
@@ -141,7 +141,7 @@ func TestMarkerStatements(t *testing.T) {
 	complete := func(name, token string) bool {
 		t.Helper()
 		var seq int64
-		if err := db.Pool.QueryRow(ctx, `SELECT id FROM outbox_event WHERE event_id = $1`, ev[name]).Scan(&seq); err != nil {
+		if err := db.Pool.QueryRow(ctx, `SELECT id FROM outbox_event_state WHERE event_id = $1`, ev[name]).Scan(&seq); err != nil {
 			t.Fatal(err)
 		}
 		rows, _ := db.Pool.Query(ctx, completeSQL, []int64{seq}, []string{token}, []int32{1},
@@ -223,7 +223,7 @@ func TestReclaimSparesALiveOwner(t *testing.T) {
 	t.Parallel()
 	pgtest.Need(t, pgtest.PoolConns+2*(relayConns+1)) // and each relay's listener
 	db := pgtest.New(t)
-	ctx := context.Background()
+	trackPublishes(t, db.Pool)
 	held := appendEvent(t, db.Pool, "held", "h1")
 	next := appendEvent(t, db.Pool, "held", "h2")
 	cfg := testConfig()
@@ -269,11 +269,7 @@ func TestReclaimSparesALiveOwner(t *testing.T) {
 	testkit.Eventually(t, cfg.InFlightTimeout+20*time.Second, "the held aggregate published after the deadline", func() bool {
 		return statusOf(t, db.Pool, next) == StatusPublished
 	})
-	var publishedAt time.Time
-	if err := db.Pool.QueryRow(ctx, `SELECT published_at FROM outbox_event WHERE event_id = $1`, held).Scan(&publishedAt); err != nil {
-		t.Fatal(err)
-	}
-	if publishedAt.Before(detached.due) {
+	if publishedAt := publishedAt(t, db.Pool, held); publishedAt.Before(detached.due) {
 		t.Errorf("the held event was published at %s, before its deadline %s", publishedAt, detached.due)
 	}
 }
@@ -296,8 +292,7 @@ func TestReclaimTakesADeadOwnersEvents(t *testing.T) {
 	}
 	detached := func(agg, token string) (head, next string) {
 		head, next = appendEvent(t, db.Pool, agg, "e1"), appendEvent(t, db.Pool, agg, "e2")
-		exec(t, db.Pool, `UPDATE outbox_event SET status = 'IN_FLIGHT', attempts = 1, claimed_by = $2,
-			next_attempt_at = now() + interval '1 hour' WHERE event_id = $1`, head, token)
+		setDelivery(t, db.Pool, head, "status = 'IN_FLIGHT', attempts = 1, claimed_by = $2, next_attempt_at = now() + interval '1 hour'", token)
 		return head, next
 	}
 	var heads, nexts []string

@@ -15,8 +15,8 @@ import (
 // Job names under which the outbox reports in the shared job_* metrics and
 // logs.
 const (
-	RelayJobName  = "outbox-relay"
-	ReaperJobName = "outbox-reaper"
+	RelayJobName      = "outbox-relay"
+	PartitionsJobName = "outbox-partitions"
 )
 
 // maxEventTypes bounds the event_type label: event types come from data, so
@@ -41,6 +41,7 @@ type metrics struct {
 	latency       prometheus.Histogram   // outbox_publish_latency_seconds
 	batchSize     prometheus.Histogram   // outbox_batch_size
 	claimed       prometheus.Gauge       // outbox_claimed_events
+	ahead         prometheus.Gauge       // outbox_partitions_ahead
 	sinkUp        prometheus.Gauge       // outbox_sink_up{sink}
 	breakerOpened prometheus.Counter     // outbox_sink_breaker_opened_total{sink}
 	retry         *prometheus.CounterVec // job_retry_total{job_name,outcome}
@@ -64,6 +65,12 @@ func newMetrics(reg prometheus.Registerer, sink string) (*metrics, error) {
 		Name: "outbox_publisher_lag_seconds",
 		Help: "Age (now - occurred_at) of the oldest unfinished event, by event type; 0 when none. At most 100 event types, then \"other\".",
 	}, []string{"event_type"})); err != nil {
+		return nil, err
+	}
+	if m.ahead, err = register(reg, prometheus.NewGauge(prometheus.GaugeOpts{
+		Name: "outbox_partitions_ahead",
+		Help: "outbox_event partitions ready for times after now, refreshed every outbox.metrics_interval. At 0 the next partition boundary fails every insert.",
+	})); err != nil {
 		return nil, err
 	}
 	if m.published, err = register(reg, prometheus.NewCounterVec(prometheus.CounterOpts{

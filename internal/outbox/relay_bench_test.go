@@ -129,8 +129,7 @@ func BenchmarkRelayScale(b *testing.B) {
 		for round := range *benchRounds {
 			for k := range phases {
 				i := (k + round) % len(phases) // rotate the order between rounds
-				restoreBacklog(b, db.Pool, benchTable)
-				ceiling := drainCeiling(b, db)
+				ceiling := drainCeiling(b, db, benchTable)
 				run := runScalePhase(b, db, phases[i], idle)
 				run.ceiling = ceiling
 				runs[i] = append(runs[i], run)
@@ -327,7 +326,7 @@ func BenchmarkRelayLatency(b *testing.B) {
 // commit-to-arrival p50, p99 and maximum.
 func latencyRun(tb testing.TB, db *pgtest.DB, sink string) (p50, p99, worst time.Duration) {
 	tb.Helper()
-	exec(tb, db.Pool, "TRUNCATE outbox_event")
+	exec(tb, db.Pool, "TRUNCATE outbox_event, outbox_delivery")
 	arrivals := newArrivals()
 	var stdout io.Writer = arrivals
 	var env []string
@@ -359,7 +358,7 @@ func BenchmarkRelayHungWebhook(b *testing.B) {
 	for range b.N {
 		var secs []float64
 		for round := range *benchRounds {
-			exec(b, db.Pool, "TRUNCATE outbox_event")
+			exec(b, db.Pool, "TRUNCATE outbox_event, outbox_delivery")
 			exec(b, db.Pool, `INSERT INTO outbox_event (aggregate_type, aggregate_id, event_type, payload)
 				SELECT 'order', 'hung', 'order.updated', jsonb_build_object('seq', g) FROM generate_series(1, 10) g`)
 			loadBacklog(b, db.Pool, 1000, 100)

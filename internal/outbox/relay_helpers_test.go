@@ -118,10 +118,58 @@ func appendEvent(tb testing.TB, pool *pgxpool.Pool, aggID, eventType string) str
 func statusOf(tb testing.TB, pool *pgxpool.Pool, eventID string) string {
 	tb.Helper()
 	var s string
-	if err := pool.QueryRow(context.Background(), "SELECT status FROM outbox_event WHERE event_id = $1", eventID).Scan(&s); err != nil {
+	if err := pool.QueryRow(context.Background(), "SELECT status FROM outbox_event_state WHERE event_id = $1", eventID).Scan(&s); err != nil {
 		tb.Fatal(err)
 	}
 	return s
+}
+
+// setDelivery sets columns of the delivery row of the event eventID: set is
+// the SET list, whose parameters start at $2.
+func setDelivery(tb testing.TB, pool *pgxpool.Pool, eventID, set string, args ...any) {
+	tb.Helper()
+	tag, err := pool.Exec(context.Background(), "UPDATE outbox_delivery SET "+set+
+		" WHERE id = (SELECT id FROM outbox_event_state WHERE event_id = $1)", append([]any{eventID}, args...)...)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	if tag.RowsAffected() != 1 {
+		tb.Fatalf("event %s has no delivery row", eventID)
+	}
+}
+
+// trackPublishes records, from now on, when each event's delivery row is
+// deleted, that is when it was published: a published event keeps no
+// state to read that from. publishedAt reads it back.
+func trackPublishes(tb testing.TB, pool *pgxpool.Pool) {
+	tb.Helper()
+	exec(tb, pool, `
+CREATE TABLE test_published (id bigint PRIMARY KEY, at timestamptz NOT NULL);
+CREATE FUNCTION test_published() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    INSERT INTO test_published VALUES (OLD.id, clock_timestamp());
+    RETURN NULL;
+END $$;
+CREATE TRIGGER test_published AFTER DELETE ON outbox_delivery FOR EACH ROW EXECUTE FUNCTION test_published()`)
+}
+
+func publishedAt(tb testing.TB, pool *pgxpool.Pool, eventID string) time.Time {
+	tb.Helper()
+	var at time.Time
+	if err := pool.QueryRow(context.Background(), `SELECT p.at FROM test_published p JOIN outbox_event e ON e.id = p.id
+		WHERE e.event_id = $1`, eventID).Scan(&at); err != nil {
+		tb.Fatalf("when %s was published: %v", eventID, err)
+	}
+	return at
+}
+
+// markDead makes the events DEAD, as the relay would after their last
+// attempt.
+func markDead(tb testing.TB, pool *pgxpool.Pool, eventIDs ...string) {
+	tb.Helper()
+	for _, id := range eventIDs {
+		setDelivery(tb, pool, id, "status = 'DEAD', attempts = 3, dead_at = now()")
+	}
 }
 
 func exec(tb testing.TB, pool *pgxpool.Pool, sql string, args ...any) {

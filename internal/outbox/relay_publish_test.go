@@ -35,12 +35,16 @@ type concurrencySink struct {
 	twoAtOnce []string // aggregates seen with two calls at once
 	arrived   map[string][]int64
 	hung      map[string]int // calls that hung, per event_id
+	// The Event.Attempts of each event's successful call, per event_id:
+	// the attempts its publication took, less one (a published event
+	// keeps none in the outbox).
+	before map[string]int
 }
 
 func newConcurrencySink(gather int) *concurrencySink {
 	return &concurrencySink{
 		gather: gather, release: make(chan struct{}),
-		perAgg: map[string]int{}, arrived: map[string][]int64{}, hung: map[string]int{},
+		perAgg: map[string]int{}, arrived: map[string][]int64{}, hung: map[string]int{}, before: map[string]int{},
 	}
 }
 
@@ -86,6 +90,7 @@ func (s *concurrencySink) Publish(ctx context.Context, e Event) error {
 	time.Sleep(s.delay) // the sink's answer time under test
 	s.mu.Lock()
 	s.arrived[e.AggregateID] = append(s.arrived[e.AggregateID], e.Seq)
+	s.before[e.EventID] = e.Attempts
 	s.mu.Unlock()
 	return nil
 }
@@ -184,7 +189,7 @@ func TestRelayHungPublishHoldsBackOnlyItsAggregate(t *testing.T) {
 	var status, claimedBy string
 	var attempts int
 	if err := db.Pool.QueryRow(context.Background(),
-		`SELECT status, attempts, claimed_by FROM outbox_event WHERE event_id = $1`, hungIDs[0]).Scan(&status, &attempts, &claimedBy); err != nil {
+		`SELECT status, attempts, claimed_by FROM outbox_event_state WHERE event_id = $1`, hungIDs[0]).Scan(&status, &attempts, &claimedBy); err != nil {
 		t.Fatal(err)
 	}
 	if status != StatusInFlight || attempts != 1 || claimedBy == "test-relay" {
@@ -211,12 +216,13 @@ func TestRelayHungPublishHoldsBackOnlyItsAggregate(t *testing.T) {
 		}
 		return true
 	})
-	if err := db.Pool.QueryRow(context.Background(),
-		`SELECT attempts FROM outbox_event WHERE event_id = $1`, hungIDs[0]).Scan(&attempts); err != nil {
-		t.Fatal(err)
-	}
-	if attempts != 2 {
-		t.Errorf("hung event published after %d attempts, want 2 (the hung one, then the retry)", attempts)
+	// A published event keeps no attempts, so the sink tells: the call
+	// that published it carried one earlier attempt, the hung one.
+	sink.mu.Lock()
+	before, hung := sink.before[hungIDs[0]], sink.hung[hungIDs[0]]
+	sink.mu.Unlock()
+	if before+1 != 2 || hung != 1 {
+		t.Errorf("hung event published after %d attempts (%d hung calls), want 2 (the hung one, then the retry)", before+1, hung)
 	}
 	sink.checkOrder(t)
 }
@@ -233,7 +239,7 @@ func TestRelayDetachedOutcomeNeedsItsClaim(t *testing.T) {
 	reg := prometheus.NewRegistry()
 	startRelay(t, db.Pool, sink, testConfig(), reg)
 	testkit.Eventually(t, 10*time.Second, "the publish detached", func() bool { return statusOf(t, db.Pool, id) == StatusInFlight })
-	exec(t, db.Pool, `UPDATE outbox_event SET claimed_by = 'another-relay/1' WHERE event_id = $1`, id)
+	setDelivery(t, db.Pool, id, "claimed_by = 'another-relay/1'")
 	close(sink.release) // the call fails; its outcome must not be written
 	// The detached publish stops counting as claimed once it is done with
 	// its outcome, written or not.
@@ -246,7 +252,7 @@ func TestRelayDetachedOutcomeNeedsItsClaim(t *testing.T) {
 	var status, claimedBy string
 	var attempts int
 	if err := db.Pool.QueryRow(context.Background(),
-		`SELECT status, claimed_by, attempts FROM outbox_event WHERE event_id = $1`, id).Scan(&status, &claimedBy, &attempts); err != nil {
+		`SELECT status, claimed_by, attempts FROM outbox_event_state WHERE event_id = $1`, id).Scan(&status, &claimedBy, &attempts); err != nil {
 		t.Fatal(err)
 	}
 	if status != StatusInFlight || claimedBy != "another-relay/1" || attempts != 1 {
@@ -294,22 +300,23 @@ func TestRelayDetachedOutcomesWrittenTogether(t *testing.T) {
 
 	inFlight := func() (n int) {
 		if err := db.Pool.QueryRow(context.Background(),
-			`SELECT count(*) FROM outbox_event WHERE status = 'IN_FLIGHT'`).Scan(&n); err != nil {
+			`SELECT count(*) FROM outbox_event_state WHERE status = 'IN_FLIGHT'`).Scan(&n); err != nil {
 			t.Fatal(err)
 		}
 		return n
 	}
 	testkit.Eventually(t, 10*time.Second, "every publish detached", func() bool { return inFlight() == n })
 	const takenOver = "another-relay/1"
-	exec(t, db.Pool, `UPDATE outbox_event SET claimed_by = $2 WHERE event_id = $1`, ids[n-1], takenOver)
+	setDelivery(t, db.Pool, ids[n-1], "claimed_by = $2", takenOver)
 	close(release)
 	testkit.Eventually(t, 10*time.Second, "every outcome written", func() bool {
 		return inFlight() == 1
 	})
 
 	rows, err := db.Pool.Query(context.Background(),
-		`SELECT event_id::text, status, attempts, claimed_by, coalesce(last_error, ''), published_at IS NOT NULL, next_attempt_at > now() + interval '1 minute'
-		 FROM outbox_event`)
+		`SELECT event_id::text, status, coalesce(attempts, 0), coalesce(claimed_by, ''), coalesce(last_error, ''),
+		        status = 'PUBLISHED', coalesce(next_attempt_at > now() + interval '1 minute', false)
+		 FROM outbox_event_state`)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -330,6 +337,10 @@ func TestRelayDetachedOutcomesWrittenTogether(t *testing.T) {
 	if err := rows.Err(); err != nil {
 		t.Fatal(err)
 	}
+	delivered := map[string][]int{} // Event.Attempts of each successful publish
+	for _, e := range sink.delivered() {
+		delivered[e.EventID] = append(delivered[e.EventID], e.Attempts)
+	}
 	for i, id := range ids {
 		s := got[id]
 		var want state
@@ -341,7 +352,12 @@ func TestRelayDetachedOutcomesWrittenTogether(t *testing.T) {
 		case n - 1:
 			want = state{status: StatusInFlight, claimedBy: takenOver, attempts: 1}
 		default:
-			want = state{status: StatusPublished, claimedBy: "test-relay", attempts: 1, published: true}
+			// The delivery row is gone, and with it the attempts: the sink
+			// tells that it was published once, on its first attempt.
+			want = state{status: StatusPublished, published: true}
+			if d := delivered[id]; len(d) != 1 || d[0] != 0 {
+				t.Errorf("event %d: delivered with earlier attempts %v, want once, with none", i, d)
+			}
 		}
 		if s != want {
 			t.Errorf("event %d: %+v, want %+v", i, s, want)

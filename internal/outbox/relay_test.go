@@ -58,8 +58,7 @@ func TestRelayRunStopsAtEventNotDue(t *testing.T) {
 	first := appendEvent(t, db.Pool, "x", "e1")
 	waiting := appendEvent(t, db.Pool, "x", "e2")
 	last := appendEvent(t, db.Pool, "x", "e3")
-	exec(t, db.Pool, `UPDATE outbox_event SET status = 'FAILED', attempts = 1, next_attempt_at = now() + interval '1 hour'
-		WHERE event_id = $1`, waiting)
+	setDelivery(t, db.Pool, waiting, "status = 'FAILED', attempts = 1, next_attempt_at = now() + interval '1 hour'")
 	rec := &recorder{}
 	startRelay(t, db.Pool, rec, testConfig(), nil)
 	testkit.Eventually(t, 10*time.Second, "the due head published", func() bool { return statusOf(t, db.Pool, first) == StatusPublished })
@@ -83,8 +82,7 @@ func TestRelayInFlightVisibility(t *testing.T) {
 	db := pgtest.New(t)
 	held := appendEvent(t, db.Pool, "x", "held")
 	next := appendEvent(t, db.Pool, "x", "next")
-	exec(t, db.Pool, `UPDATE outbox_event SET status = 'IN_FLIGHT', claimed_by = 'elsewhere',
-		next_attempt_at = now() + interval '1500 milliseconds' WHERE event_id = $1`, held)
+	setDelivery(t, db.Pool, held, "status = 'IN_FLIGHT', claimed_by = 'elsewhere', next_attempt_at = now() + interval '1500 milliseconds'")
 	rec := &recorder{}
 	startRelay(t, db.Pool, rec, testConfig(), nil)
 	other := appendEvent(t, db.Pool, "y", "other")
@@ -118,8 +116,8 @@ func TestRelayLooksPastRetries(t *testing.T) {
 	exec(t, db.Pool, `
 INSERT INTO outbox_event (aggregate_type, aggregate_id, event_type, payload)
 SELECT 'order', 'blocked-' || g % 40, 'blocked', '{}' FROM generate_series(0, 119) g ORDER BY g`)
-	exec(t, db.Pool, `UPDATE outbox_event SET status = 'FAILED', attempts = 1, next_attempt_at = now() + interval '1 hour'
-		WHERE id IN (SELECT min(id) FROM outbox_event GROUP BY aggregate_id)`)
+	exec(t, db.Pool, `UPDATE outbox_delivery SET status = 'FAILED', attempts = 1, next_attempt_at = now() + interval '1 hour'
+		WHERE id IN (SELECT min(id) FROM outbox_delivery GROUP BY aggregate_id)`)
 	free := appendEvent(t, db.Pool, "free", "free")
 	cfg := testConfig()
 	cfg.BatchSize = 2 // widest window: 16 rows, all blocked
@@ -135,7 +133,7 @@ SELECT 'order', 'blocked-' || g % 40, 'blocked', '{}' FROM generate_series(0, 11
 		}
 	}
 	var pending int
-	if err := db.Pool.QueryRow(ctx, `SELECT count(*) FROM outbox_event WHERE status = 'PENDING'`).Scan(&pending); err != nil {
+	if err := db.Pool.QueryRow(ctx, `SELECT count(*) FROM outbox_event_state WHERE status = 'PENDING'`).Scan(&pending); err != nil {
 		t.Fatal(err)
 	}
 	if pending != 80 {
@@ -365,7 +363,7 @@ func TestRelayHardStopByContext(t *testing.T) {
 	}
 	var status string
 	var attempts int
-	if err := db.Pool.QueryRow(context.Background(), `SELECT status, attempts FROM outbox_event WHERE event_id = $1`, id).
+	if err := db.Pool.QueryRow(context.Background(), `SELECT status, attempts FROM outbox_event_state WHERE event_id = $1`, id).
 		Scan(&status, &attempts); err != nil {
 		t.Fatal(err)
 	}
@@ -387,7 +385,7 @@ func TestRelayRecordsRetryAfter(t *testing.T) {
 	var wait time.Duration
 	var lastErr string
 	if err := db.Pool.QueryRow(context.Background(),
-		`SELECT next_attempt_at - now(), last_error FROM outbox_event WHERE event_id = $1`, id).Scan(&wait, &lastErr); err != nil {
+		`SELECT next_attempt_at - now(), last_error FROM outbox_event_state WHERE event_id = $1`, id).Scan(&wait, &lastErr); err != nil {
 		t.Fatal(err)
 	}
 	if wait < 59*time.Minute || lastErr != "429" {
@@ -421,12 +419,12 @@ func TestRelayRecoversWhenOutcomesCannotBeWritten(t *testing.T) {
 	exec(t, db.Pool, `
 CREATE FUNCTION refuse_publish() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN
-    IF NEW.status = 'PUBLISHED' AND NEW.event_type = 'refused' THEN
+    IF EXISTS (SELECT 1 FROM outbox_event WHERE id = OLD.id AND event_type = 'refused') THEN
         RAISE EXCEPTION 'refused by test';
     END IF;
-    RETURN NEW;
+    RETURN OLD;
 END $$;
-CREATE TRIGGER refuse_publish BEFORE UPDATE ON outbox_event FOR EACH ROW EXECUTE FUNCTION refuse_publish();`)
+CREATE TRIGGER refuse_publish BEFORE DELETE ON outbox_delivery FOR EACH ROW EXECUTE FUNCTION refuse_publish();`)
 	refused := appendEvent(t, db.Pool, "a", "refused")
 	after := appendEvent(t, db.Pool, "a", "after")
 	rec := &recorder{}
@@ -456,7 +454,7 @@ CREATE TRIGGER refuse_publish BEFORE UPDATE ON outbox_event FOR EACH ROW EXECUTE
 	if s := statusOf(t, db.Pool, refused); s != StatusPending {
 		t.Fatalf("refused event: %s", s)
 	}
-	exec(t, db.Pool, `DROP TRIGGER refuse_publish ON outbox_event`)
+	exec(t, db.Pool, `DROP TRIGGER refuse_publish ON outbox_delivery`)
 	testkit.Eventually(t, 10*time.Second, "everything published once the write works", func() bool {
 		return statusOf(t, db.Pool, refused) == StatusPublished && statusOf(t, db.Pool, after) == StatusPublished
 	})

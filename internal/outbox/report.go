@@ -73,7 +73,7 @@ func (r *reporter) sinkBack(openFor time.Duration) {
 	ctx, cancel := context.WithTimeout(context.Background(), time.Second)
 	defer cancel()
 	var waiting int64
-	if err := r.pool.QueryRow(ctx, `SELECT count(*) FROM outbox_event WHERE `+unfinished).Scan(&waiting); err == nil {
+	if err := r.pool.QueryRow(ctx, `SELECT count(*) FROM outbox_delivery WHERE `+live).Scan(&waiting); err == nil {
 		attrs = append(attrs, "events_waiting", waiting)
 	}
 	r.log.Info("outbox sink available again; claiming resumes", attrs...)

@@ -242,7 +242,7 @@ func TestSpareHeadsPassOverHeadsOthersHold(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer other.Rollback(ctx)
-	if _, err := other.Exec(ctx, `SELECT 1 FROM outbox_event WHERE aggregate_id < 'agg-05' FOR UPDATE`); err != nil {
+	if _, err := other.Exec(ctx, `SELECT 1 FROM outbox_delivery WHERE aggregate_id < 'agg-05' FOR UPDATE`); err != nil {
 		t.Fatal(err)
 	}
 
@@ -303,7 +303,7 @@ func TestClaimFromAStaleShareKeepsItsAggregates(t *testing.T) {
 	}
 	r.claimers[0].shares.queue[0] = candidates(win) // the share a sibling's window left
 	// The loop's last batch published k1 after that window was read.
-	exec(t, db.Pool, `UPDATE outbox_event SET status = 'PUBLISHED' WHERE event_id = $1`, k1)
+	exec(t, db.Pool, `DELETE FROM outbox_delivery WHERE id = (SELECT id FROM outbox_event WHERE event_id = $1)`, k1) // published
 
 	c := r.claimers[0]
 	c.window, c.kept = c.minWindow(), []aggregateKey{{"order", "k"}}

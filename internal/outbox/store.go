@@ -10,7 +10,8 @@ import (
 	"github.com/jackc/pgx/v5/pgtype"
 )
 
-// Event states (outbox_event.status).
+// Event states (outbox_delivery.status). PUBLISHED is not stored: a
+// published event's delivery row is deleted.
 const (
 	StatusPending   = "PENDING"
 	StatusInFlight  = "IN_FLIGHT"
@@ -22,25 +23,47 @@ const (
 // allStatuses in display order.
 var allStatuses = []string{StatusPending, StatusInFlight, StatusFailed, StatusDead, StatusPublished}
 
-// unfinished matches the partial indexes of the migration word for word, so
-// the planner can prove it may use them.
-const unfinished = `status IN ('PENDING', 'FAILED', 'IN_FLIGHT')`
+// The relay works on outbox_delivery, the narrow rows of the events still
+// to publish (migrations/00140_outbox_storage_v2.sql), and reads each
+// claimed event's envelope from outbox_event once it holds the lock. In the
+// SQL below, e is a delivery row.
 
-// eventColumns are what a claim returns per event (see readEvents).
-const eventColumns = `e.ctid, e.id, e.event_id::text, e.aggregate_type, e.aggregate_id, e.event_type, e.payload,
-       e.headers, e.occurred_at, e.attempts, e.status`
+// live matches the partial indexes of the migration word for word, so the
+// planner can prove it may use them: a row that is not DEAD.
+const live = `dead_at IS NULL`
+
+// deliveryColumns are what the lock statements return per row; withEnvelopes
+// adds the envelope's.
+const deliveryColumns = `e.ctid, e.id, e.created_at, e.aggregate_type, e.aggregate_id, e.attempts, e.status`
+
+// withEnvelopes reads the envelopes of the delivery rows that rows (a
+// query returning is_head, then deliveryColumns) locked, in the shape
+// readEvents scans, ordered by order. One index probe each, in the one
+// partition that created_at names. An envelope that is missing (a
+// partition dropped by hand) comes back NULL, and the event goes DEAD.
+func withEnvelopes(rows, order string) string {
+	return `
+SELECT x.is_head, x.ctid, x.id, v.event_id::text, x.aggregate_type, x.aggregate_id, v.event_type, v.payload,
+       v.headers, v.occurred_at, x.attempts, x.status
+FROM (` + rows + `) x
+LEFT JOIN LATERAL (
+    SELECT v.event_id, v.event_type, v.payload, v.headers, v.occurred_at FROM outbox_event v
+    WHERE v.id = x.id AND v.created_at = x.created_at
+) v ON true
+ORDER BY ` + order
+}
 
 // claimable is rechecked on the newest version of a row when it changed
 // since the statement's snapshot, so a row another relay finished or
 // rescheduled meanwhile is not claimed.
-const claimable = `e.` + unfinished + ` AND e.next_attempt_at <= now()`
+const claimable = `e.` + live + ` AND e.next_attempt_at <= now()`
 
 // deadGate holds back the events behind a DEAD event of their aggregate
 // (block_on_dead). The dead index is small, so the probe is cheap.
 const deadGate = `
-  AND NOT EXISTS (SELECT 1 FROM outbox_event d
+  AND NOT EXISTS (SELECT 1 FROM outbox_delivery d
                   WHERE d.aggregate_type = e.aggregate_type AND d.aggregate_id = e.aggregate_id
-                    AND d.id < e.id AND d.status = 'DEAD')`
+                    AND d.id < e.id AND d.dead_at IS NOT NULL)`
 
 // The claim reads a window: the oldest unfinished events, without locking
 // them. Because the window starts at the oldest unfinished event, an
@@ -70,7 +93,7 @@ const deadGate = `
 // windowSQL reads the window ($1 rows).
 const windowSQL = `
 SELECT ctid, id, aggregate_type, aggregate_id, next_attempt_at <= now()
-FROM outbox_event WHERE ` + unfinished + `
+FROM outbox_delivery WHERE ` + live + `
 ORDER BY id LIMIT $1`
 
 // lockSQL locks a batch from the window in one statement. First up to $2
@@ -84,26 +107,26 @@ ORDER BY id LIMIT $1`
 // back with another id (its slot was reused since the window was read).
 // Rows come back with is_head set for heads.
 func lockSQL(blockOnDead bool) string {
-	return `
+	return withEnvelopes(`
 WITH h AS MATERIALIZED (
-    SELECT ` + eventColumns + `
-    FROM outbox_event e
-    WHERE e.ctid = ANY($1::tid[]) AND ` + claimable + headGateIf(blockOnDead) + `
+    SELECT `+deliveryColumns+`
+    FROM outbox_delivery e
+    WHERE e.ctid = ANY($1::tid[]) AND `+claimable+headGateIf(blockOnDead)+`
     ORDER BY e.id
     LIMIT $2
     FOR UPDATE SKIP LOCKED
 ), r AS (
-    SELECT ` + eventColumns + `
-    FROM outbox_event e
+    SELECT `+deliveryColumns+`
+    FROM outbox_delivery e
     JOIN unnest($3::tid[], $4::tid[]) AS u(tid, head) ON e.ctid = u.tid
-    WHERE u.head IN (SELECT ctid FROM h) AND ` + claimable + deadGateIf(blockOnDead) + `
+    WHERE u.head IN (SELECT ctid FROM h) AND `+claimable+deadGateIf(blockOnDead)+`
     ORDER BY e.id
     LIMIT greatest($5 - (SELECT count(*) FROM h), 0)
     FOR UPDATE OF e SKIP LOCKED
 )
 SELECT true AS is_head, h.* FROM h
 UNION ALL
-SELECT false, r.* FROM r`
+SELECT false, r.* FROM r`, `x.is_head DESC, x.id`)
 }
 
 // aggregateHeadsSQL is the fallback when even the widest window is
@@ -123,8 +146,8 @@ WITH RECURSIVE agg AS (
     SELECT a.n + 1, h.aggregate_type, h.aggregate_id, h.ctid, h.id, h.next_attempt_at <= now()
     FROM agg a CROSS JOIN LATERAL (
         SELECT e.aggregate_type, e.aggregate_id, e.ctid, e.id, e.next_attempt_at
-        FROM outbox_event e
-        WHERE e.` + unfinished + `
+        FROM outbox_delivery e
+        WHERE e.` + live + `
           AND (e.aggregate_type, e.aggregate_id) > (a.aggregate_type, a.aggregate_id)
         ORDER BY e.aggregate_type, e.aggregate_id, e.id
         LIMIT 1
@@ -143,9 +166,9 @@ func deadGateIf(blockOnDead bool) string {
 // predecessorGate is the classic ordering gate: no earlier unfinished event
 // of the aggregate, locked or not.
 const predecessorGate = `
-  AND NOT EXISTS (SELECT 1 FROM outbox_event p
+  AND NOT EXISTS (SELECT 1 FROM outbox_delivery p
                   WHERE p.aggregate_type = e.aggregate_type AND p.aggregate_id = e.aggregate_id
-                    AND p.id < e.id AND p.` + unfinished + `)`
+                    AND p.id < e.id AND p.` + live + `)`
 
 // headGateIf rechecks, when the heads from a window are locked, what the
 // window took for granted. Without block_on_dead, nothing: new events get
@@ -165,17 +188,17 @@ func headGateIf(blockOnDead bool) string {
 // clock_timestamp(), not now(): now() is the start of a transaction that
 // may have lasted the whole publish.
 const (
-	markPublishedSQL = `
-UPDATE outbox_event
-SET status = 'PUBLISHED', published_at = clock_timestamp(), attempts = attempts + 1, claimed_by = $2
-WHERE ctid = ANY($1::tid[])`
+	// Published: the delivery row goes; the envelope stays until its
+	// partition is dropped.
+	markPublishedSQL = `DELETE FROM outbox_delivery WHERE ctid = ANY($1::tid[])`
 
 	// One row per failed event: its new status (FAILED or DEAD), the retry
 	// delay and the error.
 	markFailedSQL = `
-UPDATE outbox_event e
+UPDATE outbox_delivery e
 SET status = f.status, attempts = e.attempts + 1,
     next_attempt_at = clock_timestamp() + f.delay_ms * interval '1 millisecond',
+    dead_at = CASE WHEN f.status = 'DEAD' THEN clock_timestamp() END,
     last_error = f.err, claimed_by = $5
 FROM unnest($1::tid[], $2::text[], $3::bigint[], $4::text[]) AS f(tid, status, delay_ms, err)
 WHERE e.ctid = f.tid`
@@ -184,14 +207,14 @@ WHERE e.ctid = f.tid`
 	// relay sends only rows that are not PENDING already; for those,
 	// releasing the lock is the whole hand-back.
 	handBackSQL = `
-UPDATE outbox_event SET status = 'PENDING', next_attempt_at = clock_timestamp()
+UPDATE outbox_delivery SET status = 'PENDING', next_attempt_at = clock_timestamp()
 WHERE ctid = ANY($1::tid[])`
 
 	// A publish still outstanding when its batch commits (detach_after):
 	// the event is claimed by the batch's owner token ($3) until the
 	// visibility deadline, $2 ms from now, and the attempt is counted.
 	markInFlightSQL = `
-UPDATE outbox_event
+UPDATE outbox_delivery
 SET status = 'IN_FLIGHT', attempts = attempts + 1,
     next_attempt_at = clock_timestamp() + $2 * interval '1 millisecond', claimed_by = $3
 WHERE ctid = ANY($1::tid[])`
@@ -201,7 +224,7 @@ WHERE ctid = ANY($1::tid[])`
 	// backend $5: an event detached once the marker lapsed names none
 	// (marker.go).
 	markInFlightNamedSQL = `
-UPDATE outbox_event
+UPDATE outbox_delivery
 SET status = 'IN_FLIGHT', attempts = attempts + 1,
     next_attempt_at = clock_timestamp() + $2 * interval '1 millisecond',
     claimed_by = $3 || CASE WHEN EXISTS (SELECT 1` + markerHolders + `
@@ -216,23 +239,32 @@ WHERE ctid = ANY($1::tid[])`
 	// back), the retry delay and the error. Each row is a compare-and-set
 	// on id, status, owner token and attempt: if the claim expired and
 	// another relay took the event over, or a hard stop handed it back,
-	// that row changes nothing. It returns the ids it changed. $7 is
-	// claimed_by for the rows that stay claimed by this instance. The
-	// detach may have named the relay's marker after the token (token@id).
+	// that row changes nothing. A PUBLISHED outcome deletes the row, the
+	// others update it; each event is in one of the two. It returns the
+	// ids it changed. $7 is claimed_by for the rows that stay claimed by
+	// this instance. The detach may have named the relay's marker after
+	// the token (token@id).
 	completeSQL = `
-UPDATE outbox_event e
-SET status = c.status,
-    attempts = CASE WHEN c.status = 'PENDING' THEN e.attempts - 1 ELSE e.attempts END,
-    published_at = CASE WHEN c.status = 'PUBLISHED' THEN clock_timestamp() END,
-    next_attempt_at = CASE WHEN c.status = 'PUBLISHED' THEN e.next_attempt_at
-                           ELSE clock_timestamp() + c.delay_ms * interval '1 millisecond' END,
-    last_error = coalesce(c.err, e.last_error),
-    claimed_by = CASE WHEN c.status = 'PENDING' THEN NULL ELSE $7 END
-FROM unnest($1::bigint[], $2::text[], $3::integer[], $4::text[], $5::bigint[], $6::text[])
-     AS c(id, token, attempts, status, delay_ms, err)
-WHERE e.id = c.id AND e.status = 'IN_FLIGHT' AND e.attempts = c.attempts
-  AND (e.claimed_by = c.token OR starts_with(e.claimed_by, c.token || '@'))
-RETURNING e.id`
+WITH c AS (
+    SELECT * FROM unnest($1::bigint[], $2::text[], $3::integer[], $4::text[], $5::bigint[], $6::text[])
+                  AS c(id, token, attempts, status, delay_ms, err)
+), published AS (
+    DELETE FROM outbox_delivery e USING c
+    WHERE c.status = 'PUBLISHED' AND ` + completeCAS + `
+    RETURNING e.id
+), other AS (
+    UPDATE outbox_delivery e
+    SET status = c.status,
+        attempts = CASE WHEN c.status = 'PENDING' THEN e.attempts - 1 ELSE e.attempts END,
+        next_attempt_at = clock_timestamp() + c.delay_ms * interval '1 millisecond',
+        dead_at = CASE WHEN c.status = 'DEAD' THEN clock_timestamp() END,
+        last_error = coalesce(c.err, e.last_error),
+        claimed_by = CASE WHEN c.status = 'PENDING' THEN NULL ELSE $7 END
+    FROM c
+    WHERE c.status <> 'PUBLISHED' AND ` + completeCAS + `
+    RETURNING e.id
+)
+SELECT id FROM published UNION ALL SELECT id FROM other`
 
 	// Sets up the claim transaction and reads the database clock, which
 	// latency is measured on. The idle timeout is the server side of the
@@ -245,6 +277,10 @@ RETURNING e.id`
 	beginClaimSQL = `SELECT set_config('idle_in_transaction_session_timeout', $1, true),
        set_config('plan_cache_mode', 'force_generic_plan', true), clock_timestamp()`
 )
+
+// completeCAS is completeSQL's compare-and-set, for c's row.
+const completeCAS = `e.id = c.id AND e.status = 'IN_FLIGHT' AND e.attempts = c.attempts
+      AND (e.claimed_by = c.token OR starts_with(e.claimed_by, c.token || '@'))`
 
 // claimedRow is one locked event.
 type claimedRow struct {
@@ -331,18 +367,22 @@ func readEvents(rows pgx.Rows, err error) (heads, others []claimedRow, _ error) 
 		var payload, headers []byte
 		var occurred pgtype.Timestamptz
 		var isHead bool
-		if err := rows.Scan(&isHead, &c.tid, &c.Seq, &c.EventID, &c.AggregateType, &c.AggregateID, &c.EventType, &payload,
+		var eventID, eventType pgtype.Text
+		if err := rows.Scan(&isHead, &c.tid, &c.Seq, &eventID, &c.AggregateType, &c.AggregateID, &eventType, &payload,
 			&headers, &occurred, &c.Attempts, &c.status); err != nil {
 			return nil, nil, err
 		}
-		c.Payload = payload
+		c.EventID, c.EventType, c.Payload = eventID.String, eventType.String, payload
 		// A row the relay cannot decode fails alone (it goes DEAD), never
 		// the batch: the other aggregates keep flowing.
-		c.OccurredAt, c.unreadable = occurredAt(occurred)
-		if h, err := decodeHeaders(headers); err != nil {
+		switch h, err := decodeHeaders(headers); {
+		case !eventID.Valid:
+			c.unreadable = errEnvelopeMissing
+		case err != nil:
 			c.unreadable = Permanent(err)
-		} else {
+		default:
 			c.Headers = h
+			c.OccurredAt, c.unreadable = occurredAt(occurred)
 		}
 		if isHead {
 			heads = append(heads, c)
@@ -352,6 +392,10 @@ func readEvents(rows pgx.Rows, err error) (heads, others []claimedRow, _ error) 
 	}
 	return heads, others, rows.Err()
 }
+
+// errEnvelopeMissing is the error of a delivery row whose envelope is
+// gone: its partition was dropped by hand while the event was unfinished.
+var errEnvelopeMissing = Permanent(errors.New("the event's envelope is missing from outbox_event: its partition was dropped before the event was published"))
 
 // occurredAt converts a stored occurred_at. The producer rules keep it
 // finite and within years 0001-9999; a row from before them, or edited by

@@ -161,8 +161,8 @@ func create(t testing.TB, template func(testing.TB) string) *DB {
 }
 
 // templateName returns the migrated template for the current migrations,
-// building it once per machine. The name carries a hash of the migration
-// files, so a changed migration builds a new template.
+// building it once per machine and day. The name carries a hash of the
+// migration files, so a changed migration builds a new template.
 func templateName(t testing.TB) string {
 	t.Helper()
 	h := sha256.New()
@@ -178,7 +178,10 @@ func templateName(t testing.TB) string {
 	if err != nil {
 		t.Fatalf("pgtest: %v", err)
 	}
-	name := "worker_tmpl_" + hex.EncodeToString(h.Sum(nil))[:16]
+	// And the day: the migrations create the outbox_event partitions of
+	// the day they run and the next, and a test database has no worker to
+	// add more.
+	name := "worker_tmpl_" + hex.EncodeToString(h.Sum(nil))[:16] + "_" + time.Now().UTC().Format("20060102")
 
 	ctx, cancel := context.WithTimeout(context.Background(), 120*time.Second)
 	defer cancel()

@@ -109,7 +109,7 @@ func TestReplicaConnectionsStayWithinBudget(t *testing.T) {
 		}
 		var tasksLeft, eventsLeft, messagesDone int
 		if err := load.QueryRow(ctx, `SELECT (SELECT count(*) FROM river_job WHERE state NOT IN ('completed', 'discarded', 'cancelled')),
-			(SELECT count(*) FROM outbox_event WHERE status <> 'PUBLISHED'),
+			(SELECT count(*) FROM outbox_event_state WHERE status <> 'PUBLISHED'),
 			(SELECT count(*) FROM inbox_message WHERE state = 'PROCESSED')`).Scan(&tasksLeft, &eventsLeft, &messagesDone); err != nil {
 			t.Fatal(err)
 		}

@@ -106,7 +106,7 @@ func TestChaos(t *testing.T) {
 	}
 	c.eventually(90*time.Second, "every event to reach the receiver", func() bool { return c.recv.firstCount() == total })
 	c.eventually(30*time.Second, "every producer event to be marked PUBLISHED", atMostEvery(100*time.Millisecond, func() bool {
-		return c.count(`SELECT count(*) FROM outbox_event WHERE aggregate_type = 'chaos' AND status <> 'PUBLISHED'`) == 0
+		return c.count(`SELECT count(*) FROM outbox_event_state WHERE aggregate_type = 'chaos' AND status <> 'PUBLISHED'`) == 0
 	}))
 	c.checkHealthy()
 	opened := 0

@@ -286,18 +286,9 @@ func deadAction(e *cmdEnv, sel deadSelection, verb string,
 	}
 	return withPool(e, func(ctx context.Context, pool *pgxpool.Pool, log *slog.Logger) error {
 		n, err := act(ctx, pool, sel.EventID, operator(), log)
-		var left *outbox.RulesLeftError
-		var rule *outbox.RuleError
 		switch {
 		case errors.Is(err, outbox.ErrNotDead):
 			return &exitError{code: ExitNoInput, err: err, msg: fmt.Sprintf("no DEAD event with event_id %s; `worker outbox dead list` shows them", sel.EventID)}
-		case errors.As(err, &rule):
-			return &exitError{code: ExitDataErr, err: err, msg: fmt.Sprintf("event %s breaks a producer rule (%s: %s) and cannot be requeued; `worker outbox dead purge %s` deletes it",
-				sel.EventID, rule.Constraint, rule.Problem, sel.EventID)}
-		case errors.As(err, &left):
-			// The others were requeued: say so, and what is left.
-			fmt.Fprintf(e.Stdout, "%s %d event(s); %d left DEAD because they break a producer rule: purge them\n", verb, n, left.Left)
-			return nil
 		case err != nil:
 			return err
 		}

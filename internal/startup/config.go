@@ -484,7 +484,7 @@ func (c *Config) validate(source func(string) string) error {
 func (c *Config) validateJobs(source func(string) string) error {
 	errs := []error{jobs.ValidateDefinitions(c.Jobs)}
 	// The worker's own jobs share the name space (the name is the lock key).
-	reserved := []string{outbox.ReaperJobName, lockReaperName}
+	reserved := []string{outbox.PartitionsJobName, lockReaperName}
 	for _, sp := range jobs.Builtin(nil) {
 		reserved = append(reserved, sp.Job.Name())
 	}

@@ -285,12 +285,12 @@ func TestTinyLeaseTTLIsRejected(t *testing.T) {
 	}
 }
 
-// A configured job named like a built-in one ("outbox-reaper", or
+// A configured job named like a built-in one ("outbox-partitions", or
 // "lock-reaper" with the postgres provider) is invalid configuration: exit
 // 78 naming the job, not an internal error (70) after connecting.
 func TestJobNamedLikeBuiltinIsConfigError(t *testing.T) {
-	_, err := LoadConfig(writeFile(t, "jobs:\n  - {name: outbox-reaper, kind: sql, sql: SELECT 1, delay: 1m}\n"), nil)
-	if ExitCode(err) != ExitConfig || !strings.Contains(err.Error(), "outbox-reaper") {
+	_, err := LoadConfig(writeFile(t, "jobs:\n  - {name: outbox-partitions, kind: sql, sql: SELECT 1, delay: 1m}\n"), nil)
+	if ExitCode(err) != ExitConfig || !strings.Contains(err.Error(), "outbox-partitions") {
 		t.Fatalf("got exit %d: %v; want 78 naming the job", ExitCode(err), err)
 	}
 }

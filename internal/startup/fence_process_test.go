@@ -66,8 +66,10 @@ BEGIN
 END $$;
 CREATE CONSTRAINT TRIGGER log_commit AFTER INSERT ON run_log DEFERRABLE INITIALLY DEFERRED
   FOR EACH ROW WHEN (NEW.kind = 'end') EXECUTE FUNCTION log_commit();
--- When each run started, as the scheduler recorded it under the lease:
--- before the job's own transaction began.
+-- When each run of the job started, as the scheduler recorded it under
+-- the lease: before the job's own transaction began. Only this job's: the
+-- worker's own jobs (outbox-partitions runs every minute) take tokens
+-- under other leases.
 CREATE TABLE run_start (token bigint, started_at timestamptz);
 CREATE FUNCTION log_start() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN
@@ -75,7 +77,7 @@ BEGIN
   RETURN NULL;
 END $$;
 CREATE TRIGGER log_start AFTER UPDATE ON job_state
-  FOR EACH ROW WHEN (NEW.last_outcome = 'running') EXECUTE FUNCTION log_start();`); err != nil {
+  FOR EACH ROW WHEN (NEW.name = 'fenced' AND NEW.last_outcome = 'running') EXECUTE FUNCTION log_start();`); err != nil {
 		t.Fatal(err)
 	}
 	cfg := configFile(t, fmt.Sprintf(`

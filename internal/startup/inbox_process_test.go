@@ -204,7 +204,7 @@ inbox:
 	for range 2 {
 		testkit.Eventually(t, 60*time.Second, "the publisher to make progress", func() bool {
 			var n int
-			_ = producerDB.Pool.QueryRow(ctx, `SELECT count(*) FROM outbox_event WHERE status = 'PUBLISHED'`).Scan(&n)
+			_ = producerDB.Pool.QueryRow(ctx, `SELECT count(*) FROM outbox_event_state WHERE status = 'PUBLISHED'`).Scan(&n)
 			return n > 0
 		})
 		_ = publisher.cmd.Process.Kill()

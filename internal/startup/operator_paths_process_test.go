@@ -131,8 +131,8 @@ func TestConfigErrorsNameEveryBadJobAndTheRightLine(t *testing.T) {
 		{"bad values", `jobs:
   - {name: a, kind: sql, sql: SELECT 1}
   - {name: b, kind: http, delay: 1s}
-  - {name: outbox-reaper, kind: sql, sql: SELECT 1, delay: 1s}
-`, []string{`jobs[0] \"a\": delay`, `jobs[1] \"b\": url`, `jobs[2] \"outbox-reaper\": name is taken`}},
+  - {name: outbox-partitions, kind: sql, sql: SELECT 1, delay: 1s}
+`, []string{`jobs[0] \"a\": delay`, `jobs[1] \"b\": url`, `jobs[2] \"outbox-partitions\": name is taken`}},
 		{"syntax error on line 3", "log:\n  level: info\n\tformat: json\n", []string{".yaml:3:1: "}},
 		{"sequence item in a mapping on line 3", "a: 1\nb: 2\n- c\n", []string{".yaml:3:1: "}},
 	}

@@ -36,14 +36,13 @@ func TestOutboxCommandsEndToEnd(t *testing.T) {
 	testkit.Eventually(t, 10*time.Second, "the log sink to print the event", func() bool {
 		return strings.Contains(w.out.String(), id) && strings.Contains(w.out.String(), `"payload":{"amount": 1200}`)
 	})
+	// Printed comes before the batch commits the publish.
+	testkit.Eventually(t, 10*time.Second, "the event to be PUBLISHED", func() bool { return eventStatus(t, db, id) == "PUBLISHED" })
 	if out := cli("outbox", "stats"); !strings.Contains(out, "PUBLISHED") || !strings.Contains(out, "1") {
 		t.Errorf("stats:\n%s", out)
 	}
 
-	if _, err := db.Pool.Exec(context.Background(), `UPDATE outbox_event SET status = 'DEAD', attempts = 3,
-		last_error = 'sink said no' WHERE event_id = $1`, id); err != nil {
-		t.Fatal(err)
-	}
+	makeDead(t, db, id, "sink said no")
 	if out := cli("outbox", "dead", "list"); !strings.Contains(out, id) || !strings.Contains(out, "sink said no") {
 		t.Errorf("dead list:\n%s", out)
 	}
@@ -54,23 +53,43 @@ func TestOutboxCommandsEndToEnd(t *testing.T) {
 		return strings.Count(w.out.String(), `"event_id":"`+id) >= 2
 	})
 
-	// Purge deletes only DEAD events: first the event is published (not
-	// DEAD), so nothing goes; once DEAD, --all deletes it.
+	// Purge acts only on DEAD events: first the event is published again
+	// (not DEAD), so nothing goes; once DEAD, --all purges it.
+	testkit.Eventually(t, 10*time.Second, "the requeued event to be PUBLISHED", func() bool { return eventStatus(t, db, id) == "PUBLISHED" })
 	if out := cli("outbox", "dead", "purge", "--all"); !strings.Contains(out, "purged 0") {
 		t.Errorf("dead purge of a published event:\n%s", out)
 	}
-	if _, err := db.Pool.Exec(context.Background(), `UPDATE outbox_event SET status = 'DEAD' WHERE event_id = $1`, id); err != nil {
-		t.Fatal(err)
-	}
+	makeDead(t, db, id, "sink said no")
 	if out := cli("outbox", "dead", "purge", "--all"); !strings.Contains(out, "purged 1") {
 		t.Errorf("dead purge --all:\n%s", out)
 	}
+	// Purged, the event keeps no delivery row: it is neither DEAD nor to
+	// publish, and its envelope goes when its partition is dropped.
 	var left int
-	if err := db.Pool.QueryRow(context.Background(), `SELECT count(*) FROM outbox_event WHERE event_id = $1`, id).Scan(&left); err != nil {
+	if err := db.Pool.QueryRow(context.Background(),
+		`SELECT count(*) FROM outbox_delivery WHERE id = (SELECT id FROM outbox_event WHERE event_id = $1)`, id).Scan(&left); err != nil {
 		t.Fatal(err)
 	}
 	if left != 0 {
-		t.Errorf("purged event still has %d row(s)", left)
+		t.Errorf("purged event still has %d delivery row(s)", left)
+	}
+}
+
+// makeDead makes the event with event_id id DEAD after 3 attempts with
+// lastError, as the relay would have. A published event has no delivery
+// row left (it is deleted on publish), so the row is written afresh then.
+func makeDead(t *testing.T, db *pgtest.DB, id, lastError string) {
+	t.Helper()
+	tag, err := db.Pool.Exec(context.Background(), `
+INSERT INTO outbox_delivery (id, created_at, aggregate_type, aggregate_id, status, attempts, last_error, dead_at)
+SELECT id, created_at, aggregate_type, aggregate_id, 'DEAD', 3, $2, now() FROM outbox_event WHERE event_id = $1
+ON CONFLICT (id) DO UPDATE SET status = 'DEAD', attempts = 3, last_error = $2, dead_at = now(), claimed_by = NULL`,
+		id, lastError)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if tag.RowsAffected() != 1 {
+		t.Fatalf("no event with event_id %s to make DEAD", id)
 	}
 }
 
@@ -82,7 +101,7 @@ func TestDeadEventCommandsOnWhatIsThere(t *testing.T) {
 	for _, sql := range []string{
 		`INSERT INTO outbox_event (aggregate_type, aggregate_id, event_type, payload)
 		 SELECT 'order', g::text, 'order.paid', '{}' FROM generate_series(1, 3) g`,
-		`UPDATE outbox_event SET status = 'DEAD', attempts = 3, last_error = 'sink said no'`,
+		`UPDATE outbox_delivery SET status = 'DEAD', attempts = 3, last_error = 'sink said no', dead_at = now()`,
 	} {
 		if _, err := db.Pool.Exec(context.Background(), sql); err != nil {
 			t.Fatal(err)
@@ -110,7 +129,7 @@ func TestDeadEventCommandsOnWhatIsThere(t *testing.T) {
 		}
 	}
 	var dead int
-	if err := db.Pool.QueryRow(context.Background(), `SELECT count(*) FROM outbox_event WHERE status = 'DEAD'`).Scan(&dead); err != nil || dead != 3 {
+	if err := db.Pool.QueryRow(context.Background(), `SELECT count(*) FROM outbox_event_state WHERE status = 'DEAD'`).Scan(&dead); err != nil || dead != 3 {
 		t.Errorf("%d DEAD events left (%v), want the 3 untouched", dead, err)
 	}
 }

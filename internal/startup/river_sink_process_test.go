@@ -129,7 +129,7 @@ FROM generate_series($1::int, $1::int + $3 - 1) AS n`, i, aggregates, perTx)
 		t.Fatal(err)
 	}
 	testkit.Eventually(t, 30*time.Second, "every event published", func() bool {
-		return count("SELECT count(*) FROM outbox_event WHERE status = 'PUBLISHED'") == events
+		return count("SELECT count(*) FROM outbox_event_state WHERE status = 'PUBLISHED'") == events
 	})
 
 	if n := count("SELECT count(*) FROM river_job"); n != events {

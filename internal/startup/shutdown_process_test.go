@@ -189,7 +189,7 @@ func TestShutdownLetsInFlightPublishFinish(t *testing.T) {
 	}
 	testkit.Eventually(t, 3*time.Second, "the webhook handler to return", func() bool { return completed.Load()+cancelled.Load() == 1 })
 	var status string
-	if err := db.Pool.QueryRow(context.Background(), `SELECT status FROM outbox_event`).Scan(&status); err != nil {
+	if err := db.Pool.QueryRow(context.Background(), `SELECT status FROM outbox_event_state`).Scan(&status); err != nil {
 		t.Fatal(err)
 	}
 	if status != "PUBLISHED" {

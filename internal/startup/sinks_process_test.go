@@ -268,7 +268,7 @@ func TestKafkaSinkWorker(t *testing.T) {
 		}
 		testkit.Eventually(t, 20*time.Second, "10 events acknowledged", func() bool {
 			var n int
-			_ = db.Pool.QueryRow(t.Context(), `SELECT count(*) FROM outbox_event WHERE status = 'PUBLISHED'`).Scan(&n)
+			_ = db.Pool.QueryRow(t.Context(), `SELECT count(*) FROM outbox_event_state WHERE status = 'PUBLISHED'`).Scan(&n)
 			return n == 10
 		})
 		cluster.Close()

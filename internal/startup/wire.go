@@ -17,11 +17,13 @@ import (
 
 // Housekeeping cadence. Both jobs delete in bounded chunks.
 const (
-	lockReaperName  = "lock-reaper"
-	leasePoolConns  = 2 // lease statements are single short statements
-	lockReapDelay   = time.Hour
-	lockReapAfter   = 24 * time.Hour // lease rows expired this long ago
-	outboxReapDelay = 10 * time.Minute
+	lockReaperName = "lock-reaper"
+	leasePoolConns = 2 // lease statements are single short statements
+	lockReapDelay  = time.Hour
+	lockReapAfter  = 24 * time.Hour // lease rows expired this long ago
+	// outboxPartitionsDelay is the longest pause of the partition keeper:
+	// a missed run costs nothing while partitions_ahead covers days.
+	outboxPartitionsDelay = time.Minute
 )
 
 // wire builds the worker's components: the job scheduler and, when enabled,
@@ -110,11 +112,15 @@ func wire(ctx context.Context, cfg *Config, pool *pgxpool.Pool, log *slog.Logger
 	if in != nil {
 		parts = append(parts, in)
 	}
-	// The outbox reaper runs even where the relay is off: retention is a
-	// property of the table, not of this replica.
+	// The partition keeper runs even where the relay is off: producers
+	// need partitions, and retention is a property of the table, not of
+	// this replica.
 	specs = append(specs, jobs.Spec{
-		Job:   outbox.NewReaper(pool, cfg.Outbox.Retention, log),
-		Delay: outboxReapDelay,
+		Job: &outbox.Partitions{Pool: pool, Interval: cfg.Outbox.PartitionInterval,
+			Ahead: cfg.Outbox.PartitionsAhead, Retention: cfg.Outbox.Retention, Log: log},
+		// Several runs per partition, so the last partition ahead is
+		// replaced long before the clock reaches it.
+		Delay: min(outboxPartitionsDelay, cfg.Outbox.PartitionInterval/4),
 	})
 
 	configured, err := jobs.FromDefinitions(cfg.Jobs, pool, nil)

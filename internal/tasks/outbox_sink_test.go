@@ -3,6 +3,7 @@ package tasks
 import (
 	"context"
 	"encoding/json"
+	"fmt"
 	"strings"
 	"testing"
 	"time"
@@ -66,9 +67,49 @@ func appendEvents(t *testing.T, pool *pgxpool.Pool, events ...outbox.NewEvent) [
 	return ids
 }
 
+// recordPublishes makes the database record, for each delivery row deleted
+// from now on, its id and attempts. A published event keeps no delivery row
+// (migrations/00140_outbox_storage_v2.sql), so the row's last state is
+// caught on its way out. The returned function reads the record: attempts
+// by outbox_event id.
+func recordPublishes(t *testing.T, pool *pgxpool.Pool) func() map[int64]int {
+	t.Helper()
+	_, err := pool.Exec(t.Context(), `
+CREATE TABLE test_deleted_delivery (id bigint NOT NULL, attempts integer NOT NULL);
+CREATE FUNCTION test_record_delete() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    INSERT INTO test_deleted_delivery (id, attempts) VALUES (OLD.id, OLD.attempts);
+    RETURN NULL;
+END $$;
+CREATE TRIGGER test_record_delete AFTER DELETE ON outbox_delivery FOR EACH ROW EXECUTE FUNCTION test_record_delete();`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return func() map[int64]int {
+		t.Helper()
+		rows, err := pool.Query(t.Context(), "SELECT id, attempts FROM test_deleted_delivery")
+		if err != nil {
+			t.Fatal(err)
+		}
+		got := map[int64]int{}
+		var id int64
+		var attempts int
+		if _, err := pgx.ForEachRow(rows, []any{&id, &attempts}, func() error {
+			if _, dup := got[id]; dup {
+				return fmt.Errorf("delivery row %d deleted twice", id)
+			}
+			got[id] = attempts
+			return nil
+		}); err != nil {
+			t.Fatal(err)
+		}
+		return got
+	}
+}
+
 func eventStatus(t *testing.T, pool *pgxpool.Pool, eventID string) (status, lastError string) {
 	t.Helper()
-	err := pool.QueryRow(t.Context(), "SELECT status, coalesce(last_error, '') FROM outbox_event WHERE event_id = $1", eventID).
+	err := pool.QueryRow(t.Context(), "SELECT status, coalesce(last_error, '') FROM outbox_event_state WHERE event_id = $1", eventID).
 		Scan(&status, &lastError)
 	if err != nil {
 		t.Fatal(err)
@@ -135,6 +176,7 @@ func TestOutboxSinkTurnsEventsIntoTasks(t *testing.T) {
 	cfg := testConfig(t, map[string]Queue{"mail": queue(1, 100), DefaultQueue: queue(1, 0)},
 		Kind{Name: "ship", Type: TypeGo, Queue: "mail", MaxAttempts: 7},
 		Kind{Name: "audit", Type: TypeGo})
+	published := recordPublishes(t, db.Pool)
 	occurred := time.Date(2026, 11, 30, 12, 0, 0, 0, time.UTC)
 	ids := appendEvents(t, db.Pool,
 		outbox.NewEvent{AggregateType: "order", AggregateID: "1", EventType: "order.created", Payload: json.RawMessage(`{"n": 1}`), OccurredAt: occurred},
@@ -147,12 +189,17 @@ func TestOutboxSinkTurnsEventsIntoTasks(t *testing.T) {
 		waitEventStatus(t, db.Pool, id, outbox.StatusPublished)
 	}
 
-	var retried int
-	if err := db.Pool.QueryRow(t.Context(), "SELECT count(*) FROM outbox_event WHERE attempts <> 1").Scan(&retried); err != nil {
-		t.Fatal(err)
-	}
-	if retried != 0 {
-		t.Errorf("%d events needed more than one attempt", retried)
+	// The river sink writes in the claim transaction, so an event is never
+	// detached: its delivery row is deleted by the batch that published it,
+	// with attempts counting the failures before. Zero: the first try did.
+	if got := published(); len(got) != len(ids) {
+		t.Errorf("%d delivery rows deleted as published, want %d: %v", len(got), len(ids), got)
+	} else {
+		for id, attempts := range got {
+			if attempts != 0 {
+				t.Errorf("event %d was published after %d failed attempts, want the first to succeed", id, attempts)
+			}
+		}
 	}
 	got := sinkTasks(t, db.Pool)
 	if len(got) != 3 {
@@ -264,24 +311,27 @@ CREATE TRIGGER refuse_task BEFORE INSERT ON river_job FOR EACH ROW EXECUTE FUNCT
 	}
 }
 
-// The task insert and the PUBLISHED mark are one transaction: when the mark
-// fails after the insert succeeded, no task is left behind.
+// The task insert and the PUBLISHED mark (deleting the event's delivery
+// row) are one transaction: when the mark fails after the insert
+// succeeded, no task is left behind.
 func TestOutboxSinkFailedMarkLeavesNoTask(t *testing.T) {
 	t.Parallel()
 	db := pgtest.New(t)
 	cfg := testConfig(t, nil, Kind{Name: "audit", Type: TypeGo})
 	// A sequence counts the refused marks: a rollback does not undo it.
+	// Publishing is the only thing that deletes a delivery row that is not
+	// DEAD, so the trigger refuses exactly the marks.
 	_, err := db.Pool.Exec(t.Context(), `
 CREATE SEQUENCE refused_marks;
 CREATE FUNCTION refuse_mark() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN
-    IF NEW.status = 'PUBLISHED' THEN
+    IF OLD.dead_at IS NULL THEN
         PERFORM nextval('refused_marks');
         RAISE EXCEPTION 'mark refused';
     END IF;
-    RETURN NEW;
+    RETURN OLD;
 END $$;
-CREATE TRIGGER refuse_mark BEFORE UPDATE ON outbox_event FOR EACH ROW EXECUTE FUNCTION refuse_mark();`)
+CREATE TRIGGER refuse_mark BEFORE DELETE ON outbox_delivery FOR EACH ROW EXECUTE FUNCTION refuse_mark();`)
 	if err != nil {
 		t.Fatal(err)
 	}

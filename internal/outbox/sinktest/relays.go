@@ -174,7 +174,7 @@ type storedEvent struct{ outbox.Event }
 
 func storedEvents(t *testing.T, pool *pgxpool.Pool) map[string]storedEvent {
 	rows, err := pool.Query(t.Context(), `
-SELECT id, event_id::text, aggregate_type, aggregate_id, event_type, payload::text, headers, occurred_at FROM outbox_event`)
+SELECT id, event_id::text, aggregate_type, aggregate_id, event_type, payload::text, headers, occurred_at FROM outbox_event_state`)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -197,7 +197,7 @@ SELECT id, event_id::text, aggregate_type, aggregate_id, event_type, payload::te
 
 func status(t *testing.T, pool *pgxpool.Pool, eventID string) string {
 	var s string
-	if err := pool.QueryRow(t.Context(), `SELECT status FROM outbox_event WHERE event_id = $1`, eventID).Scan(&s); err != nil {
+	if err := pool.QueryRow(t.Context(), `SELECT status FROM outbox_event_state WHERE event_id = $1`, eventID).Scan(&s); err != nil {
 		t.Fatal(err)
 	}
 	return s
@@ -205,7 +205,7 @@ func status(t *testing.T, pool *pgxpool.Pool, eventID string) string {
 
 func countStatus(t *testing.T, pool *pgxpool.Pool, s string) int {
 	var n int
-	if err := pool.QueryRow(t.Context(), `SELECT count(*) FROM outbox_event WHERE status = $1`, s).Scan(&n); err != nil {
+	if err := pool.QueryRow(t.Context(), `SELECT count(*) FROM outbox_event_state WHERE status = $1`, s).Scan(&n); err != nil {
 		t.Fatal(err)
 	}
 	return n

@@ -1,0 +1,344 @@
+package outbox
+
+import (
+	"context"
+	"errors"
+	"slices"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/worker-dev/worker/internal/pgtest"
+	"github.com/worker-dev/worker/internal/testkit"
+)
+
+// freshPartitions drops the partitions the migration made (whole UTC days),
+// so a test can lay out its own, seconds long.
+func freshPartitions(t *testing.T, pool *pgxpool.Pool) {
+	t.Helper()
+	names := partitionNames(t, pool)
+	for _, n := range names {
+		exec(t, pool, "DROP TABLE "+pgx.Identifier{n}.Sanitize())
+	}
+	exec(t, pool, "DELETE FROM outbox_partition")
+}
+
+// partitionNames lists the attached partitions of outbox_event, oldest
+// first, checking that the catalog table agrees.
+func partitionNames(t *testing.T, pool *pgxpool.Pool) []string {
+	t.Helper()
+	rows, err := pool.Query(context.Background(), `
+SELECT c.relname FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid
+WHERE i.inhparent = 'outbox_event'::regclass ORDER BY c.relname`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	attached, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	if err != nil {
+		t.Fatal(err)
+	}
+	var catalog []string
+	if err := pool.QueryRow(context.Background(), `SELECT coalesce(array_agg(name ORDER BY name), '{}') FROM outbox_partition`).Scan(&catalog); err != nil {
+		t.Fatal(err)
+	}
+	if len(catalog) != len(attached) {
+		t.Fatalf("attached partitions %v, catalog %v", attached, catalog)
+	}
+	return attached
+}
+
+// TestPartitionsCreateAhead: the keeper covers now to Ahead intervals
+// ahead, aligned on the interval, continues from the last partition, and
+// a second run creates nothing.
+func TestPartitionsCreateAhead(t *testing.T) {
+	t.Parallel()
+	db := pgtest.New(t)
+	ctx := context.Background()
+	// The migration made today's and tomorrow's UTC days.
+	if n := partitionNames(t, db.Pool); len(n) != 2 {
+		t.Fatalf("after the migration: %v, want today and tomorrow", n)
+	}
+	p := &Partitions{Pool: db.Pool, Interval: 24 * time.Hour, Ahead: 4, Retention: 7 * 24 * time.Hour}
+	created, dropped, err := p.Maintain(ctx)
+	if err != nil || len(dropped) != 0 {
+		t.Fatalf("Maintain: created %v dropped %v: %v", created, dropped, err)
+	}
+	var covered time.Duration
+	var midnight bool
+	if err := db.Pool.QueryRow(ctx, `SELECT (extract(epoch FROM max(hi) - now()) * 1e9)::bigint,
+		bool_and(lo = date_trunc('day', lo AT TIME ZONE 'UTC') AT TIME ZONE 'UTC') FROM outbox_partition`).Scan(&covered, &midnight); err != nil {
+		t.Fatal(err)
+	}
+	if covered < 4*24*time.Hour || covered > 5*24*time.Hour || !midnight {
+		t.Errorf("partitions cover %s past now (want 4 to 5 days), all from midnight UTC: %v", covered, midnight)
+	}
+	if again, _, err := p.Maintain(ctx); err != nil || len(again) != 0 {
+		t.Errorf("second run created %v (%v), want nothing", again, err)
+	}
+}
+
+// TestPartitionsNothingFailsAtTheBoundary: with one-second partitions, two
+// ahead, and the keeper running as it would in the worker, producers insert
+// without a pause across several partition boundaries and none of their
+// inserts fails; each row lands in the partition of its created_at.
+func TestPartitionsNothingFailsAtTheBoundary(t *testing.T) {
+	t.Parallel()
+	db := pgtest.New(t)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	freshPartitions(t, db.Pool)
+	p := &Partitions{Pool: db.Pool, Interval: time.Second, Ahead: 2, Retention: time.Hour}
+	if _, _, err := p.Maintain(ctx); err != nil {
+		t.Fatal(err)
+	}
+	var wg sync.WaitGroup
+	wg.Go(func() {
+		for ctx.Err() == nil {
+			if err := p.Run(ctx); err != nil && ctx.Err() == nil {
+				t.Errorf("keeper: %v", err)
+			}
+			select {
+			case <-ctx.Done():
+			case <-time.After(p.Interval / 4): // the worker's delay for this interval
+			}
+		}
+	})
+	var inserted, failed atomic.Int64
+	for range 2 {
+		wg.Go(func() {
+			for ctx.Err() == nil {
+				_, err := db.Pool.Exec(ctx, `INSERT INTO outbox_event (aggregate_type, aggregate_id, event_type, payload) VALUES ('order', 'a', 'x', '{}')`)
+				switch {
+				case err == nil:
+					inserted.Add(1)
+				case ctx.Err() == nil:
+					failed.Add(1)
+					t.Errorf("insert: %v", err)
+				}
+			}
+		})
+	}
+	var start time.Time
+	if err := db.Pool.QueryRow(ctx, "SELECT now()").Scan(&start); err != nil {
+		t.Fatal(err)
+	}
+	testkit.Eventually(t, 30*time.Second, "inserts across four partition boundaries", func() bool {
+		var spread int
+		err := db.Pool.QueryRow(ctx, `SELECT count(DISTINCT tableoid) FROM outbox_event`).Scan(&spread)
+		return err == nil && spread >= 5
+	})
+	cancel()
+	wg.Wait()
+	if failed.Load() > 0 || inserted.Load() == 0 {
+		t.Fatalf("%d inserts, %d failed", inserted.Load(), failed.Load())
+	}
+	var misplaced int
+	if err := db.Pool.QueryRow(context.Background(), `
+SELECT count(*) FROM outbox_event e JOIN outbox_partition p ON p.name = e.tableoid::regclass::text
+WHERE NOT (e.created_at >= p.lo AND e.created_at < p.hi)`).Scan(&misplaced); err != nil || misplaced != 0 {
+		t.Errorf("%d rows outside their partition's bounds (%v)", misplaced, err)
+	}
+}
+
+// TestPartitionsDropOnlyWhatIsDone: past retention, a partition whose
+// events are all published is dropped; one with an event still to publish,
+// or a DEAD one, is kept until that event is published or purged. Newer
+// partitions are kept whatever they hold.
+func TestPartitionsDropOnlyWhatIsDone(t *testing.T) {
+	t.Parallel()
+	db := pgtest.New(t)
+	ctx := context.Background()
+	freshPartitions(t, db.Pool)
+	// Three one-second partitions, one event each, written a second apart.
+	p := &Partitions{Pool: db.Pool, Interval: time.Second, Ahead: 6, Retention: time.Hour}
+	if _, _, err := p.Maintain(ctx); err != nil {
+		t.Fatal(err)
+	}
+	var ids []string
+	var parts []string
+	for i := range 3 {
+		var lo time.Time
+		if err := db.Pool.QueryRow(ctx, `SELECT lo FROM outbox_partition WHERE lo > now() ORDER BY lo LIMIT 1`).Scan(&lo); err != nil {
+			t.Fatal(err)
+		}
+		testkit.Eventually(t, 5*time.Second, "the next partition's second", func() bool {
+			var now time.Time
+			return db.Pool.QueryRow(ctx, "SELECT now()").Scan(&now) == nil && !now.Before(lo)
+		})
+		ids = append(ids, appendEvent(t, db.Pool, "agg", []string{"published", "pending", "dead"}[i]))
+		var part string
+		if err := db.Pool.QueryRow(ctx, `SELECT tableoid::regclass::text FROM outbox_event WHERE event_id = $1`, ids[i]).Scan(&part); err != nil {
+			t.Fatal(err)
+		}
+		parts = append(parts, part)
+	}
+	published := func(id string) {
+		exec(t, db.Pool, `DELETE FROM outbox_delivery WHERE id = (SELECT id FROM outbox_event WHERE event_id = $1)`, id)
+	}
+	published(ids[0])
+	markDead(t, db.Pool, ids[2])
+
+	// Within retention nothing goes, done or not.
+	if _, dropped, err := p.Maintain(ctx); err != nil || len(dropped) != 0 {
+		t.Fatalf("within retention: dropped %v (%v)", dropped, err)
+	}
+	p.Retention = 0 // every partition that has ended is past retention
+	testkit.Eventually(t, 5*time.Second, "the three partitions to end", func() bool {
+		var ended bool
+		return db.Pool.QueryRow(ctx, `SELECT hi <= now() FROM outbox_partition WHERE name = $1`, parts[2]).Scan(&ended) == nil && ended
+	})
+	_, dropped, err := p.Maintain(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !slices.Contains(dropped, parts[0]) || slices.Contains(dropped, parts[1]) || slices.Contains(dropped, parts[2]) {
+		t.Fatalf("dropped %v; want %s (published) and not %s (pending) nor %s (DEAD)", dropped, parts[0], parts[1], parts[2])
+	}
+	for _, n := range partitionNames(t, db.Pool) {
+		if n == parts[0] {
+			t.Fatalf("%s still attached", n)
+		}
+	}
+	if st := statusOf(t, db.Pool, ids[1]); st != StatusPending {
+		t.Errorf("the pending event reads %s", st)
+	}
+
+	published(ids[1])
+	if n, err := PurgeDead(ctx, db.Pool, ids[2], "test", nil); err != nil || n != 1 {
+		t.Fatalf("purge: %d %v", n, err)
+	}
+	if st := statusOf(t, db.Pool, ids[2]); st != "PURGED" {
+		t.Errorf("a purged event reads %s, want PURGED: it was never published", st)
+	}
+	if _, dropped, err = p.Maintain(ctx); err != nil || !slices.Contains(dropped, parts[1]) || !slices.Contains(dropped, parts[2]) {
+		t.Fatalf("after the publish and the purge: dropped %v (%v), want %s and %s", dropped, err, parts[1], parts[2])
+	}
+	var purgeRecords int
+	if err := db.Pool.QueryRow(ctx, `SELECT count(*) FROM outbox_purged`).Scan(&purgeRecords); err != nil || purgeRecords != 0 {
+		t.Errorf("%d purge records left after their partition was dropped (%v)", purgeRecords, err)
+	}
+}
+
+// TestPartitionsFinishAnInterruptedDetach: a detach cancelled halfway (its
+// wait for older snapshots timed out) leaves the partition pending detach;
+// the next run finishes it and drops the partition.
+func TestPartitionsFinishAnInterruptedDetach(t *testing.T) {
+	t.Parallel()
+	db := pgtest.New(t)
+	ctx := context.Background()
+	freshPartitions(t, db.Pool)
+	p := &Partitions{Pool: db.Pool, Interval: time.Second, Ahead: 2, Retention: 0}
+	if _, _, err := p.Maintain(ctx); err != nil {
+		t.Fatal(err)
+	}
+	var victim string
+	if err := db.Pool.QueryRow(ctx, `SELECT name FROM outbox_partition ORDER BY lo LIMIT 1`).Scan(&victim); err != nil {
+		t.Fatal(err)
+	}
+	// A transaction that has read outbox_event holds back the second phase
+	// of a concurrent detach, which then times out.
+	holder, err := db.Pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := holder.Exec(ctx, "SELECT count(*) FROM outbox_event"); err != nil {
+		t.Fatal(err)
+	}
+	conn, err := db.Pool.Acquire(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, err = conn.Exec(ctx, "SET statement_timeout = '500ms'")
+	if err == nil {
+		_, err = conn.Exec(ctx, "ALTER TABLE outbox_event DETACH PARTITION "+pgx.Identifier{victim}.Sanitize()+" CONCURRENTLY")
+	}
+	var pgErr *pgconn.PgError
+	if !errors.As(err, &pgErr) || pgErr.Code != "57014" { // query_canceled
+		t.Fatalf("the detach was not interrupted: %v", err)
+	}
+	_, _ = conn.Exec(ctx, "RESET statement_timeout")
+	conn.Release()
+	if err := holder.Rollback(ctx); err != nil {
+		t.Fatal(err)
+	}
+	var pending bool
+	if err := db.Pool.QueryRow(ctx, `SELECT inhdetachpending FROM pg_inherits WHERE inhrelid = $1::regclass`, victim).Scan(&pending); err != nil || !pending {
+		t.Fatalf("pending detach: %v (%v)", pending, err)
+	}
+	testkit.Eventually(t, 5*time.Second, "the partition to end", func() bool {
+		var ended bool
+		return db.Pool.QueryRow(ctx, `SELECT hi <= now() FROM outbox_partition WHERE name = $1`, victim).Scan(&ended) == nil && ended
+	})
+	_, dropped, err := p.Maintain(ctx)
+	if err != nil || !slices.Contains(dropped, victim) {
+		t.Fatalf("dropped %v (%v), want %s", dropped, err, victim)
+	}
+	var exists bool
+	if err := db.Pool.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL`, victim).Scan(&exists); err != nil || exists {
+		t.Errorf("%s still exists (%v)", victim, err)
+	}
+}
+
+// TestEnvelopeIsImmutable: an envelope cannot be updated or deleted, by
+// anyone; its delivery row can.
+func TestEnvelopeIsImmutable(t *testing.T) {
+	t.Parallel()
+	db := pgtest.New(t)
+	id := appendEvent(t, db.Pool, "a", "x")
+	for _, q := range []string{
+		`UPDATE outbox_event SET payload = '{"changed": true}' WHERE event_id = $1`,
+		`UPDATE outbox_event SET aggregate_id = 'b' WHERE event_id = $1`,
+		`DELETE FROM outbox_event WHERE event_id = $1`,
+	} {
+		_, err := db.Pool.Exec(context.Background(), q, id)
+		var pgErr *pgconn.PgError
+		if !errors.As(err, &pgErr) || pgErr.Code != "23001" {
+			t.Errorf("%s: %v, want a refusal (23001)", q, err)
+		}
+	}
+	setDelivery(t, db.Pool, id, "status = 'FAILED', attempts = 1")
+	if st := statusOf(t, db.Pool, id); st != StatusFailed {
+		t.Errorf("delivery row not updatable: %s", st)
+	}
+}
+
+// TestDuplicateEventIDAcrossPartitions: an event_id given twice is refused
+// under the V1 constraint's name, also when the first one is in an older
+// partition than the one the second would go to.
+func TestDuplicateEventIDAcrossPartitions(t *testing.T) {
+	t.Parallel()
+	db := pgtest.New(t)
+	ctx := context.Background()
+	freshPartitions(t, db.Pool)
+	p := &Partitions{Pool: db.Pool, Interval: time.Second, Ahead: 4, Retention: time.Hour}
+	if _, _, err := p.Maintain(ctx); err != nil {
+		t.Fatal(err)
+	}
+	const id = "6f1c1a3e-3f7b-4c55-9d0e-0d4a8c2b7e11"
+	insert := func() error {
+		_, err := db.Pool.Exec(ctx, `INSERT INTO outbox_event (event_id, aggregate_type, aggregate_id, event_type, payload)
+			VALUES ($1, 'order', 'a', 'x', '{}')`, id)
+		return err
+	}
+	if err := insert(); err != nil {
+		t.Fatal(err)
+	}
+	var first string
+	if err := db.Pool.QueryRow(ctx, `SELECT tableoid::regclass::text FROM outbox_event WHERE event_id = $1`, id).Scan(&first); err != nil {
+		t.Fatal(err)
+	}
+	testkit.Eventually(t, 5*time.Second, "the next partition", func() bool {
+		var later bool
+		return db.Pool.QueryRow(ctx, `SELECT now() >= hi FROM outbox_partition WHERE name = $1`, first).Scan(&later) == nil && later
+	})
+	err := insert()
+	var pgErr *pgconn.PgError
+	if !errors.As(err, &pgErr) || pgErr.Code != "23505" || pgErr.ConstraintName != "outbox_event_event_id_key" {
+		t.Fatalf("duplicate in a later partition: %v, want 23505 on outbox_event_event_id_key", err)
+	}
+}
