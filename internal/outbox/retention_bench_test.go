@@ -35,7 +35,7 @@ func BenchmarkRetention(b *testing.B) {
 		b.Fatal(err)
 	}
 	var part string
-	if err := db.Pool.QueryRow(ctx, `SELECT outbox_event_add_partition($1, $1 + interval '1 day')`, day).Scan(&part); err != nil {
+	if err := db.Pool.QueryRow(ctx, `SELECT outbox_event_add_partition($1::timestamptz, $1::timestamptz + interval '1 day')`, day).Scan(&part); err != nil {
 		b.Fatal(err)
 	}
 	row := `'order', 'order-' || (hashint4(g) & 2147483647) % 1000, 'order.updated',

@@ -4,12 +4,14 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"log/slog"
 	"strings"
 	"testing"
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgtype"
 
 	"github.com/worker-dev/worker/internal/pgtest"
 )
@@ -244,5 +246,61 @@ func TestAdminPurgeAndMisuse(t *testing.T) {
 	}
 	if dead, _, err := ListDead(ctx, db.Pool, 0); err == nil {
 		t.Errorf("ListDead with limit 0: %v", dead)
+	}
+}
+
+// TestDeliveryUpdatesAreHOT: the relay's writes to a delivery row short of
+// DEAD (a failure, a hand-back, a detach, a completion) change no indexed
+// column, so PostgreSQL makes them heap-only: no index entry is written.
+// pg_stat_get_xact_tuples_hot_updated counts them in the transaction that
+// made them.
+func TestDeliveryUpdatesAreHOT(t *testing.T) {
+	t.Parallel()
+	db := pgtest.New(t)
+	ctx := context.Background()
+	for i := range 4 {
+		appendEvent(t, db.Pool, "a", fmt.Sprint("e", i))
+	}
+	err := pgx.BeginFunc(ctx, db.Pool, func(tx pgx.Tx) error {
+		rows, err := tx.Query(ctx, `SELECT ctid, id FROM outbox_delivery ORDER BY id`)
+		if err != nil {
+			return err
+		}
+		type row struct {
+			tid pgtype.TID
+			id  int64
+		}
+		got, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (row, error) {
+			var x row
+			return x, r.Scan(&x.tid, &x.id)
+		})
+		if err != nil {
+			return err
+		}
+		for _, s := range []struct {
+			sql  string
+			args []any
+		}{
+			{markFailedSQL, []any{[]pgtype.TID{got[0].tid}, []string{StatusFailed}, []int64{1000}, []string{"boom"}, "relay"}},
+			{handBackSQL, []any{[]pgtype.TID{got[1].tid}}},
+			{markInFlightSQL, []any{[]pgtype.TID{got[2].tid}, int64(30000), "token"}},
+			{completeSQL, []any{[]int64{got[2].id}, []string{"token"}, []int32{1}, []string{StatusFailed}, []int64{1000}, []*string{nil}, "relay"}},
+		} {
+			if _, err := tx.Exec(ctx, s.sql, s.args...); err != nil {
+				return err
+			}
+		}
+		var updated, hot int64
+		if err := tx.QueryRow(ctx, `SELECT pg_stat_get_xact_tuples_updated('outbox_delivery'::regclass),
+			pg_stat_get_xact_tuples_hot_updated('outbox_delivery'::regclass)`).Scan(&updated, &hot); err != nil {
+			return err
+		}
+		if updated != 4 || hot != updated {
+			t.Errorf("%d updates, %d of them HOT; want 4, all HOT", updated, hot)
+		}
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
 	}
 }
