@@ -28,6 +28,29 @@ func freshPartitions(t *testing.T, pool *pgxpool.Pool) {
 	exec(t, pool, "DELETE FROM outbox_partition")
 }
 
+// secondPartitions returns a database whose outbox_event has one-second
+// partitions, ahead of them as many as ahead says, and their keeper.
+func secondPartitions(t *testing.T, ahead int, retention time.Duration) (*pgtest.DB, *Partitions) {
+	t.Helper()
+	db := pgtest.New(t)
+	freshPartitions(t, db.Pool)
+	p := &Partitions{Pool: db.Pool, Interval: time.Second, Ahead: ahead, Retention: retention}
+	if _, _, err := p.Maintain(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	return db, p
+}
+
+// waitEnded waits until the database clock has passed the end of the
+// partition name.
+func waitEnded(t *testing.T, pool *pgxpool.Pool, name string) {
+	t.Helper()
+	testkit.Eventually(t, 5*time.Second, "partition "+name+" to end", func() bool {
+		var ended bool
+		return pool.QueryRow(context.Background(), `SELECT hi <= now() FROM outbox_partition WHERE name = $1`, name).Scan(&ended) == nil && ended
+	})
+}
+
 // partitionNames lists the attached partitions of outbox_event, oldest
 // first, checking that the catalog table agrees.
 func partitionNames(t *testing.T, pool *pgxpool.Pool) []string {
@@ -88,14 +111,9 @@ func TestPartitionsCreateAhead(t *testing.T) {
 // inserts fails; each row lands in the partition of its created_at.
 func TestPartitionsNothingFailsAtTheBoundary(t *testing.T) {
 	t.Parallel()
-	db := pgtest.New(t)
+	db, p := secondPartitions(t, 2, time.Hour)
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
-	freshPartitions(t, db.Pool)
-	p := &Partitions{Pool: db.Pool, Interval: time.Second, Ahead: 2, Retention: time.Hour}
-	if _, _, err := p.Maintain(ctx); err != nil {
-		t.Fatal(err)
-	}
 	var wg sync.WaitGroup
 	wg.Go(func() {
 		for ctx.Err() == nil {
@@ -151,14 +169,9 @@ WHERE NOT (e.created_at >= p.lo AND e.created_at < p.hi)`).Scan(&misplaced); err
 // partitions are kept whatever they hold.
 func TestPartitionsDropOnlyWhatIsDone(t *testing.T) {
 	t.Parallel()
-	db := pgtest.New(t)
-	ctx := context.Background()
-	freshPartitions(t, db.Pool)
 	// Three one-second partitions, one event each, written a second apart.
-	p := &Partitions{Pool: db.Pool, Interval: time.Second, Ahead: 6, Retention: time.Hour}
-	if _, _, err := p.Maintain(ctx); err != nil {
-		t.Fatal(err)
-	}
+	db, p := secondPartitions(t, 6, time.Hour)
+	ctx := context.Background()
 	var ids []string
 	var parts []string
 	for i := range 3 {
@@ -188,10 +201,7 @@ func TestPartitionsDropOnlyWhatIsDone(t *testing.T) {
 		t.Fatalf("within retention: dropped %v (%v)", dropped, err)
 	}
 	p.Retention = 0 // every partition that has ended is past retention
-	testkit.Eventually(t, 5*time.Second, "the three partitions to end", func() bool {
-		var ended bool
-		return db.Pool.QueryRow(ctx, `SELECT hi <= now() FROM outbox_partition WHERE name = $1`, parts[2]).Scan(&ended) == nil && ended
-	})
+	waitEnded(t, db.Pool, parts[2])
 	_, dropped, err := p.Maintain(ctx)
 	if err != nil {
 		t.Fatal(err)
@@ -229,13 +239,8 @@ func TestPartitionsDropOnlyWhatIsDone(t *testing.T) {
 // the next run finishes it and drops the partition.
 func TestPartitionsFinishAnInterruptedDetach(t *testing.T) {
 	t.Parallel()
-	db := pgtest.New(t)
+	db, p := secondPartitions(t, 2, 0)
 	ctx := context.Background()
-	freshPartitions(t, db.Pool)
-	p := &Partitions{Pool: db.Pool, Interval: time.Second, Ahead: 2, Retention: 0}
-	if _, _, err := p.Maintain(ctx); err != nil {
-		t.Fatal(err)
-	}
 	var victim string
 	if err := db.Pool.QueryRow(ctx, `SELECT name FROM outbox_partition ORDER BY lo LIMIT 1`).Scan(&victim); err != nil {
 		t.Fatal(err)
@@ -270,10 +275,7 @@ func TestPartitionsFinishAnInterruptedDetach(t *testing.T) {
 	if err := db.Pool.QueryRow(ctx, `SELECT inhdetachpending FROM pg_inherits WHERE inhrelid = $1::regclass`, victim).Scan(&pending); err != nil || !pending {
 		t.Fatalf("pending detach: %v (%v)", pending, err)
 	}
-	testkit.Eventually(t, 5*time.Second, "the partition to end", func() bool {
-		var ended bool
-		return db.Pool.QueryRow(ctx, `SELECT hi <= now() FROM outbox_partition WHERE name = $1`, victim).Scan(&ended) == nil && ended
-	})
+	waitEnded(t, db.Pool, victim)
 	_, dropped, err := p.Maintain(ctx)
 	if err != nil || !slices.Contains(dropped, victim) {
 		t.Fatalf("dropped %v (%v), want %s", dropped, err, victim)
@@ -312,13 +314,8 @@ func TestEnvelopeIsImmutable(t *testing.T) {
 // partition than the one the second would go to.
 func TestDuplicateEventIDAcrossPartitions(t *testing.T) {
 	t.Parallel()
-	db := pgtest.New(t)
+	db, _ := secondPartitions(t, 4, time.Hour)
 	ctx := context.Background()
-	freshPartitions(t, db.Pool)
-	p := &Partitions{Pool: db.Pool, Interval: time.Second, Ahead: 4, Retention: time.Hour}
-	if _, _, err := p.Maintain(ctx); err != nil {
-		t.Fatal(err)
-	}
 	const id = "6f1c1a3e-3f7b-4c55-9d0e-0d4a8c2b7e11"
 	insert := func() error {
 		_, err := db.Pool.Exec(ctx, `INSERT INTO outbox_event (event_id, aggregate_type, aggregate_id, event_type, payload)
@@ -332,10 +329,7 @@ func TestDuplicateEventIDAcrossPartitions(t *testing.T) {
 	if err := db.Pool.QueryRow(ctx, `SELECT tableoid::regclass::text FROM outbox_event WHERE event_id = $1`, id).Scan(&first); err != nil {
 		t.Fatal(err)
 	}
-	testkit.Eventually(t, 5*time.Second, "the next partition", func() bool {
-		var later bool
-		return db.Pool.QueryRow(ctx, `SELECT now() >= hi FROM outbox_partition WHERE name = $1`, first).Scan(&later) == nil && later
-	})
+	waitEnded(t, db.Pool, first)
 	err := insert()
 	var pgErr *pgconn.PgError
 	if !errors.As(err, &pgErr) || pgErr.Code != "23505" || pgErr.ConstraintName != "outbox_event_event_id_key" {

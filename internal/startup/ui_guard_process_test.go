@@ -121,6 +121,11 @@ func TestRiverUIRefusesCrossSiteWritesAndAuditsThem(t *testing.T) {
 		t.Errorf("a script's retry: %d %q, task %s; want 200 and available", code, answer, taskState(t, db, id))
 	}
 
+	// The audit line is written once the handler returns, which can be
+	// after the client has read the answer.
+	testkit.Eventually(t, 5*time.Second, "the retry's audit line", func() bool {
+		return strings.Contains(w.out.String(), `"action":"jobs/retry"`)
+	})
 	out := w.out.String()
 	want := map[string]int{`"action":"jobs/cancel"` + `|403`: 3, `"action":"jobs/cancel"` + `|415`: 2, `"action":"jobs/cancel"` + `|200`: 1, `"action":"jobs/retry"` + `|200`: 1}
 	got := map[string]int{}
