@@ -59,9 +59,8 @@ func TestUpgradeToStorageV2Online(t *testing.T) {
 	if code := startBinary(t, v1, []string{"APP_DATABASE_URL=" + db.URL}, "migrate").exitCode(t, 60*time.Second); code != 0 {
 		t.Fatalf("V1 migrate: exit %d", code)
 	}
-	// The DEAD backlog, loaded in bulk as the V1 relay would have left it.
-	// It makes the cutover's copy last long enough to be killed in.
-	const deadBacklog = 150_000
+	// A DEAD backlog, loaded in bulk as the V1 relay would have left it.
+	const deadBacklog = 20_000
 	for _, q := range []string{
 		"ALTER TABLE outbox_event DISABLE TRIGGER USER",
 		fmt.Sprintf(`INSERT INTO outbox_event (id, aggregate_type, aggregate_id, event_type, payload, status, attempts, next_attempt_at, last_error)
@@ -127,19 +126,37 @@ func TestUpgradeToStorageV2Online(t *testing.T) {
 	})
 	testkit.Eventually(t, 20*time.Second, "V1 replicas delivering", func() bool { return recv.distinct() >= 200 })
 
-	// The first cutover is killed while it copies the DEAD backlog: after
-	// the rename, before its commit.
+	// The first cutover is killed halfway: after its rename, before its
+	// commit. To hold it there, a transaction of the test rewrites (to the
+	// same text) the V1 insert function the cutover replaces right after
+	// the rename, so the cutover waits for that row of the catalog.
+	holder, err := db.Pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = holder.Rollback(ctx) }()
+	var def string
+	if err := holder.QueryRow(ctx, `SELECT pg_get_functiondef('outbox_event_before_insert'::regproc)`).Scan(&def); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := holder.Exec(ctx, def); err != nil {
+		t.Fatal(err)
+	}
 	first := startWorker(t, []string{"APP_DATABASE_URL=" + db.URL}, "migrate")
-	testkit.Eventually(t, 60*time.Second, "the cutover copying", func() bool {
-		var copying bool
+	testkit.Eventually(t, 60*time.Second, "the cutover halfway, waiting", func() bool {
+		var waiting bool
 		err := db.Pool.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM pg_stat_activity
-			WHERE datname = current_database() AND state = 'active' AND query LIKE 'INSERT INTO outbox_event (id, event_id,%')`).Scan(&copying)
-		return err == nil && copying
+			WHERE datname = current_database() AND wait_event_type = 'Lock'
+			  AND query LIKE '%CREATE OR REPLACE FUNCTION outbox_event_before_insert()%')`).Scan(&waiting)
+		return err == nil && waiting
 	})
 	if err := first.cmd.Process.Signal(syscall.SIGKILL); err != nil {
 		t.Fatal(err)
 	}
 	first.exitCode(t, 10*time.Second)
+	if err := holder.Rollback(ctx); err != nil {
+		t.Fatal(err)
+	}
 	testkit.Eventually(t, 10*time.Second, "the killed cutover's transaction to end", func() bool {
 		var v1Columns bool
 		err := db.Pool.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM information_schema.columns
@@ -215,7 +232,7 @@ func TestUpgradeToStorageV2Online(t *testing.T) {
 	if err := db.Pool.QueryRow(ctx, `SELECT count(*) FROM outbox_delivery WHERE status = 'DEAD' AND attempts = 3 AND last_error = 'sink said no'`).Scan(&dead); err != nil || dead != deadBacklog {
 		t.Errorf("DEAD events carried over: %d (%v), want %d", dead, err, deadBacklog)
 	}
-	_, err := db.Pool.Exec(ctx, `INSERT INTO outbox_event_v1 (aggregate_type, aggregate_id, event_type, payload) VALUES ('order', 'late', 'x', '{}')`)
+	_, err = db.Pool.Exec(ctx, `INSERT INTO outbox_event_v1 (aggregate_type, aggregate_id, event_type, payload) VALUES ('order', 'late', 'x', '{}')`)
 	if err == nil || !strings.Contains(err.Error(), "takes no writes") {
 		t.Errorf("a write to the V1 table: %v, want a loud refusal", err)
 	}
