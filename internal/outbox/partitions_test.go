@@ -336,3 +336,41 @@ func TestDuplicateEventIDAcrossPartitions(t *testing.T) {
 		t.Fatalf("duplicate in a later partition: %v, want 23505 on outbox_event_event_id_key", err)
 	}
 }
+
+// TestDuplicateEventIDRacingInserts: of two transactions inserting the same
+// event_id at once, the second waits for the first and is refused once it
+// commits.
+func TestDuplicateEventIDRacingInserts(t *testing.T) {
+	t.Parallel()
+	db := pgtest.New(t)
+	ctx := context.Background()
+	const id = "1d7e0c2a-5b8f-4d0e-9a61-3c2f4b7d9e20"
+	const insert = `INSERT INTO outbox_event (event_id, aggregate_type, aggregate_id, event_type, payload)
+		VALUES ($1, 'order', $2, 'x', '{}')`
+	first, err := db.Pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = first.Rollback(ctx) }()
+	if _, err := first.Exec(ctx, insert, id, "a"); err != nil {
+		t.Fatal(err)
+	}
+	second := make(chan error, 1)
+	go func() {
+		_, err := db.Pool.Exec(ctx, insert, id, "b") // another aggregate: only the event_id is shared
+		second <- err
+	}()
+	testkit.Eventually(t, 10*time.Second, "the second insert waiting for the first", func() bool {
+		var waiting bool
+		err := db.Pool.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM pg_stat_activity
+			WHERE datname = current_database() AND wait_event_type = 'Lock' AND query LIKE 'INSERT INTO outbox_event%')`).Scan(&waiting)
+		return err == nil && waiting
+	})
+	if err := first.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	var pgErr *pgconn.PgError
+	if err := <-second; !errors.As(err, &pgErr) || pgErr.Code != "23505" || pgErr.ConstraintName != "outbox_event_event_id_key" {
+		t.Fatalf("the racing duplicate: %v, want 23505 on outbox_event_event_id_key", err)
+	}
+}
