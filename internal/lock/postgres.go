@@ -152,17 +152,9 @@ const reapBatch = 1000
 
 // Postgres is the shared lease provider over the worker_lock table.
 type Postgres struct {
-	pool  *pgxpool.Pool
-	owner string
-	opts  options
-	log   *slog.Logger
-
-	room      waitRoom
-	budgets   budgets
-	stop      context.CancelFunc
-	closeOnce sync.Once
-	done      chan struct{}
-	connects  atomic.Int64 // successful LISTENs, for tests and diagnostics
+	shared
+	pool     *pgxpool.Pool
+	connects atomic.Int64 // successful LISTENs, for tests and diagnostics
 }
 
 var _ Locker = (*Postgres)(nil)
@@ -175,45 +167,17 @@ func NewPostgres(pool *pgxpool.Pool, instance string, log *slog.Logger, opts ...
 	if pool == nil {
 		return nil, errors.New("lock: nil pool")
 	}
-	if log == nil {
-		log = slog.New(slog.DiscardHandler)
-	}
-	ctx, cancel := context.WithCancel(context.Background())
-	p := &Postgres{
-		pool: pool, owner: newOwner(instance), opts: buildOptions(opts), log: log,
-		room: newWaitRoom(), stop: cancel, done: make(chan struct{}),
-	}
-	p.budgets.live = map[*budget]struct{}{}
-	go p.listen(ctx)
+	p := &Postgres{pool: pool}
+	go p.listen(p.init(instance, log, opts))
 	return p, nil
 }
-
-// Owner is the id this provider writes into its grants.
-func (p *Postgres) Owner() string { return p.owner }
 
 // Provider names the provider in metrics.
 func (p *Postgres) Provider() string { return "postgres" }
 
-// Close stops the listener. Held leases are not touched: release them first.
-func (p *Postgres) Close() {
-	p.closeOnce.Do(func() {
-		p.stop()
-		<-p.done
-	})
-}
-
 // TryAcquire implements Locker.
 func (p *Postgres) TryAcquire(ctx context.Context, key string, wait, ttl time.Duration) (Lease, error) {
-	if err := checkArgs(key, ttl); err != nil {
-		return nil, err
-	}
-	token, sent, err := p.room.acquire(ctx, key, wait, p.opts, func(deadline time.Time, willWait bool) (int64, time.Time, time.Duration, error) {
-		return p.attempt(ctx, key, ttl, deadline, willWait)
-	})
-	if err != nil {
-		return nil, err
-	}
-	return newLease(key, p.owner, token, ttl, sent, p, p.opts, p.log), nil
+	return p.tryAcquire(ctx, key, wait, ttl, p, p.attempt)
 }
 
 // attempt tries to take key: acquireSQL, then if the key was not free,

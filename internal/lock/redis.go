@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"log/slog"
 	"strconv"
-	"sync"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -108,18 +107,10 @@ RETURNING set_config('idle_in_transaction_session_timeout', $4, true)`
 // fenced commits are checked in PostgreSQL against the lock_fence table
 // (see docs/lock.md, "Redis provider").
 type Redis struct {
+	shared
 	rdb     redis.UniversalClient
 	prefix  string
 	channel string
-	owner   string
-	opts    options
-	log     *slog.Logger
-	room    waitRoom
-	budgets budgets
-
-	stop      context.CancelFunc
-	closeOnce sync.Once
-	done      chan struct{}
 }
 
 var _ Locker = (*Redis)(nil)
@@ -130,41 +121,22 @@ var _ Locker = (*Redis)(nil)
 // share a Redis database. rdb should have ContextTimeoutEnabled, so that
 // an acquire on a hung server is bounded like the PostgreSQL provider's.
 // It subscribes to release notifications in the background; Close stops
-// that. Leases keep working without it, through the fallback poll.
+// that (the client is the caller's to close). Leases keep working without
+// it, through the fallback poll.
 func NewRedis(rdb redis.UniversalClient, keyPrefix, instance string, log *slog.Logger, opts ...Option) (*Redis, error) {
 	if rdb == nil {
 		return nil, errors.New("lock: nil redis client")
 	}
-	if log == nil {
-		log = slog.New(slog.DiscardHandler)
-	}
 	if keyPrefix == "" {
 		keyPrefix = DefaultRedisKeyPrefix
 	}
-	ctx, cancel := context.WithCancel(context.Background())
-	r := &Redis{
-		rdb: rdb, prefix: keyPrefix, channel: keyPrefix + "released", owner: newOwner(instance),
-		opts: buildOptions(opts), log: log, room: newWaitRoom(), stop: cancel, done: make(chan struct{}),
-	}
-	r.budgets.live = map[*budget]struct{}{}
-	go r.listen(ctx)
+	r := &Redis{rdb: rdb, prefix: keyPrefix, channel: keyPrefix + "released"}
+	go r.listen(r.init(instance, log, opts))
 	return r, nil
 }
 
-// Owner is the id this provider writes into its grants.
-func (r *Redis) Owner() string { return r.owner }
-
 // Provider names the provider in metrics.
 func (r *Redis) Provider() string { return "redis" }
-
-// Close stops the subscription. Held leases are not touched: release them
-// first. The client is the caller's to close.
-func (r *Redis) Close() {
-	r.closeOnce.Do(func() {
-		r.stop()
-		<-r.done
-	})
-}
 
 // keys are the lease, the token counter and the awaited mark of key.
 func (r *Redis) keys(key string) []string {
@@ -184,16 +156,7 @@ func millis(ttl time.Duration) int64 {
 
 // TryAcquire implements Locker.
 func (r *Redis) TryAcquire(ctx context.Context, key string, wait, ttl time.Duration) (Lease, error) {
-	if err := checkArgs(key, ttl); err != nil {
-		return nil, err
-	}
-	token, sent, err := r.room.acquire(ctx, key, wait, r.opts, func(deadline time.Time, willWait bool) (int64, time.Time, time.Duration, error) {
-		return r.attempt(ctx, key, ttl, deadline, willWait)
-	})
-	if err != nil {
-		return nil, err
-	}
-	return newLease(key, r.owner, token, ttl, sent, r, r.opts, r.log), nil
+	return r.tryAcquire(ctx, key, wait, ttl, r, r.attempt)
 }
 
 func (r *Redis) attempt(ctx context.Context, key string, ttl time.Duration, deadline time.Time, willWait bool) (int64, time.Time, time.Duration, error) {

@@ -2,6 +2,7 @@ package lock
 
 import (
 	"context"
+	"log/slog"
 	"sync"
 	"time"
 )
@@ -23,6 +24,63 @@ type keyWaiters struct {
 }
 
 func newWaitRoom() waitRoom { return waitRoom{keys: map[string]*keyWaiters{}} }
+
+// shared is what the shared providers (PostgreSQL, Redis) have in common:
+// the owner id they grant under, the options, this process's waiters, the
+// budgets of the statements in flight, and the lifetime of the background
+// listener whose notifications wake the waiters.
+type shared struct {
+	owner   string
+	opts    options
+	log     *slog.Logger
+	room    waitRoom
+	budgets budgets
+
+	stop      context.CancelFunc
+	closeOnce sync.Once
+	done      chan struct{}
+}
+
+// init sets s up and returns the context its listener runs in until Close;
+// the listener closes s.done when it returns.
+func (s *shared) init(instance string, log *slog.Logger, opts []Option) context.Context {
+	if log == nil {
+		log = slog.New(slog.DiscardHandler)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	s.owner, s.opts, s.log = newOwner(instance), buildOptions(opts), log
+	s.room, s.stop, s.done = newWaitRoom(), cancel, make(chan struct{})
+	s.budgets.live = map[*budget]struct{}{}
+	return ctx
+}
+
+// Owner is the id this provider writes into its grants.
+func (s *shared) Owner() string { return s.owner }
+
+// Close stops the listener. Held leases are not touched: release them
+// first.
+func (s *shared) Close() {
+	s.closeOnce.Do(func() {
+		s.stop()
+		<-s.done
+	})
+}
+
+// tryAcquire is TryAcquire for a provider that makes one attempt with
+// attempt, and whose leases renew and release through st.
+func (s *shared) tryAcquire(ctx context.Context, key string, wait, ttl time.Duration, st store,
+	attempt func(ctx context.Context, key string, ttl time.Duration, deadline time.Time, willWait bool) (int64, time.Time, time.Duration, error)) (Lease, error) {
+	if err := checkArgs(key, ttl); err != nil {
+		return nil, err
+	}
+	token, sent, err := s.room.acquire(ctx, key, wait, s.opts, func(deadline time.Time, willWait bool) (int64, time.Time, time.Duration, error) {
+		return attempt(ctx, key, ttl, deadline, willWait)
+	})
+	if err != nil {
+		return nil, err
+	}
+	return newLease(key, s.owner, token, ttl, sent, st, s.opts, s.log), nil
+}
 
 // attemptFunc makes one attempt to take a key. token > 0 means granted,
 // sent being when the statement that granted it was sent (options.now);
