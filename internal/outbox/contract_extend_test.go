@@ -9,6 +9,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/worker-dev/worker/internal/outbox"
+	"github.com/worker-dev/worker/internal/outbox/outboxtest"
 	"github.com/worker-dev/worker/internal/pgtest"
 	"github.com/worker-dev/worker/internal/testkit"
 )
@@ -64,18 +65,9 @@ func TestContractSlowSinkBatchExtendsItsRuns(t *testing.T) {
 	db, sink := startWarmRelay(t)
 
 	// A published event's delivery row is deleted, and nothing of the
-	// transaction that published it stays behind: this trigger records,
-	// for each, the transaction that deleted its delivery row.
-	if _, err := db.Pool.Exec(t.Context(), `
-CREATE TABLE test_published_by (id bigint PRIMARY KEY, aggregate_id text NOT NULL, xact bigint NOT NULL);
-CREATE FUNCTION test_published_by() RETURNS trigger LANGUAGE plpgsql AS $$
-BEGIN
-    INSERT INTO test_published_by VALUES (OLD.id, OLD.aggregate_id, txid_current());
-    RETURN NULL;
-END $$;
-CREATE TRIGGER test_published_by AFTER DELETE ON outbox_delivery FOR EACH ROW EXECUTE FUNCTION test_published_by()`); err != nil {
-		t.Fatal(err)
-	}
+	// transaction that published it stays behind: the record keeps, for
+	// each, the transaction that deleted its delivery row.
+	outboxtest.RecordPublishes(t, db.Pool)
 
 	var evs []outbox.NewEvent
 	for i := range 60 {
@@ -89,7 +81,7 @@ CREATE TRIGGER test_published_by AFTER DELETE ON outbox_delivery FOR EACH ROW EX
 	// by its own transaction.
 	var most int
 	if err := db.Pool.QueryRow(t.Context(), `
-		SELECT coalesce(max(n), 0) FROM (SELECT count(*) AS n FROM test_published_by
+		SELECT coalesce(max(n), 0) FROM (SELECT count(*) AS n FROM test_publish
 		                                 WHERE aggregate_id LIKE 'agg-%' GROUP BY xact) t`).Scan(&most); err != nil {
 		t.Fatal(err)
 	}

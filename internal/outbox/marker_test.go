@@ -14,6 +14,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/prometheus/client_golang/prometheus"
 
+	"github.com/worker-dev/worker/internal/outbox/outboxtest"
 	"github.com/worker-dev/worker/internal/pgtest"
 	"github.com/worker-dev/worker/internal/testkit"
 )
@@ -223,7 +224,7 @@ func TestReclaimSparesALiveOwner(t *testing.T) {
 	t.Parallel()
 	pgtest.Need(t, pgtest.PoolConns+2*(relayConns+1)) // and each relay's listener
 	db := pgtest.New(t)
-	trackPublishes(t, db.Pool)
+	outboxtest.RecordPublishes(t, db.Pool)
 	held := appendEvent(t, db.Pool, "held", "h1")
 	next := appendEvent(t, db.Pool, "held", "h2")
 	cfg := testConfig()

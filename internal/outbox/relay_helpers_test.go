@@ -138,25 +138,12 @@ func setDelivery(tb testing.TB, pool *pgxpool.Pool, eventID, set string, args ..
 	}
 }
 
-// trackPublishes records, from now on, when each event's delivery row is
-// deleted, that is when it was published: a published event keeps no
-// state to read that from. publishedAt reads it back.
-func trackPublishes(tb testing.TB, pool *pgxpool.Pool) {
-	tb.Helper()
-	exec(tb, pool, `
-CREATE TABLE test_published (id bigint PRIMARY KEY, at timestamptz NOT NULL);
-CREATE FUNCTION test_published() RETURNS trigger LANGUAGE plpgsql AS $$
-BEGIN
-    INSERT INTO test_published VALUES (OLD.id, clock_timestamp());
-    RETURN NULL;
-END $$;
-CREATE TRIGGER test_published AFTER DELETE ON outbox_delivery FOR EACH ROW EXECUTE FUNCTION test_published()`)
-}
-
+// publishedAt is when the event was published, from the record of
+// outboxtest.RecordPublishes.
 func publishedAt(tb testing.TB, pool *pgxpool.Pool, eventID string) time.Time {
 	tb.Helper()
 	var at time.Time
-	if err := pool.QueryRow(context.Background(), `SELECT p.at FROM test_published p JOIN outbox_event e ON e.id = p.id
+	if err := pool.QueryRow(context.Background(), `SELECT p.at FROM test_publish p JOIN outbox_event e ON e.id = p.id
 		WHERE e.event_id = $1`, eventID).Scan(&at); err != nil {
 		tb.Fatalf("when %s was published: %v", eventID, err)
 	}

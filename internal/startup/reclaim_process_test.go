@@ -13,6 +13,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/worker-dev/worker/internal/outbox/outboxtest"
 	"github.com/worker-dev/worker/internal/pgtest"
 	"github.com/worker-dev/worker/internal/testkit"
 )
@@ -81,7 +82,7 @@ func TestKilledReplicasDetachedEventsReclaimedAtOnce(t *testing.T) {
 	t.Parallel()
 	pgtest.Need(t, 2*reclaimReplicaConns+pgtest.PoolConns)
 	db := pgtest.New(t)
-	recordPublishes(t, db)
+	outboxtest.RecordPublishes(t, db.Pool)
 	ctx := context.Background()
 	recv := newSlowReceiver(t, 250*time.Millisecond)
 	env := []string{

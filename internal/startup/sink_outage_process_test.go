@@ -19,6 +19,7 @@ import (
 	"github.com/twmb/franz-go/pkg/kfake"
 	"github.com/twmb/franz-go/pkg/kgo"
 
+	"github.com/worker-dev/worker/internal/outbox/outboxtest"
 	"github.com/worker-dev/worker/internal/outbox/sinktest"
 	"github.com/worker-dev/worker/internal/pgtest"
 	"github.com/worker-dev/worker/internal/testkit"
@@ -86,7 +87,7 @@ type brokerOutage struct {
 func runOutage(t *testing.T, b brokerOutage) {
 	t.Helper()
 	db := pgtest.New(t)
-	recordPublishes(t, db)
+	outboxtest.RecordPublishes(t, db.Pool)
 	p := startWorker(t, append([]string{
 		"APP_DATABASE_URL=" + db.URL,
 		"APP_OUTBOX_SINK=" + b.sink,
@@ -267,38 +268,6 @@ func eventStatus(t *testing.T, db *pgtest.DB, id string) string {
 		t.Fatal(err)
 	}
 	return status
-}
-
-// recordPublishes makes db record every publish from now on in the table
-// test_publish: a published event keeps no delivery row
-// (migrations/00140_outbox_storage_v2.sql), so its row is caught as it is
-// deleted, with its status, attempts, claim and last error, and the
-// database clock. Only a publish deletes a row that is not DEAD (a purge
-// deletes DEAD ones).
-func recordPublishes(t *testing.T, db *pgtest.DB) {
-	t.Helper()
-	if _, err := db.Pool.Exec(t.Context(), `
-CREATE TABLE test_publish (
-    id             bigint      NOT NULL,
-    aggregate_type text        NOT NULL,
-    aggregate_id   text        NOT NULL,
-    status         text        NOT NULL,
-    attempts       integer     NOT NULL,
-    claimed_by     text,
-    last_error     text,
-    at             timestamptz NOT NULL
-);
-CREATE FUNCTION test_record_publish() RETURNS trigger LANGUAGE plpgsql AS $$
-BEGIN
-    INSERT INTO test_publish
-    VALUES (OLD.id, OLD.aggregate_type, OLD.aggregate_id, OLD.status, OLD.attempts, OLD.claimed_by, OLD.last_error,
-            clock_timestamp());
-    RETURN NULL;
-END $$;
-CREATE TRIGGER test_record_publish AFTER DELETE ON outbox_delivery
-    FOR EACH ROW WHEN (OLD.dead_at IS NULL) EXECUTE FUNCTION test_record_publish();`); err != nil {
-		t.Fatal(err)
-	}
 }
 
 // failedAttempts is, for a test_publish row, how many attempts the event

@@ -14,6 +14,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/worker-dev/worker/internal/outbox/outboxtest"
 	"github.com/worker-dev/worker/internal/pgtest"
 	"github.com/worker-dev/worker/internal/testkit"
 )
@@ -111,7 +112,7 @@ func (r *outageReceiver) distinct() int {
 func TestWebhookOutageHoldsEvents(t *testing.T) {
 	t.Parallel()
 	db := pgtest.New(t)
-	recordPublishes(t, db)
+	outboxtest.RecordPublishes(t, db.Pool)
 	recv := newOutageReceiver(t)
 	w := startWorker(t, []string{
 		"APP_DATABASE_URL=" + db.URL,

@@ -13,6 +13,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/worker-dev/worker/internal/outbox"
+	"github.com/worker-dev/worker/internal/outbox/outboxtest"
 	"github.com/worker-dev/worker/internal/pgtest"
 	"github.com/worker-dev/worker/internal/testkit"
 )
@@ -67,27 +68,15 @@ func appendEvents(t *testing.T, pool *pgxpool.Pool, events ...outbox.NewEvent) [
 	return ids
 }
 
-// recordPublishes makes the database record, for each delivery row deleted
-// from now on, its id and attempts. A published event keeps no delivery row
-// (migrations/00140_outbox_storage_v2.sql), so the row's last state is
-// caught on its way out. The returned function reads the record: attempts
-// by outbox_event id.
+// recordPublishes records every publish from now on
+// (outboxtest.RecordPublishes); the returned function reads the record:
+// attempts by outbox_event id.
 func recordPublishes(t *testing.T, pool *pgxpool.Pool) func() map[int64]int {
 	t.Helper()
-	_, err := pool.Exec(t.Context(), `
-CREATE TABLE test_deleted_delivery (id bigint NOT NULL, attempts integer NOT NULL);
-CREATE FUNCTION test_record_delete() RETURNS trigger LANGUAGE plpgsql AS $$
-BEGIN
-    INSERT INTO test_deleted_delivery (id, attempts) VALUES (OLD.id, OLD.attempts);
-    RETURN NULL;
-END $$;
-CREATE TRIGGER test_record_delete AFTER DELETE ON outbox_delivery FOR EACH ROW EXECUTE FUNCTION test_record_delete();`)
-	if err != nil {
-		t.Fatal(err)
-	}
+	outboxtest.RecordPublishes(t, pool)
 	return func() map[int64]int {
 		t.Helper()
-		rows, err := pool.Query(t.Context(), "SELECT id, attempts FROM test_deleted_delivery")
+		rows, err := pool.Query(t.Context(), "SELECT id, attempts FROM test_publish")
 		if err != nil {
 			t.Fatal(err)
 		}
