@@ -64,6 +64,10 @@ type KafkaSource struct {
 	Group          string        `koanf:"group" yaml:"group"`
 	ClientID       string        `koanf:"client_id" yaml:"client_id"`
 	ConnectTimeout time.Duration `koanf:"connect_timeout" yaml:"connect_timeout"`
+	// SessionTimeout is how long the group waits for a member that stopped
+	// heartbeating (a replica killed or frozen) before its partitions go
+	// to the others; Kafka's session.timeout.ms.
+	SessionTimeout time.Duration `koanf:"session_timeout" yaml:"session_timeout"`
 	SASLMechanism  string        `koanf:"sasl_mechanism" yaml:"sasl_mechanism"`
 	SASLUser       string        `koanf:"sasl_user" yaml:"sasl_user"`
 	SASLPassword   string        `koanf:"sasl_password" yaml:"sasl_password" secret:"all"`
@@ -107,7 +111,7 @@ func DefaultSource() SourceConfig {
 		// Twice inbox.batch_size: the next batch arrives while one is
 		// processed (measured 36% faster than 100).
 		RabbitMQ: RabbitMQSource{URL: "amqp://127.0.0.1:5672/", Prefetch: 200, ConnectTimeout: 30 * time.Second},
-		Kafka:    KafkaSource{Brokers: "127.0.0.1:9092", ClientID: "worker", ConnectTimeout: 30 * time.Second},
+		Kafka:    KafkaSource{Brokers: "127.0.0.1:9092", ClientID: "worker", ConnectTimeout: 30 * time.Second, SessionTimeout: 45 * time.Second},
 		Webhook: WebhookSource{
 			Addr: ":8081", Path: "/", Tolerance: 5 * time.Minute, MaxBody: 1 << 20,
 			DuplicateStatus: 200, Timeout: 30 * time.Second, MaxInFlight: 64,

@@ -45,6 +45,8 @@ func TestInboxExactlyOnceNATS(t *testing.T) {
 	})
 }
 
+// Kafka: a consumer killed without leaving keeps its partitions for the
+// group's session timeout, the least Kafka allows here.
 func TestInboxExactlyOnceKafka(t *testing.T) {
 	t.Parallel()
 	cluster, err := kfake.NewCluster(kfake.NumBrokers(1), kfake.SeedTopics(4, "order"))
@@ -56,7 +58,7 @@ func TestInboxExactlyOnceKafka(t *testing.T) {
 	runInboxExactlyOnce(t, inboxRun{
 		publisher: []string{"APP_OUTBOX_SINK=kafka", "APP_OUTBOX_KAFKA_BROKERS=" + brokers},
 		source: fmt.Sprintf(`kind: kafka
-      kafka: {brokers: %q, topics: order, group: shop}`, brokers),
+      kafka: {brokers: %q, topics: order, group: shop, session_timeout: 6s}`, brokers),
 		ordered: true,
 	})
 }

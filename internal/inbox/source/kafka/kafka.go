@@ -59,6 +59,8 @@ func New(src inbox.SourceConfig, cfg inbox.Config, log *slog.Logger) (*Source, e
 		return nil, fmt.Errorf("%s.group is empty: replicas that share a group share the partitions", section)
 	case c.ConnectTimeout < 100*time.Millisecond:
 		return nil, fmt.Errorf("%s.connect_timeout=%s: want at least 100ms", section, c.ConnectTimeout)
+	case c.SessionTimeout < time.Second:
+		return nil, fmt.Errorf("%s.session_timeout=%s: want at least 1s, within the brokers' group.min.session.timeout.ms (6s by default)", section, c.SessionTimeout)
 	case !slices.Contains([]string{"", "PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"}, c.SASLMechanism):
 		return nil, fmt.Errorf("%s.sasl_mechanism=%q: want PLAIN, SCRAM-SHA-256, SCRAM-SHA-512 or empty", section, c.SASLMechanism)
 	case c.SASLMechanism != "" && c.SASLUser == "":
@@ -89,6 +91,9 @@ func (s *Source) options() ([]kgo.Opt, error) {
 		kgo.ClientID(c.ClientID),
 		kgo.DialTimeout(c.ConnectTimeout),
 		kgo.ConsumerGroup(c.Group),
+		kgo.SessionTimeout(c.SessionTimeout),
+		// Kafka's advice: heartbeat at most every third of the session.
+		kgo.HeartbeatInterval(min(3*time.Second, c.SessionTimeout/3)),
 		kgo.ConsumeTopics(s.topics...),
 		kgo.ConsumeResetOffset(kgo.NewOffset().AtStart()),
 		kgo.DisableAutoCommit(),
@@ -224,6 +229,10 @@ func (s *Source) classify(err error) error {
 		if errors.Is(err, refused) {
 			return fmt.Errorf("%w: kafka %s: %w", sink.ErrRefused, s.cfg.Brokers, err)
 		}
+	}
+	if errors.Is(err, kerr.InvalidSessionTimeout) {
+		return fmt.Errorf("%w: kafka %s: %s.session_timeout=%s is outside the brokers' group.min.session.timeout.ms and group.max.session.timeout.ms: %w",
+			sink.ErrSetup, s.cfg.Brokers, s.section, s.cfg.SessionTimeout, err)
 	}
 	if errors.Is(err, kerr.UnsupportedSaslMechanism) {
 		return fmt.Errorf("%w: kafka %s: %s.sasl_mechanism=%s is not enabled on the broker: %w",

@@ -233,6 +233,8 @@ func TestSetupErrors(t *testing.T) {
 	}{
 		"missing topic":   {func(c *inbox.KafkaSource) { c.Topics = testTopic + ",nope" }, sink.ErrSetup, "inbox.sources[orders].kafka.topics"},
 		"missing CA file": {func(c *inbox.KafkaSource) { c.TLSCAFile = "/nonexistent/ca.pem" }, sink.ErrSetup, "inbox.sources[orders].kafka.tls_ca_file"},
+		// kfake, like Kafka, refuses sessions under 6s.
+		"session timeout under the brokers' minimum": {func(c *inbox.KafkaSource) { c.SessionTimeout = 2 * time.Second }, sink.ErrSetup, "inbox.sources[orders].kafka.session_timeout"},
 		"refused password": {func(c *inbox.KafkaSource) {
 			c.Brokers, c.SASLMechanism, c.SASLUser, c.SASLPassword = secured.brokers(), "PLAIN", "inbox", password
 		}, sink.ErrRefused, ""},
@@ -260,6 +262,7 @@ func TestNewRejectsBadSettings(t *testing.T) {
 		".topics":          func(c *inbox.KafkaSource) { c.Topics = " , " },
 		".group":           func(c *inbox.KafkaSource) { c.Group = "" },
 		".connect_timeout": func(c *inbox.KafkaSource) { c.ConnectTimeout = 0 },
+		".session_timeout": func(c *inbox.KafkaSource) { c.SessionTimeout = 500 * time.Millisecond },
 		".sasl_mechanism":  func(c *inbox.KafkaSource) { c.SASLMechanism = "GSSAPI" },
 		".sasl_user":       func(c *inbox.KafkaSource) { c.SASLMechanism = "PLAIN" },
 		".tls_cert_file":   func(c *inbox.KafkaSource) { c.TLSKeyFile = "k.pem" },
