@@ -83,7 +83,11 @@ type admission struct {
 	files            []*os.File
 	dialed, reserved int
 	base             int // slots kept for what it dials
-	ended            bool
+	// overdrawn counts the connections it went on with after waiting
+	// growWait in vain: they need no slot, or every later reservation of
+	// the same size would wait as long again.
+	overdrawn int
+	ended     bool
 }
 
 // need is how many slots the admission's connections take.
@@ -176,7 +180,7 @@ func (a *admission) take(ctx context.Context, test string, count *int, n int, wa
 	}
 	before := a.need()
 	*count += n
-	short := a.need() - max(before, len(a.files))
+	short := a.need() - max(before, len(a.files)+a.overdrawn)
 	admittedMu.Unlock()
 	if short <= 0 {
 		return nil
@@ -187,6 +191,9 @@ func (a *admission) take(ctx context.Context, test string, count *int, n int, wa
 	if errors.Is(err, errGrowWait) {
 		// Tests that hold slots and wait for more may be waiting for each
 		// other: go on beyond the share rather than never.
+		admittedMu.Lock()
+		a.overdrawn += short
+		admittedMu.Unlock()
 		log.Printf("pgtest: %s waited %s for %d more connections; going on without their slots (declare its peak with Need)", test, wait, short)
 		return nil
 	}

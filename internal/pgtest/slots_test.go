@@ -132,6 +132,36 @@ func TestReservationsBeyondTheAdmissionWait(t *testing.T) {
 	}
 }
 
+// A test that went on beyond the share after waiting in vain does not wait
+// again for the same connections, each time it reserves them anew; it
+// still waits for more than those.
+func TestGoingOnBeyondTheShareIsNotWaitedForAgain(t *testing.T) {
+	t.Setenv("WORKER_TEST_DATABASE_URL", AdminURL()+"&application_name=slots-test-overdrawn")
+	t.Setenv("WORKER_TEST_MAX_CONNS", "6")
+	grower := &fatalRecorder{TB: t, name: t.Name() + "/grower"}
+	other := &fatalRecorder{TB: t, name: t.Name() + "/other"}
+	grower.run(func(tb testing.TB) { Need(tb, 3) })
+	other.run(func(tb testing.TB) { Need(tb, 3) }) // the share is full
+	admittedMu.Lock()
+	a := admitted[grower.name]
+	admittedMu.Unlock()
+	if err := a.take(context.Background(), grower.name, &a.reserved, 5, 100*time.Millisecond); err != nil {
+		t.Fatalf("after growWait: %v, want to go on", err)
+	}
+	a.give(&a.reserved, 5)
+	// Waiting now would outlast ctx, and fail.
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	if err := a.take(ctx, grower.name, &a.reserved, 5, time.Hour); err != nil {
+		t.Fatalf("the same reservation again: %v, want no wait", err)
+	}
+	short, cancel2 := context.WithTimeout(context.Background(), 300*time.Millisecond)
+	defer cancel2()
+	if err := a.take(short, grower.name, &a.reserved, 1, time.Hour); err == nil {
+		t.Fatal("one more than it went on with was not waited for")
+	}
+}
+
 // A server with no free connection is reported as that, not as a server
 // that is not running. A role's connection limit gets the same refusal
 // (SQLSTATE 53300) as max_connections without exhausting the server.
