@@ -161,20 +161,20 @@ func TestMarkerStatements(t *testing.T) {
 	}
 }
 
-// stuckSink never answers the first publish of one event, whatever its
-// context says, like a sink call that hangs; every other publish succeeds
-// and is recorded.
+// stuckSink never answers the first publish of an event of eventType,
+// whatever its context says, like a sink call that hangs; every other
+// publish succeeds and is recorded.
 type stuckSink struct {
 	recorder
-	id      string
-	release chan struct{}
-	once    sync.Once
-	stuck   sync.Once
+	eventType string
+	release   chan struct{}
+	once      sync.Once
+	stuck     sync.Once
 }
 
 func (s *stuckSink) Publish(ctx context.Context, e Event) error {
 	hang := false
-	if e.EventID == s.id {
+	if e.EventType == s.eventType {
 		s.stuck.Do(func() { hang = true })
 	}
 	if hang {
@@ -225,14 +225,21 @@ func TestReclaimSparesALiveOwner(t *testing.T) {
 	pgtest.Need(t, pgtest.PoolConns+2*(relayConns+1)) // and each relay's listener
 	db := pgtest.New(t)
 	outboxtest.RecordPublishes(t, db.Pool)
-	held := appendEvent(t, db.Pool, "held", "h1")
-	next := appendEvent(t, db.Pool, "held", "h2")
 	cfg := testConfig()
 	cfg.DetachAfter = 50 * time.Millisecond
 	cfg.InFlightTimeout = 8 * time.Second
-	stuck := &stuckSink{id: held, release: make(chan struct{})}
+	stuck := &stuckSink{eventType: "h1", release: make(chan struct{})}
 	a, _ := startLoggedRelay(t, db.NewPool(t, relayConns), stuck, cfg, "relay-a")
 	t.Cleanup(stuck.free) // before A's shutdown, which waits for the call
+	// A detach names the marker only if A holds it by then. An event
+	// detached before that waits for its deadline whatever happens to A,
+	// which is not what this test is about.
+	testkit.Eventually(t, 10*time.Second, "A to take its marker", func() bool {
+		_, _, ok := a.listener.marker.current()
+		return ok
+	})
+	held := appendEvent(t, db.Pool, "held", "h1")
+	next := appendEvent(t, db.Pool, "held", "h2")
 
 	var detached inFlightRow
 	testkit.Eventually(t, 10*time.Second, "A to detach the stuck publish, naming its marker", func() bool {
