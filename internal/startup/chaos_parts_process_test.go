@@ -223,7 +223,7 @@ func producerInsert(m malformed, id string) string {
 // insertMalformed tries every malformed row through the producer INSERT:
 // each must be refused by a named constraint. It returns what refused
 // them, and the event_id of a row in year 3000, which is valid.
-func insertMalformed(t *testing.T, db *pgtest.DB) (refused []string, year3000 string) {
+func insertMalformed(t testing.TB, db *pgtest.DB) (refused []string, year3000 string) {
 	t.Helper()
 	ctx := context.Background()
 	for i, m := range append(slices.Clone(malformedRows), tooLong) {
@@ -254,7 +254,7 @@ func insertMalformed(t *testing.T, db *pgtest.DB) (refused []string, year3000 st
 // were, the aggregate copied into the delivery row, which is where the
 // relay reads it. It runs before any worker starts and returns the rows'
 // event_ids, in malformedRows order.
-func insertPreexisting(t *testing.T, db *pgtest.DB) []string {
+func insertPreexisting(t testing.TB, db *pgtest.DB) []string {
 	t.Helper()
 	ctx := context.Background()
 	tx, err := db.Pool.Begin(ctx)
@@ -417,7 +417,7 @@ func (c *chaosCluster) checkOperatorCommands() {
 	}
 	last.exitCode(c.t, 30*time.Second)
 	for _, args := range [][]string{{"outbox", "stats"}, {"outbox", "dead", "list"}} {
-		p := startWorker(c.t, []string{"APP_DATABASE_URL=" + c.db.URL, "APP_DATABASE_MAX_CONNS=2"}, args...)
+		p := startWorker(c.t.T, []string{"APP_DATABASE_URL=" + c.db.URL, "APP_DATABASE_MAX_CONNS=2"}, args...)
 		if code := p.exitCode(c.t, 30*time.Second); code != 0 {
 			c.t.Errorf("worker %s with the malformed rows in the table: exit %d\n%s", strings.Join(args, " "), code, p.out.String())
 			continue
@@ -434,7 +434,7 @@ func (c *chaosCluster) checkOperatorCommands() {
 // DEFERRED constraint trigger fires inside COMMIT, after every statement of
 // the transaction including the worker's own last checks, so the
 // clock_timestamp() it records is the run's commit time.
-func createJobTables(t *testing.T, db *pgtest.DB) {
+func createJobTables(t testing.TB, db *pgtest.DB) {
 	_, err := db.Pool.Exec(context.Background(), `
 CREATE TABLE chaos_job_mark (
     token bigint      NOT NULL,
@@ -516,7 +516,7 @@ func (c *chaosCluster) checkJobRuns() jobFigures {
 // jobOutcomes returns the outcome p logged for each run of the sql job, by
 // fencing token; an outcome other than success or lease_lost comes with its
 // error, for the figures.
-func jobOutcomes(t *testing.T, p *proc) map[int64]string {
+func jobOutcomes(t testing.TB, p *proc) map[int64]string {
 	t.Helper()
 	out := map[int64]string{}
 	for _, l := range p.out.Lines(t, "job run finished") {

@@ -7,6 +7,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -50,8 +51,10 @@ import (
 //	WORKER_CHAOS_DURATION=10m go test -race -count=1 -timeout 30m -run TestChaos -v ./internal/startup
 //
 // The figures are printed with t.Log; .ci/run runs this test with -v.
-func TestChaos(t *testing.T) {
-	t.Parallel()
+func TestChaos(tt *testing.T) {
+	tt.Parallel()
+	t := &chaosT{T: tt}
+	tt.Cleanup(t.retell) // registered first, so it runs after the workers' logs
 	began := time.Now()
 	total := max(chaosMinEvents, int(chaosWindow(t).Seconds()*chaosRate))
 	// Three replicas and the test's one connection make the suite's whole
@@ -61,9 +64,9 @@ func TestChaos(t *testing.T) {
 	db.Pool = db.NewPool(t, 1) // the producer and the checks share it
 	createJobTables(t, db)
 	preexisting := insertPreexisting(t, db)
-	c := &chaosCluster{t: t, db: db, recv: newReceiver(t), replicas: make([]*proc, chaosReplicas)}
+	c := &chaosCluster{t: t, db: db, recv: newReceiver(tt), replicas: make([]*proc, chaosReplicas)}
 	c.env = []string{
-		"APP_DATABASE_URL=" + db.URL, "APP_CONFIG_FILE=" + configFile(t, chaosJobConfig),
+		"APP_DATABASE_URL=" + db.URL, "APP_CONFIG_FILE=" + configFile(tt, chaosJobConfig),
 		"APP_MULTI_INSTANCE_ENABLED=true", "APP_LOCK_PROVIDER=postgres", "APP_LOG_LEVEL=info",
 		// Jobs and the outbox only, on the smallest pool two relay loops
 		// allow: chaosReplicaConns each.
@@ -82,7 +85,7 @@ func TestChaos(t *testing.T) {
 	for i := range chaosReplicas {
 		c.start(i)
 	}
-	c.prod = startProducer(t, db.Pool, total)
+	c.prod = startProducer(tt, db.Pool, total)
 
 	c.eventually(60*time.Second, "producer events to flow beside the malformed rows", func() bool { return c.recv.firstCount() >= 500 })
 	refused, year3000 := insertMalformed(t, db)
@@ -185,7 +188,7 @@ jobs:
 `, chaosJob, chaosLeaseTTL)
 
 // chaosWindow is how long the producer runs: WORKER_CHAOS_DURATION or 40s.
-func chaosWindow(t *testing.T) time.Duration {
+func chaosWindow(t testing.TB) time.Duration {
 	v := os.Getenv("WORKER_CHAOS_DURATION")
 	if v == "" {
 		return 40 * time.Second
@@ -199,7 +202,7 @@ func chaosWindow(t *testing.T) time.Duration {
 
 // chaosCluster is the replicas and what the test did to them.
 type chaosCluster struct {
-	t        *testing.T
+	t        *chaosT
 	db       *pgtest.DB
 	env      []string
 	recv     *receiver
@@ -210,13 +213,58 @@ type chaosCluster struct {
 	deadIDs  []string // the malformed rows that went DEAD
 }
 
+// chaosT is TestChaos's T. It keeps the test's failures to tell them
+// again at the very end: a failed run prints every worker's log after
+// them, and a log cut to its tail would not show what failed.
+type chaosT struct {
+	*testing.T
+	mu       sync.Mutex
+	failures []string
+}
+
+func (t *chaosT) Error(args ...any) { t.Helper(); t.keep(fmt.Sprint(args...)); t.T.Error(args...) }
+func (t *chaosT) Fatal(args ...any) { t.Helper(); t.keep(fmt.Sprint(args...)); t.T.Fatal(args...) }
+
+func (t *chaosT) Errorf(format string, args ...any) {
+	t.Helper()
+	t.keep(fmt.Sprintf(format, args...))
+	t.T.Errorf(format, args...)
+}
+
+func (t *chaosT) Fatalf(format string, args ...any) {
+	t.Helper()
+	t.keep(fmt.Sprintf(format, args...))
+	t.T.Fatalf(format, args...)
+}
+
+// keep keeps a failure's first line: some carry a worker's whole log.
+func (t *chaosT) keep(msg string) {
+	msg, _, _ = strings.Cut(msg, "\n")
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	t.failures = append(t.failures, msg)
+}
+
+func (t *chaosT) retell() {
+	if !t.Failed() {
+		return
+	}
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if len(t.failures) == 0 {
+		t.Log("TestChaos failed in a cleanup (a worker's data race, or the database's drop): see above")
+		return
+	}
+	t.Logf("TestChaos failed, as told above the workers' logs:\n\t%s", strings.Join(t.failures, "\n\t"))
+}
+
 func replicaID(i int) string { return fmt.Sprintf("replica-%d", i) }
 
 // start starts replica i and waits until it is ready.
 func (c *chaosCluster) start(i int) {
 	c.t.Helper()
 	for attempt := 1; ; attempt++ {
-		p := startWorker(c.t, append(slices.Clone(c.env), "APP_INSTANCE_ID="+replicaID(i)))
+		p := startWorker(c.t.T, append(slices.Clone(c.env), "APP_INSTANCE_ID="+replicaID(i)))
 		_, err := p.ready(60 * time.Second)
 		if err == nil {
 			c.replicas[i] = p

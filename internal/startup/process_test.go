@@ -177,7 +177,7 @@ func startBinary(t *testing.T, bin string, env []string, args ...string) *proc {
 }
 
 // exitCode waits up to limit for the process to exit.
-func (p *proc) exitCode(t *testing.T, limit time.Duration) int {
+func (p *proc) exitCode(t testing.TB, limit time.Duration) int {
 	t.Helper()
 	select {
 	case <-p.done:
