@@ -13,7 +13,7 @@ import (
 )
 
 // Bench drains the same messages from a source in three phases per
-// round, each reading them afresh (a consumer or group of its own), the
+// round, each reading them afresh (a consumer, group or queue of its own), the
 // source in front of: a bare handoff that settles every message at once
 // (the source's own loop); the sql handler's statement run for the batch
 // in one transaction, then settled (the work without the inbox's
@@ -27,8 +27,10 @@ type Bench struct {
 	Rounds   int
 	Messages int // per phase
 	// Load puts Messages messages for round on the broker, and returns
-	// where they are (a subject, a topic).
-	Load func(round int) string
+	// where they are (a subject, a topic). readers are the names the
+	// round's phases will read through, for a broker that must know its
+	// consumers' queues before the messages are published (RabbitMQ).
+	Load func(round int, readers []string) string
 	// Source returns a source that reads where through a consumer (or
 	// group) called reader, new to the broker.
 	Source func(where, reader string) (inbox.Source, error)
@@ -40,7 +42,11 @@ func (bn *Bench) Run(b *testing.B) {
 	for range b.N {
 		rounds := make([][3]float64, 0, bn.Rounds) // bare, plain work, inbox
 		for round := range bn.Rounds {
-			where := bn.Load(round)
+			readers := make([]string, 3)
+			for i := range readers {
+				readers[i] = fmt.Sprintf("p%d-%d", i, round)
+			}
+			where := bn.Load(round, readers)
 			handoffs := []func() inbox.Handoff{
 				func() inbox.Handoff { return BareHandoff{} },
 				func() inbox.Handoff { f.Reset(); return &plainWork{f: f} },
@@ -49,7 +55,7 @@ func (bn *Bench) Run(b *testing.B) {
 			var rates [3]float64
 			for k := range handoffs {
 				i := (k + round) % len(handoffs) // rotate the order between rounds
-				rates[i] = bn.phase(where, fmt.Sprintf("p%d-%d", i, round), handoffs[i]())
+				rates[i] = bn.phase(where, readers[i], handoffs[i]())
 			}
 			rounds = append(rounds, rates)
 			fmt.Printf("round %d: bare %s %.0f msgs/s, plain work %.0f msgs/s, inbox %.0f msgs/s; inbox/bare %.3f, inbox/plain %.2f\n",

@@ -41,7 +41,7 @@ func BenchmarkInboxKafka(b *testing.B) {
 	f.Cfg.BatchSize = *benchBatch
 	bench := &inboxtest.Bench{
 		Fixture: f.Fixture, Kind: "kafka", Loop: "poll-and-commit", Rounds: *benchRounds, Messages: *benchMessages,
-		Load: func(round int) string {
+		Load: func(round int, _ []string) string {
 			produceBacklog(b, c, topics[round], fmt.Sprintf("r%d", round), *benchMessages)
 			return topics[round]
 		},

@@ -38,7 +38,7 @@ func BenchmarkInboxNATS(b *testing.B) {
 	f.Cfg.BatchSize = *benchBatch
 	bench := &inboxtest.Bench{
 		Fixture: f.Fixture, Kind: "nats", Loop: "consume-and-ack", Rounds: *benchRounds, Messages: *benchMessages,
-		Load: func(round int) string {
+		Load: func(round int, _ []string) string {
 			subject := fmt.Sprintf("in.bench-%d", round)
 			publishBacklog(b, js, subject, fmt.Sprintf("r%d", round), *benchMessages)
 			return subject

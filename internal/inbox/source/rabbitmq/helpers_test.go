@@ -36,11 +36,19 @@ func requireBroker(t testing.TB) *amqp.Connection {
 // deletes it when t ends.
 func newQueue(t testing.TB) string {
 	t.Helper()
+	name := "inboxtest-" + uuid.NewString()[:8]
+	declareQueue(t, name)
+	return name
+}
+
+// declareQueue declares queue name as declare_queue would, and deletes it
+// when t ends.
+func declareQueue(t testing.TB, name string) {
+	t.Helper()
 	ch, err := requireBroker(t).Channel()
 	if err != nil {
 		t.Fatal(err)
 	}
-	name := "inboxtest-" + uuid.NewString()[:8]
 	if _, err := ch.QueueDeclare(name, true, false, false, false, queueArgs()); err != nil {
 		t.Fatal(err)
 	}
@@ -55,7 +63,6 @@ func newQueue(t testing.TB) string {
 			_, _ = ch.QueueDelete(name, false, false, false)
 		}
 	})
-	return name
 }
 
 // publisher publishes to the default exchange in confirm mode.
