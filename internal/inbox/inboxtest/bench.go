@@ -13,11 +13,11 @@ import (
 )
 
 // Bench drains the same messages from a source in three phases per
-// round, each reading them afresh (a consumer, group or queue of its own), the
-// source in front of: a bare handoff that settles every message at once
-// (the source's own loop); the sql handler's statement run for the batch
-// in one transaction, then settled (the work without the inbox's
-// bookkeeping); the inbox with the sql handler. It prints the rates per
+// round, each reading them afresh (a consumer, group or queue of its
+// own), the source in front of: a bare handoff that settles every
+// message at once (the source's own loop); the sql handler's statement
+// run for the batch in one transaction, then settled (the work without
+// the inbox's bookkeeping); the inbox with the sql handler. It prints the rates per
 // round and the inbox's ratio to the bare loop and to the plain work,
 // min / median / max over the rounds.
 type Bench struct {
@@ -42,16 +42,16 @@ func (bn *Bench) Run(b *testing.B) {
 	for range b.N {
 		rounds := make([][3]float64, 0, bn.Rounds) // bare, plain work, inbox
 		for round := range bn.Rounds {
-			readers := make([]string, 3)
-			for i := range readers {
-				readers[i] = fmt.Sprintf("p%d-%d", i, round)
-			}
-			where := bn.Load(round, readers)
 			handoffs := []func() inbox.Handoff{
 				func() inbox.Handoff { return BareHandoff{} },
 				func() inbox.Handoff { f.Reset(); return &plainWork{f: f} },
 				func() inbox.Handoff { f.Reset(); return f.Consumer(nil) },
 			}
+			readers := make([]string, len(handoffs))
+			for i := range readers {
+				readers[i] = fmt.Sprintf("p%d-%d", i, round)
+			}
+			where := bn.Load(round, readers)
 			var rates [3]float64
 			for k := range handoffs {
 				i := (k + round) % len(handoffs) // rotate the order between rounds

@@ -52,9 +52,9 @@ func BenchmarkInboxRabbitMQ(b *testing.B) {
 			}
 			return prefix
 		},
-		Source: func(prefix, reader string) (inbox.Source, error) {
+		Source: func(where, reader string) (inbox.Source, error) {
 			cfg := f.Src.RabbitMQ
-			cfg.Queue = prefix + reader
+			cfg.Queue = where + reader
 			return New(cfg, Options{Name: f.Src.Name, ProbeBackoffMax: f.Cfg.ProbeBackoffMax})
 		},
 	}
