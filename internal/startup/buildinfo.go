@@ -2,27 +2,52 @@ package startup
 
 import (
 	"context"
+	"encoding/json"
+	"fmt"
 	"log/slog"
+	"regexp"
 	"runtime"
 	"runtime/debug"
+	"strings"
 
 	"github.com/prometheus/client_golang/prometheus"
 )
 
-// Revision is the source revision the binary was built from. Set it at
-// build time with -ldflags "-X github.com/worker-dev/worker/internal/startup.Revision=...", as the
-// Dockerfile does (a build context usually has no .git); otherwise it is
-// read from the Go toolchain's vcs.revision stamp, or "unknown".
-var Revision = ""
+// Revision and BuildDate, like Version, are stamped at link time by a
+// release build (.goreleaser.yaml, the Dockerfile):
+//
+//	-ldflags "-X github.com/worker-dev/worker/internal/startup.Version=v0.1.0
+//	          -X github.com/worker-dev/worker/internal/startup.Revision=<commit>
+//	          -X github.com/worker-dev/worker/internal/startup.BuildDate=<RFC 3339 time>"
+//
+// Unset, Revision is read from the Go toolchain's vcs.revision stamp (a
+// build context usually has no .git), else "unknown"; BuildDate is
+// "unknown".
+var (
+	Revision  = ""
+	BuildDate = ""
+)
 
 // build describes the running binary.
-type build struct{ version, revision, goVersion string }
+type build struct {
+	version, revision, date, goVersion, platform string
+	// development is true for every build that is not a release: see
+	// isRelease.
+	development bool
+}
 
 func currentBuild() build {
-	b := build{version: Version, revision: Revision, goVersion: runtime.Version()}
+	b := build{version: Version, revision: Revision, date: BuildDate,
+		goVersion: runtime.Version(), platform: runtime.GOOS + "/" + runtime.GOARCH}
+	bi, ok := debug.ReadBuildInfo()
+	if b.version == "dev" && ok && isRelease(bi.Main.Version) {
+		// `go install github.com/worker-dev/worker/cmd/worker@v0.1.0`
+		// stamps no ldflags, but the toolchain records the module version.
+		b.version = bi.Main.Version
+	}
 	if b.revision == "" {
 		b.revision = "unknown"
-		if bi, ok := debug.ReadBuildInfo(); ok {
+		if ok {
 			for _, s := range bi.Settings {
 				if s.Key == "vcs.revision" && s.Value != "" {
 					b.revision = s.Value
@@ -30,7 +55,57 @@ func currentBuild() build {
 			}
 		}
 	}
+	if b.date == "" {
+		b.date = "unknown"
+	}
+	b.development = !isRelease(b.version)
 	return b
+}
+
+var (
+	// semverTag is a release tag: vMAJOR.MINOR.PATCH with an optional
+	// pre-release (v0.2.0-rc.1), and no build metadata.
+	semverTag = regexp.MustCompile(`^v?(0|[1-9][0-9]*)\.(0|[1-9][0-9]*)\.(0|[1-9][0-9]*)(-[0-9A-Za-z.-]+)?$`)
+	// pseudoVersion is the tail of a Go pseudo-version
+	// (v0.0.0-20261206063516-e573868abcd1): a commit, not a tag.
+	pseudoVersion = regexp.MustCompile(`[0-9]{14}-[0-9a-f]{12}$`)
+)
+
+// isRelease tells a release's version from a development build's: "dev"
+// (nothing stamped), a snapshot ("v0.2.0-dev+e573868"), a Go pseudo-version
+// or a "+dirty" tree are all development builds.
+func isRelease(v string) bool {
+	return semverTag.MatchString(v) && !pseudoVersion.MatchString(v) && !strings.Contains(v, "-dev")
+}
+
+// versionInfo is what `worker version --output json` prints. Its shape is
+// pinned by TestVersionJSONShape: scripts read it.
+type versionInfo struct {
+	Version     string `json:"version"`
+	Revision    string `json:"revision"`
+	BuildDate   string `json:"build_date"`
+	GoVersion   string `json:"go_version"`
+	Platform    string `json:"platform"`
+	Development bool   `json:"development"`
+}
+
+type versionCmd struct{ outputFlag }
+
+func (c versionCmd) Run(e *cmdEnv) error {
+	b := currentBuild()
+	if c.json() {
+		enc := json.NewEncoder(e.Stdout)
+		enc.SetIndent("", "  ")
+		return enc.Encode(versionInfo{Version: b.version, Revision: b.revision, BuildDate: b.date,
+			GoVersion: b.goVersion, Platform: b.platform, Development: b.development})
+	}
+	title := "worker " + b.version
+	if b.development {
+		title += " (development build)"
+	}
+	_, err := fmt.Fprintf(e.Stdout, "%s\nrevision:   %s\nbuilt:      %s\ngo:         %s %s\n",
+		title, b.revision, b.date, b.goVersion, b.platform)
+	return err
 }
 
 // registerOpsMetrics adds the metrics about the process itself:
@@ -43,7 +118,7 @@ func registerOpsMetrics(reg prometheus.Registerer, ready *readiness) {
 		prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 			Name:        "worker_build_info",
 			Help:        "Always 1; the labels name the running build.",
-			ConstLabels: prometheus.Labels{"version": b.version, "revision": b.revision, "goversion": b.goVersion},
+			ConstLabels: prometheus.Labels{"version": b.version, "revision": b.revision, "build_date": b.date, "goversion": b.goVersion},
 		}, func() float64 { return 1 }),
 		prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 			Name: "worker_ready",
@@ -74,7 +149,7 @@ func logStartup(log *slog.Logger, cfg *Config, configFile string) {
 	if configFile == "" {
 		configFile = "none"
 	}
-	log.Info("worker starting", "version", b.version, "revision", b.revision, "goversion", b.goVersion,
+	log.Info("worker starting", "version", b.version, "revision", b.revision, "build_date", b.date, "goversion", b.goVersion,
 		"config_file", configFile, "mode", mode, "lock_provider", cfg.Lock.Provider, "sink", sink,
 		"db_conns_max", cfg.MaxDBConns())
 }

@@ -151,14 +151,6 @@ func parseArgs(p *kong.Kong, args []string) (kctx *kong.Context, err error) {
 	return p.Parse(args)
 }
 
-type versionCmd struct{}
-
-func (versionCmd) Run(e *cmdEnv) error {
-	b := currentBuild()
-	fmt.Fprintln(e.Stdout, "worker", b.version, "revision", b.revision, b.goVersion)
-	return nil
-}
-
 type configPrintCmd struct{}
 
 func (configPrintCmd) Run(e *cmdEnv) error {

@@ -58,9 +58,9 @@ func TestBuildInfoNamesTheBuild(t *testing.T) {
 	reg := prometheus.NewRegistry()
 	registerOpsMetrics(reg, &readiness{})
 	b := currentBuild()
-	v, ok := testkit.Metric(t, reg, "worker_build_info", map[string]string{"version": Version, "revision": b.revision, "goversion": runtime.Version()})
+	v, ok := testkit.Metric(t, reg, "worker_build_info", map[string]string{"version": Version, "revision": b.revision, "build_date": "unknown", "goversion": runtime.Version()})
 	if !ok || v != 1 {
-		t.Fatalf("worker_build_info{version=%q,revision=%q,goversion=%q} = %v (found %v), want 1", Version, b.revision, runtime.Version(), v, ok)
+		t.Fatalf("worker_build_info{version=%q,revision=%q,build_date=\"unknown\",goversion=%q} = %v (found %v), want 1", Version, b.revision, runtime.Version(), v, ok)
 	}
 	if b.revision == "" {
 		t.Error("revision is empty; want the ldflags value, vcs.revision or \"unknown\"")
