@@ -21,7 +21,10 @@ type NATSSource struct {
 	// it must exist.
 	CreateConsumer bool `koanf:"create_consumer" yaml:"create_consumer"`
 	// AckWait is the consumer's ack wait when this source creates it: how
-	// long the server waits for an ack before redelivering.
+	// long the server waits for an ack before redelivering. The source
+	// extends it ("in progress") every third of it while a batch's work
+	// runs, so it bounds how long a dead replica's messages wait, not how
+	// long work may take.
 	AckWait time.Duration `koanf:"ack_wait" yaml:"ack_wait"`
 	// MaxAckPending bounds the unacknowledged messages, across replicas,
 	// when this source creates the consumer. 1 keeps the stream's order
@@ -105,7 +108,7 @@ type WebhookSource struct {
 func DefaultSource() SourceConfig {
 	return SourceConfig{
 		NATS: NATSSource{
-			URL: "nats://127.0.0.1:4222", Stream: "OUTBOX", AckWait: 60 * time.Second,
+			URL: "nats://127.0.0.1:4222", Stream: "OUTBOX", AckWait: 5 * time.Second,
 			MaxAckPending: 1000, ConnectTimeout: 30 * time.Second,
 		},
 		// Twice inbox.batch_size: the next batch arrives while one is

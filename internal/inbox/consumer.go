@@ -99,7 +99,7 @@ func (c *Consumer) Process(ctx context.Context, batch []*Delivery) {
 	if err != nil {
 		c.databaseTrouble(err)
 		for _, d := range batch {
-			b.settle(work, d, Busy, c.cfg.BackoffBase)
+			b.settle(work, d, Unavailable, c.cfg.BackoffBase)
 		}
 		return
 	}
@@ -121,7 +121,7 @@ func (c *Consumer) Process(ctx context.Context, batch []*Delivery) {
 			wait = obs.FullJitter(c.cfg.BackoffBase, c.cfg.BackoffMax, failures)
 			if time.Since(b.started)+wait > c.cfg.LeaseTTL*2/3 {
 				for _, cl := range claims {
-					b.settleClaim(work, cl, Busy, c.cfg.BackoffBase)
+					b.settleClaim(work, cl, Unavailable, c.cfg.BackoffBase)
 				}
 				return
 			}
@@ -424,7 +424,7 @@ func headersJSON(h map[string]string) json.RawMessage {
 // settleClaim settles a claim's delivery and its twins. A twin of a
 // message processed now is a duplicate.
 func (b *batchState) settleClaim(ctx context.Context, cl *claim, o Outcome, after time.Duration) {
-	cl.decided = o != Busy
+	cl.decided = o.Final()
 	b.settle(ctx, cl.d, o, after)
 	if o == Processed {
 		o = Duplicate
@@ -437,7 +437,7 @@ func (b *batchState) settleClaim(ctx context.Context, cl *claim, o Outcome, afte
 // settle tells the source, and counts.
 func (b *batchState) settle(ctx context.Context, d *Delivery, o Outcome, after time.Duration) {
 	c := b.c
-	if o != Busy {
+	if o.Final() {
 		c.m.received.WithLabelValues(c.name, string(o)).Inc()
 	}
 	if o == Processed {

@@ -49,7 +49,16 @@ const (
 	Failed    Outcome = "failed"    // its work failed and will be retried
 	Dead      Outcome = "dead"      // dead-lettered: out of attempts, a permanent error, or no key
 	Busy      Outcome = "busy"      // another claim holds it; deliver it again later
+	// Unavailable is Busy for the database's sake: the inbox's
+	// transaction failed, and the message comes again with its attempts
+	// untouched. Sources treat it as Busy; the webhook says which.
+	Unavailable Outcome = "unavailable"
 )
+
+// Final reports whether o is the inbox's decision about the message,
+// counted in inbox_received_total, rather than a request to deliver it
+// again later (Busy, Unavailable).
+func (o Outcome) Final() bool { return o != Busy && o != Unavailable }
 
 // Delivery is one message as a source hands it over, with the way back to
 // the source.

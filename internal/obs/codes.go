@@ -10,6 +10,7 @@ const (
 	CodeJobExecutorRejected    = "JOB_EXECUTOR_REJECTED"    // transient, retryable
 	CodeJobTimeout             = "JOB_TIMEOUT"              // transient, retryable
 	CodeJobDeadLetter          = "JOB_DEAD_LETTER"          // internal, not retryable
+	CodeInboxWebhookRefused    = "INBOX_WEBHOOK_REFUSED"    // a webhook request refused: the sender's to fix, or retry
 )
 
 // Coded is implemented by errors that carry one of the codes above.

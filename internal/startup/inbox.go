@@ -23,19 +23,22 @@ import (
 const inboxSourcesKey = "inbox.sources"
 
 // sourceKinds builds an inbox source of each kind, without connecting:
-// NewRunner's sources connect when they run.
-var sourceKinds = map[string]func(src inbox.SourceConfig, cfg inbox.Config, log *slog.Logger, instance string) (inbox.Source, error){
-	inbox.KindNATS: func(src inbox.SourceConfig, cfg inbox.Config, log *slog.Logger, _ string) (inbox.Source, error) {
+// NewRunner's sources connect when they run. reg takes a source's own
+// metrics; nil when the source is built only to check its section.
+var sourceKinds = map[string]func(src inbox.SourceConfig, cfg inbox.Config, log *slog.Logger, reg prometheus.Registerer) (inbox.Source, error){
+	inbox.KindNATS: func(src inbox.SourceConfig, cfg inbox.Config, log *slog.Logger, _ prometheus.Registerer) (inbox.Source, error) {
 		return natssource.New(src, cfg, log)
 	},
-	inbox.KindKafka: func(src inbox.SourceConfig, cfg inbox.Config, log *slog.Logger, _ string) (inbox.Source, error) {
+	inbox.KindKafka: func(src inbox.SourceConfig, cfg inbox.Config, log *slog.Logger, _ prometheus.Registerer) (inbox.Source, error) {
 		return kafkasource.New(src, cfg, log)
 	},
-	inbox.KindRabbitMQ: func(src inbox.SourceConfig, cfg inbox.Config, _ *slog.Logger, _ string) (inbox.Source, error) {
+	inbox.KindRabbitMQ: func(src inbox.SourceConfig, cfg inbox.Config, _ *slog.Logger, _ prometheus.Registerer) (inbox.Source, error) {
 		return rabbitsource.New(src.RabbitMQ, rabbitsource.Options{Name: src.Name, BatchSize: cfg.BatchSize, ProbeBackoffMax: cfg.ProbeBackoffMax})
 	},
-	inbox.KindWebhook: func(src inbox.SourceConfig, _ inbox.Config, log *slog.Logger, _ string) (inbox.Source, error) {
-		return webhooksource.New(src.Webhook, webhooksource.Options{Name: src.Name, MaxInFlight: src.Webhook.MaxInFlight, Logger: log})
+	inbox.KindWebhook: func(src inbox.SourceConfig, _ inbox.Config, log *slog.Logger, reg prometheus.Registerer) (inbox.Source, error) {
+		return webhooksource.New(src.Webhook, webhooksource.Options{
+			Name: src.Name, Key: src.Key, MaxInFlight: src.Webhook.MaxInFlight, Logger: log, Registerer: reg,
+		})
 	},
 }
 
@@ -137,7 +140,7 @@ func (c *Config) validateInbox() error {
 		if !ok { // Validate named the kinds; this build may lack one
 			return configErrorf("%s[%d].kind=%q: this build of the worker has no %s source", inboxSourcesKey, i, s.Kind, s.Kind)
 		}
-		if _, err := build(s, c.Inbox, slog.New(slog.DiscardHandler), c.Instance.ID); err != nil {
+		if _, err := build(s, c.Inbox, slog.New(slog.DiscardHandler), nil); err != nil {
 			return configErrorf("%s[%d] (%s): %w", inboxSourcesKey, i, s.Name, err)
 		}
 	}
@@ -167,7 +170,7 @@ func newInbox(cfg *Config, pool *pgxpool.Pool, log *slog.Logger, reg prometheus.
 	}
 	var parts []inbox.Part
 	for _, s := range cfg.Inbox.Sources {
-		src, err := sourceKinds[s.Kind](s, cfg.Inbox, log.With("inbox_source", s.Name), cfg.Instance.ID)
+		src, err := sourceKinds[s.Kind](s, cfg.Inbox, log.With("inbox_source", s.Name), reg)
 		if err != nil {
 			return nil, configErrorf("%s (%s): %w", inboxSourcesKey, s.Name, err)
 		}

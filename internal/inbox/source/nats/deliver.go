@@ -19,10 +19,10 @@ import (
 // redelivery while the inbox works on them. The messages the inbox left
 // unsettled (ctx ended) are nak'd, so that another replica may take them
 // at once rather than after ack_wait.
-func (s *Source) process(ctx context.Context, h inbox.Handoff, msgs []jetstream.Msg, ackWait time.Duration) {
+func (s *Source) process(ctx context.Context, h inbox.Handoff, msgs []jetstream.Msg, ackWait time.Duration, acks *ackLog) {
 	batch := make([]*inbox.Delivery, len(msgs))
 	for i, m := range msgs {
-		batch[i] = delivery(m)
+		batch[i] = delivery(m, acks)
 	}
 	stop := keepAlive(msgs, ackWait/3)
 	h.Process(ctx, batch)
@@ -70,7 +70,7 @@ func keepAlive(msgs []jetstream.Msg, interval time.Duration) (stop func()) {
 // ce-subject (the aggregate). A message without ce-id keeps ID "": the
 // inbox applies the source's configured key or dead-letters it, under its
 // stream position.
-func delivery(m jetstream.Msg) *inbox.Delivery {
+func delivery(m jetstream.Msg, acks *ackLog) *inbox.Delivery {
 	hdr := m.Headers()
 	msg := inbox.Message{
 		Source:  ceValue(hdr, "ce-source"),
@@ -86,7 +86,7 @@ func delivery(m jetstream.Msg) *inbox.Delivery {
 	for k, v := range hdr {
 		msg.Headers[k] = strings.Join(v, ", ")
 	}
-	d := &inbox.Delivery{Message: msg, Settle: settle(m)}
+	d := &inbox.Delivery{Message: msg, Settle: settle(m, acks)}
 	if md, err := m.Metadata(); err == nil {
 		d.Ref = fmt.Sprintf("%s/%d", md.Stream, md.Sequence.Stream)
 	}
@@ -106,13 +106,52 @@ func ceValue(h nats.Header, name string) string {
 // settle acks what the inbox has decided (processed, duplicate, dead) and
 // naks a busy message with the delay the inbox asks for. A fire-and-forget
 // ack is enough: one lost redelivers the message, and the redelivery is a
-// duplicate.
-func settle(m jetstream.Msg) func(context.Context, inbox.Outcome, time.Duration) error {
+// duplicate. An ack that cannot be sent (the connection is gone) is
+// counted in acks, for one line when the session ends, not one per
+// message.
+func settle(m jetstream.Msg, acks *ackLog) func(context.Context, inbox.Outcome, time.Duration) error {
 	return func(_ context.Context, o inbox.Outcome, after time.Duration) error {
+		var err error
 		switch o {
 		case inbox.Processed, inbox.Duplicate, inbox.Dead:
-			return m.Ack()
+			err = m.Ack()
+		default:
+			err = m.NakWithDelay(after)
 		}
-		return m.NakWithDelay(after)
+		if err != nil && !errors.Is(err, jetstream.ErrMsgAlreadyAckd) {
+			acks.lose(err)
+		}
+		return nil
 	}
+}
+
+// ackLog counts the acks and naks a session could not send.
+type ackLog struct {
+	mu    sync.Mutex
+	lost  int
+	first error
+}
+
+func (a *ackLog) lose(err error) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if a.lost == 0 {
+		a.first = err
+	}
+	a.lost++
+}
+
+// reportLostAcks logs, once for a session, the acks it could not send:
+// their messages come again after ack_wait, and the inbox answers them as
+// duplicates. Acks the client had buffered when the connection was cut
+// are lost too, without an error to count.
+func (s *Source) reportLostAcks(acks *ackLog) {
+	acks.mu.Lock()
+	defer acks.mu.Unlock()
+	if acks.lost == 0 {
+		return
+	}
+	s.log.Warn("nats acknowledgements lost with the connection; the server redelivers those messages after ack_wait, and the inbox answers them as duplicates without running their work again",
+		"acks_lost", acks.lost, "error", acks.first.Error())
+	acks.lost, acks.first = 0, nil
 }

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"sync"
 	"testing"
 	"time"
 
@@ -115,12 +116,13 @@ func publish(t testing.TB, js jetstream.JetStream, events ...event) {
 // source in front of it.
 type fixture struct {
 	*inboxtest.Fixture
-	srv *testServer
+	srv  *testServer
+	logs *testkit.LogBuffer // the source's own log
 }
 
 func newFixture(t testing.TB, srv *testServer) *fixture {
 	t.Helper()
-	f := &fixture{Fixture: inboxtest.NewFixture(t, inbox.KindNATS), srv: srv}
+	f := &fixture{Fixture: inboxtest.NewFixture(t, inbox.KindNATS), srv: srv, logs: &testkit.LogBuffer{}}
 	f.Src.NATS.URL, f.Src.NATS.Stream, f.Src.NATS.Consumer = srv.url(), testStream, "inbox"
 	f.Src.NATS.CreateConsumer, f.Src.NATS.AckWait = true, 2*time.Second
 	f.Src.NATS.ConnectTimeout = 2 * time.Second
@@ -132,7 +134,7 @@ func newFixture(t testing.TB, srv *testServer) *fixture {
 // waits for Run and returns its error.
 func (f *fixture) run(h inbox.Handoff) (stop func() error) {
 	f.T.Helper()
-	s, err := New(f.Src, f.Cfg, nil)
+	s, err := New(f.Src, f.Cfg, f.logs.Logger())
 	if err != nil {
 		f.T.Fatal(err)
 	}
@@ -167,4 +169,102 @@ func (f *fixture) waitAcked(js jetstream.JetStream) {
 		info := c.CachedInfo()
 		return info.AckFloor.Stream >= st.CachedInfo().State.LastSeq && info.NumAckPending == 0
 	})
+}
+
+// proxy forwards TCP connections to a server, and can freeze: while
+// frozen it forwards nothing either way and keeps every connection open,
+// as a server stopped with SIGSTOP (or a network that drops packets)
+// looks to its clients.
+type proxy struct {
+	ln     net.Listener
+	target string
+
+	mu     sync.Mutex
+	frozen bool
+	thawed chan struct{} // closed when the proxy thaws
+}
+
+func startProxy(t testing.TB, target string) *proxy {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	p := &proxy{ln: ln, target: target, thawed: make(chan struct{})}
+	close(p.thawed)
+	var conns sync.WaitGroup
+	var mu sync.Mutex
+	var open []net.Conn
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			s, err := net.Dial("tcp", target)
+			if err != nil {
+				c.Close()
+				continue
+			}
+			mu.Lock()
+			open = append(open, c, s)
+			mu.Unlock()
+			conns.Add(2)
+			go func() { defer conns.Done(); p.pipe(s, c) }()
+			go func() { defer conns.Done(); p.pipe(c, s) }()
+		}
+	}()
+	t.Cleanup(func() {
+		ln.Close()
+		p.thaw()
+		mu.Lock()
+		for _, c := range open {
+			c.Close()
+		}
+		mu.Unlock()
+		conns.Wait()
+	})
+	return p
+}
+
+func (p *proxy) url() string { return "nats://" + p.ln.Addr().String() }
+
+// pipe copies from src to dst, holding each chunk while the proxy is
+// frozen.
+func (p *proxy) pipe(dst, src net.Conn) {
+	defer dst.Close()
+	defer src.Close()
+	buf := make([]byte, 32<<10)
+	for {
+		n, err := src.Read(buf)
+		if n > 0 {
+			p.mu.Lock()
+			thawed := p.thawed
+			p.mu.Unlock()
+			<-thawed
+			if _, err := dst.Write(buf[:n]); err != nil {
+				return
+			}
+		}
+		if err != nil {
+			return
+		}
+	}
+}
+
+func (p *proxy) freeze() {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if !p.frozen {
+		p.frozen, p.thawed = true, make(chan struct{})
+	}
+}
+
+func (p *proxy) thaw() {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.frozen {
+		p.frozen = false
+		close(p.thawed)
+	}
 }

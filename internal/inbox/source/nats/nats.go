@@ -19,10 +19,18 @@ import (
 
 const (
 	// idleWait bounds one pull that waits for a message when none is
-	// waiting, so that Run notices a lost connection or its end soon.
+	// waiting, so that Run notices its end soon.
 	idleWait = 5 * time.Second
 	// probeBase is the first wait before a reconnect.
 	probeBase = 100 * time.Millisecond
+	// pingInterval and maxPingsOut bound how long a server that stopped
+	// answering (frozen, or cut off without a reset) goes unnoticed: the
+	// client pings every pingInterval, and closes the connection as stale
+	// when maxPingsOut pings are unanswered at the next one: within
+	// (maxPingsOut+1) × pingInterval, 6s. The session then ends, and the
+	// source reports itself down.
+	pingInterval = 2 * time.Second
+	maxPingsOut  = 2
 )
 
 // Source consumes a JetStream durable pull consumer into the inbox.
@@ -120,7 +128,11 @@ func (s *Source) Run(ctx context.Context, h inbox.Handoff) error {
 // session is one connection: it returns when the connection fails or ctx
 // ends. failures is reset once the consumer is found.
 func (s *Source) session(ctx context.Context, h inbox.Handoff, opts []nats.Option, failures *int) error {
-	conn, err := nats.Connect(s.cfg.URL, opts...)
+	// closing ends with ctx, or when the connection closes: a pull that
+	// waits for messages returns at once then.
+	closing, closed := context.WithCancel(ctx)
+	defer closed()
+	conn, err := nats.Connect(s.cfg.URL, append(opts, nats.ClosedHandler(func(*nats.Conn) { closed() }))...)
 	if err != nil {
 		if verdict := sink.TLSVerdict(s.section, err); verdict != nil {
 			return fmt.Errorf("nats %s: %w", s.shownURL, verdict)
@@ -135,26 +147,45 @@ func (s *Source) session(ctx context.Context, h inbox.Handoff, opts []nats.Optio
 	if err != nil {
 		return err
 	}
-	cons, ackWait, err := s.consumer(ctx, js)
+	cons, err := s.consumer(ctx, js)
 	if err != nil {
 		return err
 	}
+	info := cons.CachedInfo().Config
+	// One fetch asks for no more than the consumer lets out at once: the
+	// server holds a pull for more open, waiting for acks that only come
+	// after this very batch, until the pull expires.
+	batch := s.batch
+	if info.MaxAckPending > 0 {
+		batch = min(batch, info.MaxAckPending)
+	}
 	h.Up()
 	*failures = 0
+	acks := &ackLog{}
+	defer s.reportLostAcks(acks)
 	for {
-		msgs, err := s.fetch(ctx, cons)
+		msgs, err := s.fetch(closing, cons, batch)
 		switch {
 		case ctx.Err() != nil:
 			return ctx.Err()
+		case conn.IsClosed():
+			return s.closedError(conn)
 		case err != nil:
 			return fmt.Errorf("nats %s: fetching from %s/%s: %w", s.shownURL, s.cfg.Stream, s.cfg.Consumer, err)
-		case conn.IsClosed():
-			return fmt.Errorf("nats %s: %w", s.shownURL, nats.ErrConnectionClosed)
 		}
 		if len(msgs) > 0 {
-			s.process(ctx, h, msgs, ackWait)
+			s.process(ctx, h, msgs, info.AckWait, acks)
 		}
 	}
+}
+
+// closedError says why conn closed: the client's own verdict (a stale
+// connection: the server stopped answering pings) when it has one.
+func (s *Source) closedError(conn *nats.Conn) error {
+	if err := conn.LastError(); err != nil {
+		return fmt.Errorf("nats %s: connection closed: %w", s.shownURL, err)
+	}
+	return fmt.Errorf("nats %s: %w", s.shownURL, nats.ErrConnectionClosed)
 }
 
 // options are the connection's options: credentials and TLS from
@@ -167,6 +198,8 @@ func (s *Source) options() ([]nats.Option, error) {
 		nats.Name("worker inbox " + s.name),
 		nats.NoReconnect(),
 		nats.Timeout(s.cfg.ConnectTimeout),
+		nats.PingInterval(pingInterval),
+		nats.MaxPingsOutstanding(maxPingsOut),
 		nats.ErrorHandler(func(_ *nats.Conn, _ *nats.Subscription, err error) { log.Warn("nats error", "error", err.Error()) }),
 	}
 	c := s.cfg
@@ -181,18 +214,18 @@ func (s *Source) options() ([]nats.Option, error) {
 }
 
 // consumer finds the durable consumer, creating or updating it first when
-// create_consumer is set, and returns it with its ack wait.
-func (s *Source) consumer(ctx context.Context, js jetstream.JetStream) (jetstream.Consumer, time.Duration, error) {
+// create_consumer is set.
+func (s *Source) consumer(ctx context.Context, js jetstream.JetStream) (jetstream.Consumer, error) {
 	ctx, cancel := context.WithTimeout(ctx, s.cfg.ConnectTimeout)
 	defer cancel()
 	stream, err := js.Stream(ctx, s.cfg.Stream)
 	switch {
 	case errors.Is(err, jetstream.ErrStreamNotFound):
-		return nil, 0, fmt.Errorf("%w: %s.stream=%q does not exist on %s", sink.ErrSetup, s.section, s.cfg.Stream, s.shownURL)
+		return nil, fmt.Errorf("%w: %s.stream=%q does not exist on %s", sink.ErrSetup, s.section, s.cfg.Stream, s.shownURL)
 	case errors.Is(err, jetstream.ErrJetStreamNotEnabled), errors.Is(err, jetstream.ErrJetStreamNotEnabledForAccount):
-		return nil, 0, fmt.Errorf("%w: %s.url=%s: JetStream is not enabled for this account", sink.ErrSetup, s.section, s.shownURL)
+		return nil, fmt.Errorf("%w: %s.url=%s: JetStream is not enabled for this account", sink.ErrSetup, s.section, s.shownURL)
 	case err != nil:
-		return nil, 0, fmt.Errorf("nats %s: stream %s: %w", s.shownURL, s.cfg.Stream, err)
+		return nil, fmt.Errorf("nats %s: stream %s: %w", s.shownURL, s.cfg.Stream, err)
 	}
 	var cons jetstream.Consumer
 	if s.cfg.CreateConsumer {
@@ -207,28 +240,28 @@ func (s *Source) consumer(ctx context.Context, js jetstream.JetStream) (jetstrea
 			MaxDeliver: -1,
 		})
 		if refusedConfig(err) {
-			return nil, 0, fmt.Errorf("%w: %s.create_consumer: the server refused consumer %q on stream %q: %w",
+			return nil, fmt.Errorf("%w: %s.create_consumer: the server refused consumer %q on stream %q: %w",
 				sink.ErrSetup, s.section, s.cfg.Consumer, s.cfg.Stream, err)
 		}
 	} else {
 		cons, err = stream.Consumer(ctx, s.cfg.Consumer)
 		if errors.Is(err, jetstream.ErrConsumerNotFound) {
-			return nil, 0, fmt.Errorf("%w: %s.consumer=%q does not exist on stream %q; create it (a durable pull consumer with explicit ack) or set %s.create_consumer=true",
+			return nil, fmt.Errorf("%w: %s.consumer=%q does not exist on stream %q; create it (a durable pull consumer with explicit ack) or set %s.create_consumer=true",
 				sink.ErrSetup, s.section, s.cfg.Consumer, s.cfg.Stream, s.section)
 		}
 	}
 	if err != nil {
-		return nil, 0, fmt.Errorf("nats %s: consumer %s/%s: %w", s.shownURL, s.cfg.Stream, s.cfg.Consumer, err)
+		return nil, fmt.Errorf("nats %s: consumer %s/%s: %w", s.shownURL, s.cfg.Stream, s.cfg.Consumer, err)
 	}
 	info := cons.CachedInfo().Config
 	switch {
 	case info.DeliverSubject != "":
-		return nil, 0, fmt.Errorf("%w: %s.consumer=%q is a push consumer (deliver subject %q); want a pull consumer", sink.ErrSetup, s.section, s.cfg.Consumer, info.DeliverSubject)
+		return nil, fmt.Errorf("%w: %s.consumer=%q is a push consumer (deliver subject %q); want a pull consumer", sink.ErrSetup, s.section, s.cfg.Consumer, info.DeliverSubject)
 	case info.AckPolicy != jetstream.AckExplicitPolicy:
-		return nil, 0, fmt.Errorf("%w: %s.consumer=%q has ack policy %s; want explicit, so that a message is acknowledged only after the inbox commit",
+		return nil, fmt.Errorf("%w: %s.consumer=%q has ack policy %s; want explicit, so that a message is acknowledged only after the inbox commit",
 			sink.ErrSetup, s.section, s.cfg.Consumer, info.AckPolicy)
 	}
-	return cons, info.AckWait, nil
+	return cons, nil
 }
 
 // refusedConfig reports whether the server answered a consumer request
@@ -238,11 +271,11 @@ func refusedConfig(err error) bool {
 	return errors.As(err, &api) && api.Code >= 400 && api.Code < 500
 }
 
-// fetch returns the next batch: the messages waiting, at most batch_size,
-// in one request. When none is waiting it waits for one, at most
-// idleWait, and then takes what else is waiting with it.
-func (s *Source) fetch(ctx context.Context, cons jetstream.Consumer) ([]jetstream.Msg, error) {
-	msgs, err := collect(cons.FetchNoWait(s.batch))
+// fetch returns the next batch: the messages waiting, at most batch, in
+// one request. When none is waiting it waits for one, at most idleWait,
+// and then takes what else is waiting with it.
+func (s *Source) fetch(ctx context.Context, cons jetstream.Consumer, batch int) ([]jetstream.Msg, error) {
+	msgs, err := collect(cons.FetchNoWait(batch))
 	if err != nil || len(msgs) > 0 {
 		return msgs, err
 	}
@@ -254,10 +287,10 @@ func (s *Source) fetch(ctx context.Context, cons jetstream.Consumer) ([]jetstrea
 		return nil, ctx.Err()
 	case errors.Is(err, context.DeadlineExceeded):
 		return nil, nil
-	case err != nil || len(msgs) == 0 || s.batch == 1:
+	case err != nil || len(msgs) == 0 || batch == 1:
 		return msgs, err
 	}
-	more, err := collect(cons.FetchNoWait(s.batch - 1))
+	more, err := collect(cons.FetchNoWait(batch - 1))
 	return append(msgs, more...), err
 }
 

@@ -7,7 +7,6 @@ import (
 	"encoding/base64"
 	"encoding/json"
 	"errors"
-	"io"
 	"math"
 	"net/http"
 	"net/url"
@@ -28,7 +27,9 @@ type handler struct {
 type reply struct {
 	Outcome string `json:"outcome,omitempty"`
 	Error   string `json:"error,omitempty"`
-	Detail  string `json:"detail,omitempty"`
+	// Reason is a refusal's reason, as inbox_webhook_refused_total counts it.
+	Reason string `json:"reason,omitempty"`
+	Detail string `json:"detail,omitempty"`
 }
 
 // settlement is what the inbox decided about a request's message.
@@ -39,66 +40,71 @@ type settlement struct {
 
 func (hd *handler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	s := hd.s
-	// The slot is taken before the body is read: the cap bounds the
-	// bodies held in memory too.
+	if r.ContentLength > s.cfg.MaxBody {
+		w.Header().Set("Connection", "close") // not a byte of it is read
+		s.refuse(w, r, http.StatusRequestEntityTooLarge, reasonTooLarge, errTooLarge.Error(), 0)
+		return
+	}
+	// The body first, under its deadline and within the body budget: a
+	// slot is for a request the inbox can start on at once.
+	body, held, err := s.readBody(w, r)
+	defer s.bodies.give(held)
+	switch {
+	case errors.Is(err, errTooLarge):
+		s.refuse(w, r, http.StatusRequestEntityTooLarge, reasonTooLarge, err.Error(), 0)
+		return
+	case errors.Is(err, errSlowBody):
+		s.refuse(w, r, http.StatusRequestTimeout, reasonSlowBody, err.Error(), 0)
+		return
+	case errors.Is(err, errBodyBudget):
+		s.refuse(w, r, http.StatusServiceUnavailable, reasonBusy, err.Error(), time.Second)
+		return
+	case err != nil:
+		s.refuse(w, r, http.StatusBadRequest, reasonBadRequest, err.Error(), 0)
+		return
+	}
+	if err := s.verify(r.Header, body); err != nil {
+		s.refuse(w, r, http.StatusUnauthorized, reasonBadSignature, err.Error(), 0)
+		return
+	}
+	d := s.delivery(r, body)
+	if d.Invalid != nil {
+		// The sender is told at once, and nothing is stored: a dead letter
+		// without a key could never be retried.
+		s.refuse(w, r, http.StatusBadRequest, reasonBadRequest, d.Invalid.Error(), 0)
+		return
+	}
 	select {
 	case s.slots <- struct{}{}:
 		defer func() { <-s.slots }()
 	default:
-		retryAfter(w, time.Second)
-		answer(w, http.StatusServiceUnavailable, reply{Error: "the receiver is taking as many requests as it can; retry"})
-		return
-	}
-	if r.ContentLength > s.cfg.MaxBody {
-		answer(w, http.StatusRequestEntityTooLarge, reply{Error: "the body is larger than the receiver takes"})
-		return
-	}
-	body, err := io.ReadAll(http.MaxBytesReader(w, r.Body, s.cfg.MaxBody))
-	if err != nil {
-		var tooLarge *http.MaxBytesError
-		if errors.As(err, &tooLarge) {
-			answer(w, http.StatusRequestEntityTooLarge, reply{Error: "the body is larger than the receiver takes"})
-		} else {
-			answer(w, http.StatusBadRequest, reply{Error: "the body could not be read"})
-		}
-		return
-	}
-	if err := s.verify(r.Header, body); err != nil {
-		answer(w, http.StatusUnauthorized, reply{Error: err.Error()})
-		return
-	}
-	m := message(r, body)
-	if m.ID == "" {
-		// Unreachable while a signature needs webhook-id, and kept so:
-		// the sender is told at once instead of a dead letter without a key.
-		answer(w, http.StatusBadRequest, reply{Error: "no dedupe key: neither ce-id nor webhook-id"})
+		s.refuse(w, r, http.StatusServiceUnavailable, reasonBusy, "the receiver is processing as many requests as it takes at once (max_in_flight)", time.Second)
 		return
 	}
 
 	ctx, cancel := context.WithTimeout(r.Context(), s.cfg.Timeout)
 	defer cancel()
 	settled := make(chan settlement, 1)
-	d := &inbox.Delivery{Message: m, Settle: func(_ context.Context, o inbox.Outcome, after time.Duration) error {
+	d.Settle = func(_ context.Context, o inbox.Outcome, after time.Duration) error {
 		select {
 		case settled <- settlement{o, after}:
 		default: // settled once already
 		}
 		return nil
-	}}
+	}
 	hd.h.Process(ctx, []*inbox.Delivery{d})
 	select {
 	case st := <-settled:
-		s.respond(w, st)
+		s.respond(w, r, st)
 	default:
 		// The timeout, the sender's disconnect or shutdown ended the work
 		// before it committed.
-		retryAfter(w, time.Second)
-		answer(w, http.StatusServiceUnavailable, reply{Error: "the message was not processed in time; retry"})
+		s.refuse(w, r, http.StatusServiceUnavailable, reasonTimeout, "the message was not processed within the receiver's timeout; it was not applied", time.Second)
 	}
 }
 
 // respond answers what the inbox committed.
-func (s *Source) respond(w http.ResponseWriter, st settlement) {
+func (s *Source) respond(w http.ResponseWriter, r *http.Request, st settlement) {
 	switch st.outcome {
 	case inbox.Processed:
 		answer(w, http.StatusOK, reply{Outcome: string(st.outcome)})
@@ -108,10 +114,40 @@ func (s *Source) respond(w http.ResponseWriter, st settlement) {
 		// A 2xx, because a resend would only be a duplicate: the dead
 		// letter stays in the inbox for an operator.
 		answer(w, http.StatusOK, reply{Outcome: string(st.outcome), Detail: "dead-lettered in the receiver's inbox; do not resend"})
+	case inbox.Unavailable:
+		s.refuse(w, r, http.StatusServiceUnavailable, reasonUnavailable, "the receiver's database failed; the message was not applied", st.after)
 	default:
-		retryAfter(w, st.after)
-		answer(w, http.StatusServiceUnavailable, reply{Outcome: string(inbox.Busy), Error: "the message is being processed elsewhere, or the receiver's database failed; retry"})
+		s.refuse(w, r, http.StatusServiceUnavailable, reasonInProgress, "the same message is being processed by another request or replica", st.after)
 	}
+}
+
+// refuse answers status with reason, counts and logs it. A positive
+// retry sets Retry-After.
+func (s *Source) refuse(w http.ResponseWriter, r *http.Request, status int, reason, detail string, retry time.Duration) {
+	s.refused.refuse(r.RemoteAddr, r.Header.Get("Webhook-Id"), status, reason, detail)
+	if retry > 0 {
+		retryAfter(w, retry)
+	}
+	rep := reply{Error: detail, Reason: reason}
+	switch reason {
+	case reasonInProgress, reasonUnavailable, reasonTimeout, reasonBusy:
+		rep.Outcome = string(inbox.Busy) // as before: a sender may key on it
+	}
+	answer(w, status, rep)
+}
+
+// elsewhere answers what the source's pattern does not match: another
+// method on its path (405), or another path (404).
+func (s *Source) elsewhere(w http.ResponseWriter, r *http.Request) {
+	// Its body is not read: the server would otherwise read it at the
+	// sender's pace before answering.
+	w.Header().Set("Connection", "close")
+	if r.URL.Path == s.cfg.Path {
+		w.Header().Set("Allow", http.MethodPost)
+		s.refuse(w, r, http.StatusMethodNotAllowed, reasonMethod, "the receiver takes POST only", 0)
+		return
+	}
+	s.refuse(w, r, http.StatusNotFound, reasonNotFound, "the receiver takes messages on another path", 0)
 }
 
 // verify checks the Standard Webhooks signature of a request: HMAC-SHA256
@@ -155,11 +191,13 @@ func (s *Source) verify(h http.Header, body []byte) error {
 	return errors.New("no webhook-signature matches")
 }
 
-// message maps a request the way the outbox's webhook sink sends: binary
-// CloudEvents (ce-id, ce-source, ce-type, ce-subject, percent-encoded),
-// keyed by ce-source and ce-id; a request without ce-id is keyed by its
-// webhook-id alone.
-func message(r *http.Request, body []byte) inbox.Message {
+// delivery maps a request the way the outbox's webhook sink sends:
+// binary CloudEvents (ce-id, ce-source, ce-type, ce-subject,
+// percent-encoded), keyed by ce-source and ce-id. A request without ce-id
+// is keyed by the source's configured key, and without one by its
+// webhook-id (the inbox's native id). Invalid is set when the configured
+// key is missing from the request.
+func (s *Source) delivery(r *http.Request, body []byte) *inbox.Delivery {
 	ce := func(name string) string {
 		v := r.Header.Get("Ce-" + name)
 		if d, err := url.PathUnescape(v); err == nil {
@@ -175,13 +213,14 @@ func message(r *http.Request, body []byte) inbox.Message {
 		Headers: headers(r.Header),
 		Body:    body,
 	}
-	if m.ID == "" {
-		m.ID = r.Header.Get("Webhook-Id")
-	}
 	if subject := ce("Subject"); m.Source != "" || subject != "" {
 		m.OrderKey = m.Source + "/" + subject
 	}
-	return m
+	d := &inbox.Delivery{Message: m, NativeID: r.Header.Get("Webhook-Id")}
+	if m.ID == "" && s.dedupe != (inbox.KeySpec{}) {
+		d.Invalid = s.dedupe.Apply(&d.Message)
+	}
+	return d
 }
 
 // headers are a request's headers as one string each, without the

@@ -14,6 +14,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/worker-dev/worker/internal/inbox"
@@ -35,6 +36,7 @@ type fixture struct {
 	url    string // the source's POST URL
 	secret string // whsec_ secret the source verifies with
 	key    []byte
+	logs   *testkit.LogBuffer // the source's log
 }
 
 // setup tunes a fixture before it starts: the source's section and
@@ -43,18 +45,22 @@ type setup struct {
 	cfg     inbox.WebhookSource
 	opts    Options
 	handler inbox.Handler
+	dedupe  string // the source's configured key
+	// consumerPool, when set, is the pool the consumer uses instead of
+	// the test database's.
+	consumerPool *pgxpool.Pool
 }
 
 func newFixture(t testing.TB, tweak ...func(*setup)) *fixture {
 	t.Helper()
 	key := make([]byte, 24)
 	_, _ = rand.Read(key)
-	f := &fixture{db: pgtest.New(t), reg: prometheus.NewRegistry(), key: key, secret: "whsec_" + base64.StdEncoding.EncodeToString(key)}
+	f := &fixture{db: pgtest.New(t), reg: prometheus.NewRegistry(), key: key, secret: "whsec_" + base64.StdEncoding.EncodeToString(key), logs: &testkit.LogBuffer{}}
 	if _, err := f.db.Pool.Exec(context.Background(), `CREATE TABLE work (
 		n bigserial PRIMARY KEY, msg_source text, msg_id text, order_key text)`); err != nil {
 		t.Fatal(err)
 	}
-	st := setup{cfg: inbox.DefaultSource().Webhook, opts: Options{Name: "hook"}}
+	st := setup{cfg: inbox.DefaultSource().Webhook, opts: Options{Name: "hook", Logger: f.logs.Logger(), Registerer: f.reg}}
 	st.cfg.Addr, st.cfg.Path, st.cfg.Secret = "127.0.0.1:0", "/inbox", f.secret
 	for _, tw := range tweak {
 		tw(&st)
@@ -64,8 +70,13 @@ func newFixture(t testing.TB, tweak ...func(*setup)) *fixture {
 	}
 	cfg := inbox.DefaultConfig()
 	cfg.BackoffBase, cfg.BackoffMax = 10*time.Millisecond, 100*time.Millisecond
-	sc := inbox.SourceConfig{Name: "hook", Kind: inbox.KindWebhook, Handler: inbox.HandlerConfig{Kind: inbox.HandlerSQL, SQL: workSQL}}
-	f.c = inboxtest.NewConsumer(t, f.db.Pool, sc, cfg, st.handler, f.reg)
+	sc := inbox.SourceConfig{Name: "hook", Kind: inbox.KindWebhook, Key: st.dedupe, Handler: inbox.HandlerConfig{Kind: inbox.HandlerSQL, SQL: workSQL}}
+	st.opts.Key = st.dedupe
+	pool := f.db.Pool
+	if st.consumerPool != nil {
+		pool = st.consumerPool
+	}
+	f.c = inboxtest.NewConsumer(t, pool, sc, cfg, st.handler, f.reg)
 	var err error
 	if f.src, err = New(st.cfg, st.opts); err != nil {
 		t.Fatal(err)
@@ -174,4 +185,14 @@ func (f *fixture) nothingStored(t testing.TB) {
 	if n := f.count(t, `SELECT (SELECT count(*) FROM work) + (SELECT count(*) FROM inbox_message)`); n != 0 {
 		t.Errorf("%d rows of work or inbox", n)
 	}
+}
+
+// refusedCount is inbox_webhook_refused_total of reason.
+func (f *fixture) refusedCount(t testing.TB, reason string) float64 {
+	t.Helper()
+	v, ok := testkit.Metric(t, f.reg, "inbox_webhook_refused_total", map[string]string{"source": "hook", "reason": reason})
+	if !ok {
+		t.Fatalf("no inbox_webhook_refused_total{reason=%q}", reason)
+	}
+	return v
 }

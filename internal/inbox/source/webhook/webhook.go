@@ -2,22 +2,41 @@
 // webhook): a server of its own that takes Standard Webhooks POSTs
 // (https://www.standardwebhooks.com), such as the outbox's webhook sink
 // sends, each request a batch of one. The answer says what the inbox
-// committed, so a sender retries exactly what it must:
+// committed, so a sender retries exactly what it must (docs/inbox.md,
+// "Webhook answers", has the full table):
 //
 //	200 processed: the work committed now
 //	200 or 409 (duplicate_status) duplicate: the work had committed before
 //	200 dead: dead-lettered in the inbox (out of attempts, or a permanent
 //	    failure); an operator takes it from there (worker inbox dead),
 //	    and a resend would only be a duplicate
-//	400 the message has no key at all: nothing was stored
+//	400 the body could not be read, or the message has no dedupe key:
+//	    nothing was stored
 //	401 a missing, stale or wrong signature: nothing was stored
-//	405 not a POST; 413 a body over max_body
-//	503 busy (another claim holds it, or the database failed), the server
-//	    full, or the request's timeout ended first: Retry-After says when
-//	    to send it again
+//	404 another path; 405 not a POST
+//	408 the body came slower than the minimum rate
+//	413 a body over max_body
+//	503 with Retry-After, and a reason in the body: busy (the receiver is
+//	    full), in_progress (the same message is being processed by
+//	    another request or replica), unavailable (the database failed),
+//	    timeout (the work did not commit within the source's timeout)
 //
-// The body of every answer from the inbox is a JSON object naming the
-// outcome. A 2xx comes only after the commit.
+// The body of every answer is a JSON object naming the outcome, or the
+// error and its reason. A 2xx comes only after the commit. Every refusal
+// is counted (inbox_webhook_refused_total{source,reason}) and logged at a
+// bounded rate with error.code=INBOX_WEBHOOK_REFUSED.
+//
+// Slow senders. A request takes one of max_in_flight slots only once its
+// body has arrived: the body is read under a deadline that its progress
+// earns (bodyGrace, then minBodyRate), and the head under
+// readHeaderTimeout. The bytes of the bodies held at once are bounded by
+// max_in_flight × max_body, taken as they arrive; the connections by
+// DefaultMaxConns.
+//
+// Dedupe key: the CloudEvents ce-source and ce-id when the request has
+// ce-id; else the source's configured key (header:<name> or
+// field:<name>); else the webhook-id, the Standard Webhooks message id a
+// sender keeps across its retries.
 package webhook
 
 import (
@@ -33,6 +52,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
 	"golang.org/x/net/netutil"
 
 	"github.com/worker-dev/worker/internal/inbox"
@@ -40,16 +60,17 @@ import (
 )
 
 // Server limits. A request is a small head and a body of at most
-// max_body; the slowest part is the inbox's work, bounded by the source's
-// timeout.
+// max_body (see body.go for how long the body may take); the slowest part
+// is the inbox's work, bounded by the source's timeout.
 const (
 	readHeaderTimeout = 5 * time.Second
-	readTimeout       = 15 * time.Second // head and body
 	idleTimeout       = 60 * time.Second
 	maxHeaderBytes    = 32 << 10
-	// DefaultMaxInFlight bounds the requests in the inbox at once. Each
-	// holds its body (up to max_body) and takes database connections; past
-	// it a request is answered 503 at once, before its body is read.
+	// answerTime bounds writing an answer, past the work's timeout.
+	answerTime = 5 * time.Second
+	// DefaultMaxInFlight bounds the requests in the inbox at once, each
+	// with its body read and holding database connections; past it a
+	// request is answered 503 at once.
 	DefaultMaxInFlight = 64
 	// DefaultMaxConns bounds open connections: each costs a goroutine and
 	// its buffers even while idle. Past it, new connections wait in the
@@ -66,26 +87,37 @@ const (
 
 // Options are what the source needs beside its configuration section.
 type Options struct {
-	// Name is the inbox source's name, for errors.
+	// Name is the inbox source's name, for errors, logs and metrics.
 	Name string
+	// Key is the source's configured dedupe key (inbox.sources[].key),
+	// used for a request without ce-id in place of its webhook-id.
+	Key string
 	// MaxInFlight and MaxConns override DefaultMaxInFlight and
 	// DefaultMaxConns when positive.
 	MaxInFlight int
 	MaxConns    int
-	// Logger receives the server's own errors (a failed TLS handshake, a
-	// broken connection); nil discards them.
+	// Logger receives the refused requests and the server's own errors
+	// (a failed TLS handshake, a broken connection); nil discards them.
 	Logger *slog.Logger
+	// Registerer takes inbox_webhook_refused_total; nil keeps it private.
+	Registerer prometheus.Registerer
 }
 
 // Source serves one path. Run may be called once at a time.
 type Source struct {
 	cfg      inbox.WebhookSource
 	section  string
-	keys     [][]byte
+	keys     [][]byte // HMAC keys
+	dedupe   inbox.KeySpec
 	slots    chan struct{}
+	bodies   *budget
 	maxConns int
 	log      *slog.Logger
+	refused  *refusals
 	now      func() time.Time
+	// bodyGrace and minBodyRate are the constants, but for tests.
+	bodyGrace   time.Duration
+	minBodyRate int
 
 	mu   sync.Mutex
 	addr string // once listening
@@ -95,13 +127,17 @@ var _ inbox.Source = (*Source)(nil)
 
 // New checks cfg and returns a source that is not listening yet.
 func New(cfg inbox.WebhookSource, opts Options) (*Source, error) {
+	inFlight := cmp.Or(max(opts.MaxInFlight, 0), DefaultMaxInFlight)
 	s := &Source{
-		cfg:      cfg,
-		section:  fmt.Sprintf("inbox.sources[%s].webhook", opts.Name),
-		slots:    make(chan struct{}, cmp.Or(max(opts.MaxInFlight, 0), DefaultMaxInFlight)),
-		maxConns: cmp.Or(max(opts.MaxConns, 0), DefaultMaxConns),
-		log:      opts.Logger,
-		now:      time.Now,
+		cfg:         cfg,
+		section:     fmt.Sprintf("inbox.sources[%s].webhook", opts.Name),
+		slots:       make(chan struct{}, inFlight),
+		bodies:      newBudget(int64(inFlight) * max(cfg.MaxBody, 1)),
+		maxConns:    cmp.Or(max(opts.MaxConns, 0), DefaultMaxConns),
+		log:         opts.Logger,
+		now:         time.Now,
+		bodyGrace:   bodyGrace,
+		minBodyRate: minBodyRate,
 	}
 	if s.log == nil {
 		s.log = slog.New(slog.DiscardHandler)
@@ -123,6 +159,12 @@ func New(cfg inbox.WebhookSource, opts Options) (*Source, error) {
 	var err error
 	if s.keys, err = parseSecrets(cfg.Secret); err != nil {
 		return nil, fmt.Errorf("%s.secret: %w", s.section, err)
+	}
+	if s.dedupe, err = inbox.ParseKey(opts.Key); err != nil {
+		return nil, fmt.Errorf("inbox.sources[%s].key: %w", opts.Name, err)
+	}
+	if s.refused, err = newRefusals(opts.Name, opts.Registerer, s.log); err != nil {
+		return nil, err
 	}
 	return s, nil
 }
@@ -183,14 +225,22 @@ func (s *Source) Run(ctx context.Context, h inbox.Handoff) error {
 	}
 	mux := http.NewServeMux()
 	mux.Handle(pattern, &handler{s: s, h: h})
+	mux.HandleFunc("/", s.elsewhere)
 	srv := &http.Server{
-		Handler:           mux,
+		Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			s.refused.headArrived(r)
+			mux.ServeHTTP(w, r)
+		}),
 		ReadHeaderTimeout: readHeaderTimeout,
-		ReadTimeout:       readTimeout,
-		// From the end of the head: the body, the inbox's work, the answer.
-		WriteTimeout:   readTimeout + s.cfg.Timeout + 5*time.Second,
+		// No ReadTimeout: the handler reads the body under the deadline
+		// its progress earns (readBody).
+		// From the end of the head: the slowest body allowed, the inbox's
+		// work, the answer.
+		WriteTimeout:   s.bodyGrace + time.Duration(float64(s.cfg.MaxBody)/float64(s.minBodyRate)*float64(time.Second)) + s.cfg.Timeout + answerTime,
 		IdleTimeout:    idleTimeout,
 		MaxHeaderBytes: maxHeaderBytes,
+		ConnState:      s.refused.connState,
+		ConnContext:    withConn,
 		BaseContext:    func(net.Listener) context.Context { return base },
 		ErrorLog:       slog.NewLogLogger(s.log.Handler(), slog.LevelWarn),
 	}
