@@ -43,7 +43,7 @@ type cmdEnv struct {
 type cli struct {
 	Config string `help:"YAML config file. Default: ${default_config} when it exists." env:"APP_CONFIG_FILE" placeholder:"PATH" type:"path"`
 
-	Run     runCmd     `cmd:"" default:"1" help:"Run jobs, the outbox relay and tasks until SIGTERM (the default command)."`
+	Run     runCmd     `cmd:"" default:"1" help:"Run jobs, the outbox relay, the inbox and tasks until SIGTERM (the default command)."`
 	Migrate migrateCmd `cmd:"" help:"Apply database migrations (the worker's and River's) and exit. Safe to run repeatedly and from several replicas."`
 	Cfg     struct {
 		Print configPrintCmd `cmd:"" help:"Print the effective configuration as YAML, secrets masked."`
@@ -53,12 +53,12 @@ type cli struct {
 	} `cmd:"" help:"Inspect scheduled jobs."`
 	Outbox struct {
 		Emit  outboxEmitCmd  `cmd:"" help:"Insert one event through the producer contract (for smoke tests)."`
-		Stats outboxStatsCmd `cmd:"" help:"Show event counts by status and the age of the oldest unpublished event."`
+		Stats outboxStatsCmd `cmd:"" help:"Show event counts by status and the age of the oldest unfinished event (not yet PUBLISHED or DEAD)."`
 		Dead  struct {
 			List  outboxDeadListCmd  `cmd:"" help:"List DEAD events, oldest first."`
 			Retry outboxDeadRetryCmd `cmd:"" help:"Requeue DEAD events as PENDING with attempts reset."`
-			Purge outboxDeadPurgeCmd `cmd:"" help:"Delete DEAD events for good."`
-		} `cmd:"" help:"Inspect, requeue or delete dead-lettered events."`
+			Purge outboxDeadPurgeCmd `cmd:"" help:"Give up on DEAD events for good: they are marked PURGED, never published, and go with their partition."`
+		} `cmd:"" help:"Inspect, requeue or give up on dead-lettered events."`
 	} `cmd:"" help:"Operate the transactional outbox."`
 	Inbox       inboxCmd       `cmd:"" help:"Operate the inbox: dead-lettered messages and those waiting for an operator."`
 	Tasks       tasksCmd       `cmd:"" help:"Operate background tasks (River)."`
@@ -176,15 +176,15 @@ func (configPrintCmd) Run(e *cmdEnv) error {
 	return PrintConfig(e.Stdout, cfg)
 }
 
-type jobsListCmd struct{}
+type jobsListCmd struct{ outputFlag }
 
-func (jobsListCmd) Run(e *cmdEnv) error {
+func (c jobsListCmd) Run(e *cmdEnv) error {
 	return withPool(e, func(ctx context.Context, pool *pgxpool.Pool, _ *slog.Logger) error {
 		list, err := jobs.List(ctx, pool)
 		if err != nil {
 			return err
 		}
-		return jobs.PrintList(e.Stdout, list)
+		return c.render(e.Stdout, jsonList(list, jobs.Status.JSON), func(w io.Writer) error { return jobs.PrintList(w, list) })
 	})
 }
 
@@ -229,20 +229,21 @@ func (c outboxEmitCmd) Run(e *cmdEnv) error {
 	})
 }
 
-type outboxStatsCmd struct{}
+type outboxStatsCmd struct{ outputFlag }
 
-func (outboxStatsCmd) Run(e *cmdEnv) error {
+func (c outboxStatsCmd) Run(e *cmdEnv) error {
 	return withPool(e, func(ctx context.Context, pool *pgxpool.Pool, _ *slog.Logger) error {
 		st, err := outbox.ReadStats(ctx, pool)
 		if err != nil {
 			return err
 		}
-		return outbox.PrintStats(e.Stdout, st)
+		return c.render(e.Stdout, st.JSON(), func(w io.Writer) error { return outbox.PrintStats(w, st) })
 	})
 }
 
 type outboxDeadListCmd struct {
 	Limit int `default:"50" help:"Most events to list (at least 1)."`
+	outputFlag
 }
 
 func (c outboxDeadListCmd) Run(e *cmdEnv) error {
@@ -254,7 +255,7 @@ func (c outboxDeadListCmd) Run(e *cmdEnv) error {
 		if err != nil {
 			return err
 		}
-		return printDead(e.Stdout, list, total)
+		return c.render(e.Stdout, jsonList(list, outbox.DeadEvent.JSON), func(w io.Writer) error { return printDead(w, list, total) })
 	})
 }
 
