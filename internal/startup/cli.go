@@ -162,7 +162,7 @@ func (versionCmd) Run(e *cmdEnv) error {
 type configPrintCmd struct{}
 
 func (configPrintCmd) Run(e *cmdEnv) error {
-	cfg, err := e.loadConfig()
+	cfg, err := e.loadConfig(checkAll)
 	if err != nil {
 		return err
 	}
@@ -376,7 +376,8 @@ func isDataException(err error) bool {
 	return errors.As(err, &pgErr) && strings.HasPrefix(pgErr.Code, "22")
 }
 
-// loadConfig is LoadConfig with the command's extensions.
-func (e *cmdEnv) loadConfig() (*Config, error) {
-	return loadConfig(e.ConfigPath, e.Environ, e.ext)
+// loadConfig is LoadConfig with the command's extensions, checking what
+// the command needs.
+func (e *cmdEnv) loadConfig(level checks) (*Config, error) {
+	return readConfig(e.ConfigPath, e.Environ, e.ext, level)
 }
