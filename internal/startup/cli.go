@@ -76,7 +76,7 @@ func run(ext Extensions, args []string, stdout, stderr io.Writer, environ []stri
 	exited := -1
 	parser, err := kong.New(&c,
 		kong.Name("worker"),
-		kong.Description("Runs fixed-delay jobs and a transactional-outbox relay beside PostgreSQL. Configure with "+DefaultConfigFile+" and APP_* variables."),
+		kong.Description("Runs fixed-delay jobs, a transactional-outbox relay, an inbox and tasks beside PostgreSQL. Configure with "+DefaultConfigFile+" and APP_* variables."),
 		kong.Vars{"default_config": DefaultConfigFile},
 		kong.Writers(stdout, stderr),
 		// kong exits on --help; record the code instead so Main returns it.
