@@ -145,21 +145,22 @@ func (s Selection) String() string {
 	return b.String()
 }
 
-// Entry is one message as an operator sees it.
+// Entry is one message as an operator sees it; EntryJSON is what the
+// CLI prints of it with --output json.
 type Entry struct {
-	Source     string            `json:"source"`     // inbox.sources[].name
-	MsgSource  string            `json:"msg_source"` // CloudEvents source, "" for a configured key
-	ID         string            `json:"msg_id"`
-	State      string            `json:"state"`
-	Type       string            `json:"type,omitempty"`
-	OrderKey   string            `json:"order_key,omitempty"`
-	Origin     string            `json:"origin,omitempty"`
-	Headers    map[string]string `json:"headers,omitempty"`
-	Body       []byte            `json:"-"`
-	Attempts   int               `json:"attempts"`
-	LastError  string            `json:"last_error,omitempty"`
-	ReceivedAt time.Time         `json:"received_at"`
-	FinishedAt time.Time         `json:"finished_at"` // when it went DEAD or RECOVERY_REQUIRED
+	Source     string // inbox.sources[].name
+	MsgSource  string // CloudEvents source, "" for a configured key
+	ID         string
+	State      string
+	Type       string
+	OrderKey   string
+	Origin     string
+	Headers    map[string]string
+	Body       []byte
+	Attempts   int
+	LastError  string
+	ReceivedAt time.Time
+	FinishedAt time.Time // when it went DEAD or RECOVERY_REQUIRED
 }
 
 // List returns up to limit messages in state (DEAD or RECOVERY_REQUIRED),

@@ -59,30 +59,82 @@ func PrintEntries(w io.Writer, state string, list []Entry, total int64) error {
 	return err
 }
 
-// PrintEntriesJSON writes one JSON object per message, its body included:
-// as JSON when it is JSON, else as a string when it is text, else base64.
-func PrintEntriesJSON(w io.Writer, list []Entry) error {
-	enc := json.NewEncoder(w)
-	for _, e := range list {
-		out := struct {
-			Entry
-			Body       any    `json:"body,omitempty"`
-			BodyBase64 []byte `json:"body_base64,omitempty"`
-		}{Entry: e}
-		switch {
-		case len(e.Body) == 0:
-		case json.Valid(e.Body):
-			out.Body = json.RawMessage(e.Body)
-		case utf8.Valid(e.Body):
-			out.Body = string(e.Body)
-		default:
-			out.BodyBase64 = e.Body
-		}
-		if err := enc.Encode(out); err != nil {
-			return err
-		}
+// EntryJSON is one item of `worker inbox dead list --output json` and
+// `worker inbox recovery list --output json`; docs/operations.md shows it.
+// Every key is always present.
+type EntryJSON struct {
+	Source    string            `json:"source"`     // inbox.sources[].name
+	MsgSource string            `json:"msg_source"` // CloudEvents source, "" for a configured key
+	ID        string            `json:"msg_id"`
+	State     string            `json:"state"`
+	Type      string            `json:"type"`
+	OrderKey  string            `json:"order_key"`
+	Origin    string            `json:"origin"`
+	Headers   map[string]string `json:"headers"` // {} when none
+	// Body is the body as JSON when it is JSON, else as a string when it
+	// is UTF-8 text; null when empty or binary. BodyBase64 is a binary
+	// body, else null.
+	Body       any       `json:"body"`
+	BodyBase64 []byte    `json:"body_base64"`
+	Attempts   int       `json:"attempts"`
+	LastError  string    `json:"last_error"`
+	ReceivedAt time.Time `json:"received_at"`
+	FinishedAt time.Time `json:"finished_at"` // when it went DEAD or RECOVERY_REQUIRED
+}
+
+// JSON is e as the list commands print it with --output json.
+func (e Entry) JSON() EntryJSON {
+	out := EntryJSON{Source: e.Source, MsgSource: e.MsgSource, ID: e.ID, State: e.State, Type: e.Type, OrderKey: e.OrderKey,
+		Origin: e.Origin, Headers: e.Headers, Attempts: e.Attempts, LastError: e.LastError,
+		ReceivedAt: e.ReceivedAt.UTC(), FinishedAt: e.FinishedAt.UTC()}
+	if out.Headers == nil {
+		out.Headers = map[string]string{}
 	}
-	return nil
+	switch {
+	case len(e.Body) == 0:
+	case json.Valid(e.Body):
+		out.Body = json.RawMessage(e.Body)
+	case utf8.Valid(e.Body):
+		out.Body = string(e.Body)
+	default:
+		out.BodyBase64 = e.Body
+	}
+	return out
+}
+
+// StatsJSON is `worker inbox stats --output json`; docs/operations.md
+// shows it.
+type StatsJSON struct {
+	// Sources counts messages by source, then state; every state present,
+	// and every configured source even without messages.
+	Sources map[string]map[string]int64 `json:"sources"`
+	// Totals counts messages by state over every source listed.
+	Totals map[string]int64 `json:"totals"`
+	// OldestUnfinished is the oldest unfinished claim (RECEIVED,
+	// PROCESSING or FAILED); null when there is none.
+	OldestUnfinished *OldestClaimJSON `json:"oldest_unfinished"`
+}
+
+// OldestClaimJSON is the oldest unfinished claim of StatsJSON.
+type OldestClaimJSON struct {
+	Source     string    `json:"source"`
+	ReceivedAt time.Time `json:"received_at"`
+	AgeSeconds float64   `json:"age_seconds"` // on the database clock
+}
+
+// JSON is s as `inbox stats --output json` prints it.
+func (s Stats) JSON() StatsJSON {
+	out := StatsJSON{Sources: s.BySource, Totals: map[string]int64{}}
+	if out.Sources == nil {
+		out.Sources = map[string]map[string]int64{}
+	}
+	for _, st := range AllStates {
+		out.Totals[st] = s.Total(st)
+	}
+	if !s.Oldest.IsZero() {
+		out.OldestUnfinished = &OldestClaimJSON{Source: s.OldestSource, ReceivedAt: s.Oldest.UTC(), AgeSeconds: s.OldestAge.Seconds()}
+	}
+	return out
 }
 
 func orDash(s string) string {

@@ -353,7 +353,7 @@ func TestListBeforeFirstRun(t *testing.T) {
 		t.Fatal(err)
 	}
 	out := buf.String()
-	for _, want := range []string{"JOB", "NEXT DUE", "later", "1m30s"} {
+	for _, want := range []string{"JOB", "NEXT DUE", "later", "1m30s", "1 job(s)"} {
 		if !strings.Contains(out, want) {
 			t.Errorf("table lacks %q:\n%s", want, out)
 		}

@@ -172,7 +172,43 @@ func orZero(t *time.Time) time.Time {
 	return t.UTC()
 }
 
-// PrintList writes statuses as an aligned table.
+// StatusJSON is one item of `worker jobs list --output json`;
+// docs/operations.md shows it. Every key is always present.
+type StatusJSON struct {
+	Name           string     `json:"name"`
+	Delay          string     `json:"delay"` // as in the configuration: 30s, 1m0s
+	DelaySeconds   float64    `json:"delay_seconds"`
+	LastStartedAt  *time.Time `json:"last_started_at"`  // null before the first run
+	LastFinishedAt *time.Time `json:"last_finished_at"` // null before the first run ends
+	LastOutcome    string     `json:"last_outcome"`     // "" before the first run
+	LastInstance   string     `json:"last_instance"`
+	LastToken      int64      `json:"last_token"`
+	LastError      string     `json:"last_error"`
+	NextDueAt      *time.Time `json:"next_due_at"` // null while running: due delay after the run ends
+	Running        bool       `json:"running"`
+}
+
+// JSON is s as `jobs list --output json` prints it.
+func (s Status) JSON() StatusJSON {
+	out := StatusJSON{Name: s.Name, Delay: s.Delay.String(), DelaySeconds: s.Delay.Seconds(),
+		LastStartedAt: timeOrNull(s.LastStartedAt), LastFinishedAt: timeOrNull(s.LastFinishedAt),
+		LastOutcome: s.LastOutcome, LastInstance: s.LastInstance, LastToken: s.LastToken, LastError: s.LastError,
+		NextDueAt: timeOrNull(s.NextDueAt), Running: s.Running()}
+	if s.Running() {
+		out.NextDueAt = nil
+	}
+	return out
+}
+
+func timeOrNull(t time.Time) *time.Time {
+	if t.IsZero() {
+		return nil
+	}
+	t = t.UTC()
+	return &t
+}
+
+// PrintList writes statuses as an aligned table, then how many there are.
 func PrintList(w io.Writer, list []Status) error {
 	tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
 	fmt.Fprintln(tw, "JOB\tDELAY\tLAST START\tLAST FINISH\tOUTCOME\tINSTANCE\tNEXT DUE\tLAST ERROR")
@@ -184,7 +220,11 @@ func PrintList(w io.Writer, list []Status) error {
 		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n", s.Name, s.Delay, stamp(s.LastStartedAt),
 			stamp(s.LastFinishedAt), dash(s.LastOutcome), dash(s.LastInstance), next, dash(oneLine(s.LastError, 60)))
 	}
-	return tw.Flush()
+	if err := tw.Flush(); err != nil {
+		return err
+	}
+	_, err := fmt.Fprintf(w, "%d job(s)\n", len(list))
+	return err
 }
 
 func stamp(t time.Time) string {

@@ -124,6 +124,31 @@ func PrintStats(w io.Writer, s Stats) error {
 	return err
 }
 
+// StatsJSON is `worker outbox stats --output json`; docs/operations.md
+// shows it.
+type StatsJSON struct {
+	// ByStatus counts events by status, every status present.
+	ByStatus map[string]int64 `json:"by_status"`
+	// OldestUnfinished is the oldest event not yet PUBLISHED or DEAD; null
+	// when there is none.
+	OldestUnfinished *OldestEventJSON `json:"oldest_unfinished"`
+}
+
+// OldestEventJSON is the oldest unfinished event of StatsJSON.
+type OldestEventJSON struct {
+	OccurredAt time.Time `json:"occurred_at"`
+	AgeSeconds float64   `json:"age_seconds"` // on the database clock
+}
+
+// JSON is s as `outbox stats --output json` prints it.
+func (s Stats) JSON() StatsJSON {
+	out := StatsJSON{ByStatus: s.ByStatus}
+	if !s.OldestPending.IsZero() {
+		out.OldestUnfinished = &OldestEventJSON{OccurredAt: s.OldestPending.UTC(), AgeSeconds: s.OldestPendingAge.Seconds()}
+	}
+	return out
+}
+
 // DeadEvent is one dead-lettered event.
 type DeadEvent struct {
 	Seq           int64
@@ -137,6 +162,40 @@ type DeadEvent struct {
 	Attempts      int
 	LastError     string
 	DeadAt        time.Time // when it went DEAD
+}
+
+// DeadEventJSON is one item of `worker outbox dead list --output json`;
+// docs/operations.md shows it. Every key is always present.
+type DeadEventJSON struct {
+	Seq           int64             `json:"seq"`
+	EventID       string            `json:"event_id"`
+	AggregateType string            `json:"aggregate_type"`
+	AggregateID   string            `json:"aggregate_id"`
+	EventType     string            `json:"event_type"`
+	Payload       json.RawMessage   `json:"payload"`
+	Headers       map[string]string `json:"headers"`     // {} when none
+	OccurredAt    *time.Time        `json:"occurred_at"` // null when unreadable (last_error says why)
+	Attempts      int               `json:"attempts"`
+	LastError     string            `json:"last_error"`
+	DeadAt        time.Time         `json:"dead_at"`
+}
+
+// JSON is d as `outbox dead list --output json` prints it.
+func (d DeadEvent) JSON() DeadEventJSON {
+	out := DeadEventJSON{Seq: d.Seq, EventID: d.EventID, AggregateType: d.AggregateType, AggregateID: d.AggregateID,
+		EventType: d.EventType, Payload: d.Payload, Headers: d.Headers, Attempts: d.Attempts, LastError: d.LastError,
+		DeadAt: d.DeadAt.UTC()}
+	if out.Headers == nil {
+		out.Headers = map[string]string{}
+	}
+	if len(out.Payload) == 0 {
+		out.Payload = json.RawMessage("null")
+	}
+	if !d.OccurredAt.IsZero() {
+		t := d.OccurredAt.UTC()
+		out.OccurredAt = &t
+	}
+	return out
 }
 
 // ListDead returns up to limit DEAD events, oldest first, and how many DEAD

@@ -43,7 +43,7 @@ type cmdEnv struct {
 type cli struct {
 	Config string `help:"YAML config file. Default: ${default_config} when it exists." env:"APP_CONFIG_FILE" placeholder:"PATH" type:"path"`
 
-	Run     runCmd     `cmd:"" default:"1" help:"Run jobs, the outbox relay and tasks until SIGTERM (the default command)."`
+	Run     runCmd     `cmd:"" default:"1" help:"Run jobs, the outbox relay, the inbox and tasks until SIGTERM (the default command)."`
 	Migrate migrateCmd `cmd:"" help:"Apply database migrations (the worker's and River's) and exit. Safe to run repeatedly and from several replicas."`
 	Cfg     struct {
 		Print configPrintCmd `cmd:"" help:"Print the effective configuration as YAML, secrets masked."`
@@ -53,12 +53,12 @@ type cli struct {
 	} `cmd:"" help:"Inspect scheduled jobs."`
 	Outbox struct {
 		Emit  outboxEmitCmd  `cmd:"" help:"Insert one event through the producer contract (for smoke tests)."`
-		Stats outboxStatsCmd `cmd:"" help:"Show event counts by status and the age of the oldest unpublished event."`
+		Stats outboxStatsCmd `cmd:"" help:"Show event counts by status and the age of the oldest unfinished event (not yet PUBLISHED or DEAD)."`
 		Dead  struct {
 			List  outboxDeadListCmd  `cmd:"" help:"List DEAD events, oldest first."`
 			Retry outboxDeadRetryCmd `cmd:"" help:"Requeue DEAD events as PENDING with attempts reset."`
-			Purge outboxDeadPurgeCmd `cmd:"" help:"Delete DEAD events for good."`
-		} `cmd:"" help:"Inspect, requeue or delete dead-lettered events."`
+			Purge outboxDeadPurgeCmd `cmd:"" help:"Give up on DEAD events for good: they are marked PURGED, never published, and go with their partition."`
+		} `cmd:"" help:"Inspect, requeue or give up on dead-lettered events."`
 	} `cmd:"" help:"Operate the transactional outbox."`
 	Inbox       inboxCmd       `cmd:"" help:"Operate the inbox: dead-lettered messages and those waiting for an operator."`
 	Tasks       tasksCmd       `cmd:"" help:"Operate background tasks (River)."`
@@ -76,7 +76,7 @@ func run(ext Extensions, args []string, stdout, stderr io.Writer, environ []stri
 	exited := -1
 	parser, err := kong.New(&c,
 		kong.Name("worker"),
-		kong.Description("Runs fixed-delay jobs and a transactional-outbox relay beside PostgreSQL. Configure with "+DefaultConfigFile+" and APP_* variables."),
+		kong.Description("Runs fixed-delay jobs, a transactional-outbox relay, an inbox and tasks beside PostgreSQL. Configure with "+DefaultConfigFile+" and APP_* variables."),
 		kong.Vars{"default_config": DefaultConfigFile},
 		kong.Writers(stdout, stderr),
 		// kong exits on --help; record the code instead so Main returns it.
@@ -154,7 +154,7 @@ func parseArgs(p *kong.Kong, args []string) (kctx *kong.Context, err error) {
 type configPrintCmd struct{}
 
 func (configPrintCmd) Run(e *cmdEnv) error {
-	cfg, err := e.loadConfig()
+	cfg, err := e.loadConfig(checkAll)
 	if err != nil {
 		return err
 	}
@@ -168,15 +168,15 @@ func (configPrintCmd) Run(e *cmdEnv) error {
 	return PrintConfig(e.Stdout, cfg)
 }
 
-type jobsListCmd struct{}
+type jobsListCmd struct{ outputFlag }
 
-func (jobsListCmd) Run(e *cmdEnv) error {
+func (c jobsListCmd) Run(e *cmdEnv) error {
 	return withPool(e, func(ctx context.Context, pool *pgxpool.Pool, _ *slog.Logger) error {
 		list, err := jobs.List(ctx, pool)
 		if err != nil {
 			return err
 		}
-		return jobs.PrintList(e.Stdout, list)
+		return c.render(e.Stdout, jsonList(list, jobs.Status.JSON), func(w io.Writer) error { return jobs.PrintList(w, list) })
 	})
 }
 
@@ -221,20 +221,21 @@ func (c outboxEmitCmd) Run(e *cmdEnv) error {
 	})
 }
 
-type outboxStatsCmd struct{}
+type outboxStatsCmd struct{ outputFlag }
 
-func (outboxStatsCmd) Run(e *cmdEnv) error {
+func (c outboxStatsCmd) Run(e *cmdEnv) error {
 	return withPool(e, func(ctx context.Context, pool *pgxpool.Pool, _ *slog.Logger) error {
 		st, err := outbox.ReadStats(ctx, pool)
 		if err != nil {
 			return err
 		}
-		return outbox.PrintStats(e.Stdout, st)
+		return c.render(e.Stdout, st.JSON(), func(w io.Writer) error { return outbox.PrintStats(w, st) })
 	})
 }
 
 type outboxDeadListCmd struct {
 	Limit int `default:"50" help:"Most events to list (at least 1)."`
+	outputFlag
 }
 
 func (c outboxDeadListCmd) Run(e *cmdEnv) error {
@@ -246,7 +247,7 @@ func (c outboxDeadListCmd) Run(e *cmdEnv) error {
 		if err != nil {
 			return err
 		}
-		return printDead(e.Stdout, list, total)
+		return c.render(e.Stdout, jsonList(list, outbox.DeadEvent.JSON), func(w io.Writer) error { return printDead(w, list, total) })
 	})
 }
 
@@ -367,7 +368,8 @@ func isDataException(err error) bool {
 	return errors.As(err, &pgErr) && strings.HasPrefix(pgErr.Code, "22")
 }
 
-// loadConfig is LoadConfig with the command's extensions.
-func (e *cmdEnv) loadConfig() (*Config, error) {
-	return loadConfig(e.ConfigPath, e.Environ, e.ext)
+// loadConfig is LoadConfig with the command's extensions, checking what
+// the command needs.
+func (e *cmdEnv) loadConfig(level checks) (*Config, error) {
+	return readConfig(e.ConfigPath, e.Environ, e.ext, level)
 }

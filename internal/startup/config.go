@@ -182,6 +182,27 @@ func LoadConfig(path string, environ []string) (*Config, error) {
 // loadConfig is LoadConfig for a program that adds ext: its sinks are
 // values of outbox.sink, and its job names are taken.
 func loadConfig(path string, environ []string, ext Extensions) (*Config, error) {
+	return readConfig(path, environ, ext, checkAll)
+}
+
+// checks is how much of the configuration a command checks.
+type checks int
+
+const (
+	// checkAll is what run needs: every setting, and every part run
+	// builds (the outbox sink, the inbox sources, the Redis lock client,
+	// the jobs) built once without connecting, so that a mistake stops the
+	// start instead of the first publish.
+	checkAll checks = iota
+	// checkDatabase is what an operator command that only reads or changes
+	// the database needs: every setting's form, but none of the parts it
+	// does not build, so that it runs without a sink's or a source's
+	// credentials (docs/operations.md, "Commands").
+	checkDatabase
+)
+
+// readConfig is loadConfig with the checks a command needs.
+func readConfig(path string, environ []string, ext Extensions, level checks) (*Config, error) {
 	all := settings()
 	defaults := make(map[string]any, len(all))
 	envToKey := make(map[string]string, len(all))
@@ -267,7 +288,7 @@ func loadConfig(path string, environ []string, ext Extensions) (*Config, error) 
 	if cfg.Outbox.MaxInFlight == 0 {
 		cfg.Outbox.MaxInFlight = outbox.DefaultMaxInFlight(cfg.Outbox.Sink)
 	}
-	if err := cfg.validate(source); err != nil {
+	if err := cfg.validate(source, level); err != nil {
 		return nil, nameEnvSources(err, fromEnv)
 	}
 	cfg.misspeltEnv = misspelt
@@ -385,7 +406,7 @@ func checkUnitless(v any) error {
 	return nil
 }
 
-func (c *Config) validate(source func(string) string) error {
+func (c *Config) validate(source func(string) string, level checks) error {
 	positive := []struct {
 		key string
 		v   time.Duration
@@ -417,8 +438,11 @@ func (c *Config) validate(source func(string) string) error {
 	switch c.Lock.Provider {
 	case "", ProviderInProcess, ProviderPostgres:
 	case ProviderRedis:
-		if _, err := c.Lock.Redis.options(c.Instance.ID); err != nil {
-			return configErrorf("%v", err)
+		// Its options read the TLS files, a client key among them: run's.
+		if level == checkAll {
+			if _, err := c.Lock.Redis.options(c.Instance.ID); err != nil {
+				return configErrorf("%v", err)
+			}
 		}
 	default:
 		return configErrorf("%s=%q is not a lock provider; want %s, %s or %s", source("lock.provider"), c.Lock.Provider,
@@ -462,13 +486,19 @@ func (c *Config) validate(source func(string) string) error {
 		return configErrorf("%s=%d must exceed %s=%d: each relay loop holds a connection while there is backlog, and jobs and leases need one too",
 			source("database.max_conns"), c.Database.MaxConns, source("outbox.relays"), c.Outbox.Relays)
 	}
-	if err := validateSink(c.Outbox, c.ext); err != nil {
-		return err
-	}
 	if err := c.Tasks.Validate(); err != nil {
 		return configErrorf("%v", err)
 	}
-	if err := c.validateInbox(); err != nil {
+	if err := c.Inbox.Validate(); err != nil {
+		return configErrorf("%w", err)
+	}
+	if level == checkDatabase {
+		return nil
+	}
+	if err := validateSink(c.Outbox, c.ext); err != nil {
+		return err
+	}
+	if err := c.validateInboxSources(); err != nil {
 		return err
 	}
 	if c.Outbox.Sink == outbox.SinkRiver {

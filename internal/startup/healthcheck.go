@@ -37,7 +37,7 @@ func (c healthcheckCmd) Run(e *cmdEnv) error {
 }
 
 func (c healthcheckCmd) check(e *cmdEnv) error {
-	cfg, err := e.loadConfig()
+	cfg, err := e.loadConfig(checkAll)
 	if err != nil {
 		return err
 	}

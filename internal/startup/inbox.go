@@ -120,13 +120,11 @@ func setPath(m map[string]any, path []string, v string) {
 	m[path[len(path)-1]] = v
 }
 
-// validateInbox checks the inbox section: its scalar keys, each source's
-// handler (a Go handler must be registered), and each source's own
-// section, by building it.
-func (c *Config) validateInbox() error {
-	if err := c.Inbox.Validate(); err != nil {
-		return configErrorf("%w", err)
-	}
+// validateInboxSources checks what run needs of each inbox source beyond
+// its form (inbox.Config.Validate): its handler (a Go handler must be
+// registered), and its own section, by building it, which wants its
+// credentials.
+func (c *Config) validateInboxSources() error {
 	for i, s := range c.Inbox.Sources {
 		switch s.Handler.Kind {
 		case inbox.HandlerSQL, inbox.HandlerRiver:

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"log/slog"
 	"strings"
 
@@ -18,7 +19,7 @@ type inboxCmd struct {
 	Dead  struct {
 		List  inboxDeadListCmd  `cmd:"" help:"List DEAD messages, oldest first."`
 		Retry inboxDeadRetryCmd `cmd:"" help:"Requeue DEAD messages with attempts reset; a running replica processes them within inbox.lease_ttl/2."`
-		Purge inboxDeadPurgeCmd `cmd:"" help:"Delete DEAD messages for good; a redelivery of one is then a new message."`
+		Purge inboxDeadPurgeCmd `cmd:"" help:"Delete DEAD messages for good (the rows go); a redelivery of one is then a new message."`
 	} `cmd:"" help:"Inspect, requeue or delete dead-lettered messages."`
 	Recovery struct {
 		List    inboxRecoveryListCmd    `cmd:"" help:"List RECOVERY_REQUIRED messages (their processing lease expired before their work committed), oldest first."`
@@ -29,6 +30,7 @@ type inboxCmd struct {
 
 type inboxStatsCmd struct {
 	Source string `help:"Only this inbox source (inbox.sources[].name)." placeholder:"NAME"`
+	outputFlag
 }
 
 func (c inboxStatsCmd) Run(e *cmdEnv) error {
@@ -41,7 +43,7 @@ func (c inboxStatsCmd) Run(e *cmdEnv) error {
 		if err != nil {
 			return err
 		}
-		return inbox.PrintStats(e.Stdout, st)
+		return c.render(e.Stdout, st.JSON(), func(w io.Writer) error { return inbox.PrintStats(w, st) })
 	})
 }
 
@@ -69,10 +71,7 @@ func (c inboxList) list(e *cmdEnv, state string) error {
 		if err != nil {
 			return err
 		}
-		if c.json() {
-			return inbox.PrintEntriesJSON(e.Stdout, list)
-		}
-		return inbox.PrintEntries(e.Stdout, state, list, total)
+		return c.render(e.Stdout, jsonList(list, inbox.Entry.JSON), func(w io.Writer) error { return inbox.PrintEntries(w, state, list, total) })
 	})
 }
 

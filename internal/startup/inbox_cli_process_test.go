@@ -43,7 +43,7 @@ VALUES ('orders', 'shop', 'm-dead', 'DEAD', 3, '\x7b7d', 'handler said no', now(
 		!strings.Contains(out, "handler said no") || !strings.Contains(out, "1 of 2 DEAD messages shown") {
 		t.Errorf("inbox dead list --limit 1:\n%s", out)
 	}
-	if out, _ := run(0, "inbox", "recovery", "list", "--output", "json"); !strings.Contains(out, `"msg_id":"m-stuck"`) || !strings.Contains(out, `"body":{}`) {
+	if out, _ := run(0, "inbox", "recovery", "list", "--output", "json"); !strings.Contains(out, `"msg_id": "m-stuck"`) || !strings.Contains(out, `"body": {}`) {
 		t.Errorf("inbox recovery list --output json:\n%s", out)
 	}
 

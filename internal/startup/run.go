@@ -52,7 +52,7 @@ func tuneGC() {
 
 func (runCmd) Run(e *cmdEnv) error {
 	tuneGC()
-	cfg, err := e.loadConfig()
+	cfg, err := e.loadConfig(checkAll)
 	if err != nil {
 		return err
 	}
@@ -308,8 +308,10 @@ func closeBounded(pool *pgxpool.Pool, limit time.Duration, log *slog.Logger) {
 
 type migrateCmd struct{}
 
+// Run checks the whole configuration, as run does: migrate is the step
+// before a rollout, where a mistake is cheapest to find.
 func (migrateCmd) Run(e *cmdEnv) error {
-	return withPool(e, func(ctx context.Context, pool *pgxpool.Pool, log *slog.Logger) error {
+	return withPoolChecking(e, checkAll, func(ctx context.Context, pool *pgxpool.Pool, log *slog.Logger) error {
 		if err := migrate.Up(ctx, pool, log); err != nil {
 			return err
 		}
@@ -319,9 +321,15 @@ func (migrateCmd) Run(e *cmdEnv) error {
 }
 
 // withPool runs an operator command that needs only the database: load the
-// configuration, connect (bounded, like run), call f, close.
+// configuration, checking what such a command uses (checkDatabase),
+// connect (bounded, like run), call f, close.
 func withPool(e *cmdEnv, f func(ctx context.Context, pool *pgxpool.Pool, log *slog.Logger) error) error {
-	cfg, err := e.loadConfig()
+	return withPoolChecking(e, checkDatabase, f)
+}
+
+// withPoolChecking is withPool checking level of the configuration.
+func withPoolChecking(e *cmdEnv, level checks, f func(ctx context.Context, pool *pgxpool.Pool, log *slog.Logger) error) error {
+	cfg, err := e.loadConfig(level)
 	if err != nil {
 		return err
 	}

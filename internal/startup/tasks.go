@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"log/slog"
 	"reflect"
 	"slices"
@@ -108,12 +109,6 @@ type tasksCmd struct {
 	Cancel tasksCancelCmd `cmd:"" help:"Cancel a task; a running one has its context cancelled."`
 }
 
-type outputFlag struct {
-	Output string `default:"text" enum:"text,json" help:"Output format: text or json."`
-}
-
-func (o outputFlag) json() bool { return o.Output == "json" }
-
 // withTasksAdmin runs f with River's admin API on the worker's database.
 func withTasksAdmin(e *cmdEnv, f func(ctx context.Context, a *tasks.Admin, pool *pgxpool.Pool) error) error {
 	return withPool(e, func(ctx context.Context, pool *pgxpool.Pool, log *slog.Logger) error {
@@ -189,7 +184,7 @@ func (c tasksEnqueueCmd) checkKnown(ctx context.Context, cfg *Config, pool *pgxp
 type tasksListCmd struct {
 	State string `help:"Only tasks in this River state (available, running, retryable, scheduled, completed, discarded, cancelled, pending)."`
 	Kind  string `help:"Only tasks of this kind."`
-	Limit int    `default:"50" help:"Most tasks to list."`
+	Limit int    `default:"50" help:"Most tasks to list (at least 1)."`
 	outputFlag
 }
 
@@ -202,11 +197,11 @@ func (c tasksListCmd) Run(e *cmdEnv) error {
 			return &exitError{code: ExitUsage, msg: "--state: " + err.Error()}
 		}
 	}
-	return listTasks(e, tasks.Filter{State: c.State, Kind: c.Kind, Limit: c.Limit}, c.json())
+	return listTasks(e, tasks.Filter{State: c.State, Kind: c.Kind, Limit: c.Limit}, c.outputFlag, "task(s)")
 }
 
 type tasksDeadListCmd struct {
-	Limit int `default:"50" help:"Most tasks to list."`
+	Limit int `default:"50" help:"Most tasks to list (at least 1)."`
 	outputFlag
 }
 
@@ -214,7 +209,7 @@ func (c tasksDeadListCmd) Run(e *cmdEnv) error {
 	if err := checkLimit(c.Limit); err != nil {
 		return err
 	}
-	return listTasks(e, tasks.Filter{Dead: true, Limit: c.Limit}, c.json())
+	return listTasks(e, tasks.Filter{Dead: true, Limit: c.Limit}, c.outputFlag, "dead-lettered task(s)")
 }
 
 // checkLimit refuses a --limit below 1, as `outbox dead list` does, rather
@@ -226,13 +221,25 @@ func checkLimit(limit int) error {
 	return nil
 }
 
-func listTasks(e *cmdEnv, f tasks.Filter, asJSON bool) error {
+// listTasks prints the tasks f selects; the table ends with how many, in
+// what, and whether --limit may have left some out.
+func listTasks(e *cmdEnv, f tasks.Filter, out outputFlag, what string) error {
 	return withTasksAdmin(e, func(ctx context.Context, a *tasks.Admin, _ *pgxpool.Pool) error {
 		list, err := a.List(ctx, f)
 		if err != nil {
 			return err
 		}
-		return tasks.Print(e.Stdout, list, asJSON)
+		return out.render(e.Stdout, jsonList(list, func(t tasks.Task) tasks.Task { return t }), func(w io.Writer) error {
+			if err := tasks.PrintTable(w, list); err != nil {
+				return err
+			}
+			if len(list) == f.Limit {
+				_, err := fmt.Fprintf(w, "%d %s shown, newest first; there may be more: raise --limit\n", len(list), what)
+				return err
+			}
+			_, err := fmt.Fprintf(w, "%d %s\n", len(list), what)
+			return err
+		})
 	})
 }
 
@@ -262,7 +269,7 @@ func (c tasksRetryCmd) Run(e *cmdEnv) error {
 		if err != nil {
 			return err
 		}
-		return tasks.Print(e.Stdout, []tasks.Task{t}, c.json())
+		return c.render(e.Stdout, []tasks.Task{t}, func(w io.Writer) error { return tasks.PrintTable(w, []tasks.Task{t}) })
 	})
 }
 
@@ -277,6 +284,6 @@ func (c tasksCancelCmd) Run(e *cmdEnv) error {
 		if err != nil {
 			return err
 		}
-		return tasks.Print(e.Stdout, []tasks.Task{t}, c.json())
+		return c.render(e.Stdout, []tasks.Task{t}, func(w io.Writer) error { return tasks.PrintTable(w, []tasks.Task{t}) })
 	})
 }

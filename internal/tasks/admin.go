@@ -73,7 +73,9 @@ func NewAdmin(pool *pgxpool.Pool, log *slog.Logger) (*Admin, error) {
 	return &Admin{client: c, log: log}, nil
 }
 
-// Task is one task as the CLI shows it.
+// Task is one task as the CLI shows it, and its JSON is what
+// `worker tasks list --output json` prints of it (docs/operations.md shows
+// it). Every key is always present.
 type Task struct {
 	ID          int64           `json:"id"`
 	Kind        string          `json:"kind"`
@@ -83,13 +85,13 @@ type Task struct {
 	MaxAttempts int             `json:"max_attempts"`
 	CreatedAt   time.Time       `json:"created_at"`
 	ScheduledAt time.Time       `json:"scheduled_at"`
-	FinalizedAt *time.Time      `json:"finalized_at,omitempty"`
+	FinalizedAt *time.Time      `json:"finalized_at"` // null until it finishes
 	Args        json.RawMessage `json:"args"`
 	Metadata    json.RawMessage `json:"metadata"`
-	LastError   string          `json:"last_error,omitempty"`
+	LastError   string          `json:"last_error"`
 	// Reason says why a discarded or cancelled task stopped: one of the
 	// Reason* constants.
-	Reason string `json:"reason,omitempty"`
+	Reason string `json:"reason"`
 }
 
 func toTask(j *rivertype.JobRow) Task {
@@ -209,16 +211,9 @@ func notFound(err error, id int64) error {
 	return err
 }
 
-// Print writes tasks as a table, or as JSON when asJSON.
-func Print(w io.Writer, list []Task, asJSON bool) error {
-	if asJSON {
-		enc := json.NewEncoder(w)
-		enc.SetIndent("", "  ")
-		if list == nil {
-			list = []Task{}
-		}
-		return enc.Encode(list)
-	}
+// PrintTable writes tasks as a table. With --output json the CLI prints
+// the []Task itself.
+func PrintTable(w io.Writer, list []Task) error {
 	tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
 	fmt.Fprintln(tw, "ID\tKIND\tQUEUE\tSTATE\tREASON\tATTEMPT\tCREATED\tLAST ERROR")
 	for _, t := range list {

@@ -107,7 +107,7 @@ func TestTaskListSaysWhyATaskStopped(t *testing.T) {
 		t.Fatalf("dead list: %+v; want the exhausted and the permanent one", dead)
 	}
 	var table bytes.Buffer
-	if err := Print(&table, all, false); err != nil {
+	if err := PrintTable(&table, all); err != nil {
 		t.Fatal(err)
 	}
 	for _, r := range []string{"REASON", ReasonAttemptsExhausted, ReasonPermanentError, ReasonOperatorCancel} {
