@@ -92,6 +92,12 @@ func (c *Config) checkUI() error {
 	return nil
 }
 
+// DefaultDatabaseURL is database.url when neither the file nor
+// APP_DATABASE_URL sets it: a database of the worker's own, named worker as
+// scripts/worker creates it, never the server's maintenance database
+// postgres, which would receive the worker's and River's tables.
+const DefaultDatabaseURL = "postgres://postgres@127.0.0.1:5432/worker?sslmode=disable"
+
 // Lock providers.
 const (
 	ProviderInProcess = "inprocess"
@@ -111,7 +117,7 @@ func (s setting) Env() string { return "APP_" + strings.ToUpper(strings.ReplaceA
 
 func settings() []setting {
 	all := []setting{
-		{"database.url", "postgres://postgres@127.0.0.1:5432/postgres?sslmode=disable"},
+		{"database.url", DefaultDatabaseURL},
 		{"database.migrate_on_start", true},
 		{"database.connect_timeout", 30 * time.Second},
 		{"database.max_conns", 10},

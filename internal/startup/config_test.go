@@ -33,7 +33,7 @@ func TestDefaults(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if cfg.Database.URL != "postgres://postgres@127.0.0.1:5432/postgres?sslmode=disable" ||
+	if cfg.Database.URL != "postgres://postgres@127.0.0.1:5432/worker?sslmode=disable" ||
 		cfg.MultiInstance.Enabled || cfg.Lock.Provider != ProviderInProcess ||
 		cfg.Lock.WaitTime != 100*time.Millisecond || cfg.Lock.LeaseTTL != 30*time.Second ||
 		cfg.HTTP.Addr != ":9090" || cfg.Shutdown.Timeout != 20*time.Second ||
