@@ -176,17 +176,6 @@ func newInbox(cfg *Config, pool *pgxpool.Pool, log *slog.Logger, reg prometheus.
 	return inbox.NewRunner(pool, cfg.Inbox, parts, cfg.Instance.ID, log, m), nil
 }
 
-// inboxSecrets are the inbox sources' secrets, masked in every log line.
-func inboxSecrets(c inbox.Config) []string {
-	var secrets []string
-	for _, s := range c.Sources {
-		secrets = append(secrets, s.NATS.Password, s.NATS.Token, s.Kafka.SASLPassword)
-		secrets = append(secrets, strings.Fields(s.Webhook.Secret)...)
-		secrets = append(secrets, urlSecrets(s.NATS.URL+","+s.RabbitMQ.URL)...)
-	}
-	return secrets
-}
-
 func (x Extensions) inboxHandlerNames() []string {
 	names := slices.Sorted(maps.Keys(x.InboxHandlers))
 	if len(names) == 0 {

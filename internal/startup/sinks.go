@@ -7,7 +7,6 @@ import (
 	"io"
 	"log/slog"
 	"maps"
-	"net/url"
 	"slices"
 	"strings"
 	"time"
@@ -201,29 +200,6 @@ func brokerError(err error, timeoutKey string, timeout time.Duration) error {
 	default:
 		return &exitError{code: ExitUnavailable, msg: fmt.Sprintf("%v (waited %s=%s, %s)", err, timeoutKey, timeout, setting{Key: timeoutKey}.Env()), err: err}
 	}
-}
-
-// sinkSecrets are the broker credentials the logger must hide: passwords
-// and tokens, also where they sit in a URL.
-func sinkSecrets(c outbox.Config) []string {
-	secrets := []string{c.Webhook.Secret, c.NATS.Password, c.NATS.Token, c.Kafka.SASLPassword}
-	return append(secrets, urlSecrets(c.NATS.URL+","+c.RabbitMQ.URL)...)
-}
-
-// urlSecrets are the passwords (or tokens, nats://token@host) in a
-// comma-separated list of broker URLs.
-func urlSecrets(urls string) []string {
-	var secrets []string
-	for raw := range strings.SplitSeq(urls, ",") {
-		if u, err := url.Parse(strings.TrimSpace(raw)); err == nil && u.User != nil {
-			if p, ok := u.User.Password(); ok {
-				secrets = append(secrets, p)
-			} else {
-				secrets = append(secrets, u.User.Username()) // nats://token@host
-			}
-		}
-	}
-	return secrets
 }
 
 // closer is a sink that holds a connection: Close runs after the relay
