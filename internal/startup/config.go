@@ -76,9 +76,9 @@ type Config struct {
 	instanceIDDerived bool
 	// ext is what an embedding program adds (jobs, task kinds, sinks).
 	ext Extensions
-	// misspeltEnv names APP_* variables that are no setting but nearly
-	// one: the logger warns about each, since the setting meant was not
-	// applied.
+	// misspeltEnv names APP_* variables that are no setting and more than
+	// maxTypoEdits from every one, yet like one (didYouMean): the logger
+	// warns about each, since the setting meant, if any, was not applied.
 	misspeltEnv []string
 }
 
@@ -215,18 +215,17 @@ func loadConfig(path string, environ []string, ext Extensions) (*Config, error) 
 	}
 
 	fromEnv := map[string]string{} // key -> env var, to name the source in errors
-	var misspelt []string
-	envNames := slices.Sorted(maps.Keys(envToKey))
+	var misspelt, typos []string
+	envNames := append(slices.Sorted(maps.Keys(envToKey)), configFileEnv)
 	err := k.Load(kenv.Provider(".", kenv.Opt{
 		Prefix:      "APP_",
 		EnvironFunc: func() []string { return environ },
 		TransformFunc: func(name, v string) (string, any) {
 			key, ok := envToKey[name]
 			if !ok {
-				// APP_CONFIG_FILE, or a variable of something else (Kubernetes
-				// sets APP_SERVICE_HOST for a Service named app): not an error.
-				// One that nearly names a setting is most likely a typo.
-				if hint := didYouMean(name, envNames); hint != "" && name != "APP_CONFIG_FILE" {
+				if typo := misspeltSetting(name, envNames); typo != "" {
+					typos = append(typos, typo)
+				} else if hint := didYouMean(name, envNames); hint != "" && !isOtherEnv(name) {
 					misspelt = append(misspelt, name+" is not a setting and is ignored"+hint)
 				}
 				return "", nil
@@ -237,6 +236,10 @@ func loadConfig(path string, environ []string, ext Extensions) (*Config, error) 
 	}), nil)
 	if err != nil {
 		return nil, err
+	}
+	if len(typos) > 0 {
+		slices.Sort(typos)
+		return nil, configErrorf("%s", strings.Join(typos, "\n"))
 	}
 
 	source := func(key string) string {
@@ -278,6 +281,47 @@ func loadConfig(path string, environ []string, ext Extensions) (*Config, error) 
 	}
 	cfg.misspeltEnv = misspelt
 	return &cfg, nil
+}
+
+// configFileEnv names the configuration file (--config); it is read
+// before the settings, so it is no key of the table.
+const configFileEnv = "APP_CONFIG_FILE"
+
+// maxTypoEdits is how near (insertions, deletions, substitutions, swaps of
+// neighbours) an unknown APP_* variable must be to a setting's variable to
+// be taken for its misspelling. The settings' own variables are further
+// apart than that (TestSettingsAreFarApart), so a real variable is never
+// taken for another's typo.
+const maxTypoEdits = 2
+
+// misspeltSetting returns why name stops the start when it is an unknown
+// APP_* variable within maxTypoEdits of a setting's variable, "" when it is
+// not. Such a variable is most likely that setting misspelt, and running
+// without it would leave the setting meant at its value from the file or
+// its default: APP_OUTBOX_SINKK=webhook ran the log sink and marked every
+// event published.
+func misspeltSetting(name string, settings []string) string {
+	if isOtherEnv(name) {
+		return ""
+	}
+	best, bestDist := "", maxTypoEdits+1
+	for _, s := range settings {
+		if d := editDistance(name, s); d < bestDist {
+			best, bestDist = s, d
+		}
+	}
+	if best == "" {
+		return ""
+	}
+	return fmt.Sprintf("%s is not a setting (did you mean %s?); a variable within %d edits of a setting's name stops the start, since the setting meant would not apply: correct the name or unset it",
+		name, best, maxTypoEdits)
+}
+
+// isOtherEnv is true for APP_* variables the settings table does not name
+// but the worker reads: the file's name, and an inbox source's own keys
+// (APP_INBOX_SOURCES_<NAME>_<KEY>, checked by loadInboxSources).
+func isOtherEnv(name string) bool {
+	return name == configFileEnv || strings.HasPrefix(name, inboxSourcesEnvPrefix)
 }
 
 // checkFileKeys rejects keys the worker does not know, so a typo in the YAML

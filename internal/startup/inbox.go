@@ -22,6 +22,10 @@ import (
 // inboxSourcesKey is the YAML-only list of inbox sources.
 const inboxSourcesKey = "inbox.sources"
 
+// inboxSourcesEnvPrefix starts the variables of one source's keys,
+// APP_INBOX_SOURCES_<NAME>_<KEY>.
+const inboxSourcesEnvPrefix = "APP_INBOX_SOURCES_"
+
 // sourceKinds builds an inbox source of each kind, without connecting:
 // NewRunner's sources connect when they run.
 var sourceKinds = map[string]func(src inbox.SourceConfig, cfg inbox.Config, log *slog.Logger, instance string) (inbox.Source, error){
@@ -59,7 +63,7 @@ func loadInboxSources(k *koanf.Koanf, environ []string) ([]inbox.SourceConfig, e
 		if err := decodeInto(entry, &s); err != nil {
 			return nil, configErrorf("%s[%d]: %w", inboxSourcesKey, i, err)
 		}
-		prefix := "APP_INBOX_SOURCES_" + strings.ToUpper(strings.ReplaceAll(s.Name, "-", "_")) + "_"
+		prefix := inboxSourcesEnvPrefix + strings.ToUpper(strings.ReplaceAll(s.Name, "-", "_")) + "_"
 		over := map[string]any{}
 		for _, kv := range environ {
 			name, v, _ := strings.Cut(kv, "=")
