@@ -344,46 +344,13 @@ func checkFileKeys(fk *koanf.Koanf, defaults map[string]any, path string, lines 
 	if errors.As(checkTaskKeys(fk, path), &taskErr) {
 		errs = append(errs, errors.New(taskErr.Msg)) // without a second "invalid configuration:"
 	}
-	errs = append(errs, checkJobKeys(fk.Get("jobs"), lines)...)
+	errs = append(errs, checkListEntries("jobs", fk.Get("jobs"), reflect.TypeFor[jobs.Definition](), lines)...)
+	errs = append(errs, checkListEntries("tasks.kinds", fk.Get("tasks.kinds"), reflect.TypeFor[tasks.Kind](), lines)...)
+	errs = append(errs, checkListEntries(inboxSourcesKey, fk.Get(inboxSourcesKey), reflect.TypeFor[inbox.SourceConfig](), lines)...)
 	if len(errs) > 0 {
 		return configErrorf("%w", errors.Join(errs...))
 	}
 	return nil
-}
-
-// checkJobKeys returns a problem for each unknown key and each unitless
-// duration in the jobs list, every job's.
-func checkJobKeys(raw any, lines lineFinder) []error {
-	if raw == nil {
-		return nil
-	}
-	list, ok := raw.([]any)
-	if !ok {
-		return []error{fmt.Errorf("%s: jobs must be a list of job entries", lines.at("jobs"))}
-	}
-	var errs []error
-	allowed := tagNames(reflect.TypeFor[jobs.Definition]())
-	for i, item := range list {
-		m, ok := item.(map[string]any)
-		if !ok {
-			errs = append(errs, fmt.Errorf("%s: jobs[%d] must be a mapping with name, kind, delay, ...", lines.at("jobs", strconv.Itoa(i)), i))
-			continue
-		}
-		for _, key := range slices.Sorted(maps.Keys(m)) {
-			where := lines.at("jobs", strconv.Itoa(i), key)
-			if !slices.Contains(allowed, key) {
-				errs = append(errs, fmt.Errorf("%s: jobs[%d] %q: unknown key %q%s; allowed: %s",
-					where, i, fmt.Sprint(m["name"]), key, didYouMean(key, allowed), strings.Join(allowed, ", ")))
-				continue
-			}
-			if slices.Contains([]string{"delay", "initial_delay", "timeout", "lease_ttl"}, key) {
-				if err := checkUnitless(m[key]); err != nil {
-					errs = append(errs, fmt.Errorf("%s: jobs[%d] %q: %s %v %v", where, i, fmt.Sprint(m["name"]), key, m[key], err))
-				}
-			}
-		}
-	}
-	return errs
 }
 
 func tagNames(t reflect.Type) []string {
@@ -409,15 +376,15 @@ func checkType(s setting, v any, source string) error {
 	switch s.Default.(type) {
 	case time.Duration:
 		if _, err := time.ParseDuration(str); err != nil {
-			return configErrorf("%s=%q is not a duration; want a number with a unit, such as 3s, 500ms or 5m", source, str)
+			return configErrorf("%s=%q %s", source, str, wantDuration)
 		}
 	case int:
 		if _, err := strconv.Atoi(str); err != nil {
-			return configErrorf("%s=%q is not a whole number", source, str)
+			return configErrorf("%s=%q %s", source, str, wantWholeNumber)
 		}
 	case bool:
 		if _, err := strconv.ParseBool(str); err != nil {
-			return configErrorf("%s=%q is not a boolean; want true or false", source, str)
+			return configErrorf("%s=%q %s", source, str, wantBoolean)
 		}
 	}
 	return nil
@@ -429,7 +396,7 @@ func checkUnitless(v any) error {
 	switch v.(type) {
 	case int, int64, uint64, float64:
 		if !reflect.ValueOf(v).IsZero() {
-			return errors.New("is not a duration; want a number with a unit, such as 3s, 500ms or 5m")
+			return errors.New(wantDuration)
 		}
 	}
 	return nil

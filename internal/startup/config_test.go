@@ -276,6 +276,82 @@ func TestYAMLDurationWithoutUnitIsRejected(t *testing.T) {
 	}
 }
 
+// A bad field of a list entry (jobs, tasks.kinds, inbox.sources, and an
+// inbox source's variable) is reported as a bad top-level key is: where it
+// is (file and line, or the variable), the value, and the form allowed;
+// never the decoder's own "'jobs[0].delay' time: invalid duration".
+func TestListEntryErrorsNameKeyLineValueAndForm(t *testing.T) {
+	t.Parallel()
+	cases := []struct {
+		name, yaml string
+		env        []string
+		want       []string
+	}{
+		{"jobs", `jobs:
+  - name: a
+    kind: sql
+    sql: SELECT 1
+    delay: "five"
+  - {name: b, kind: http, url: "https://h/x", delay: 1s, enabled: perhaps, headers: [1], timeout: 30}
+`, nil, []string{
+			`:5: jobs[0] "a": delay="five" ` + wantDuration,
+			`:6: jobs[1] "b": enabled="perhaps" ` + wantBoolean,
+			`:6: jobs[1] "b": headers=[...] ` + wantPairs,
+			`:6: jobs[1] "b": timeout=30 ` + wantDuration,
+		}},
+		{"tasks.kinds", `tasks:
+  kinds:
+    - name: k
+      type: sql
+      sql: SELECT 1
+      timeout: soon
+      max_attempts: many
+    - {name: h, type: http, url: "https://h/x", timeuot: 1s}
+`, nil, []string{
+			`:6: tasks.kinds[0] "k": timeout="soon" ` + wantDuration,
+			`:7: tasks.kinds[0] "k": max_attempts="many" ` + wantWholeNumber,
+			`:8: tasks.kinds[1] "h": unknown key "timeuot" (did you mean timeout?); allowed: name, type, queue`,
+		}},
+		{"inbox.sources", `inbox:
+  sources:
+    - name: orders
+      kind: nats
+      nats:
+        url: "nats://127.0.0.1:4222"
+        ack_wait: long
+        create_consumer: maybe
+        password: {a: b}
+      key: [x]
+`, nil, []string{
+			`:7: inbox.sources[0] "orders": nats.ack_wait="long" ` + wantDuration,
+			`:8: inbox.sources[0] "orders": nats.create_consumer="maybe" ` + wantBoolean,
+			`:9: inbox.sources[0] "orders": nats.password={...} ` + wantText,
+			`:10: inbox.sources[0] "orders": key=[...] ` + wantText,
+		}},
+		{"an inbox source's variable", `inbox:
+  sources:
+    - {name: orders, kind: nats, nats: {url: "nats://127.0.0.1:4222"}}
+`, []string{"APP_INBOX_SOURCES_ORDERS_NATS_MAX_ACK_PENDING=lots"}, []string{
+			`APP_INBOX_SOURCES_ORDERS_NATS_MAX_ACK_PENDING="lots" ` + wantWholeNumber,
+		}},
+	}
+	for _, c := range cases {
+		_, err := LoadConfig(writeFile(t, c.yaml), c.env)
+		if ExitCode(err) != ExitConfig {
+			t.Errorf("%s: %v (exit %d), want exit 78", c.name, err, ExitCode(err))
+			continue
+		}
+		for _, w := range c.want {
+			if !strings.Contains(err.Error(), w) {
+				t.Errorf("%s: want %q in:\n%v", c.name, w, err)
+			}
+		}
+		if strings.Contains(err.Error(), "decoding failed") || strings.Contains(err.Error(), "'") && strings.Contains(err.Error(), "cannot parse") {
+			t.Errorf("%s: the decoder's own error reached the operator:\n%v", c.name, err)
+		}
+	}
+}
+
 // A job's own lease_ttl must be at least 1s ("it is renewed every ttl/3");
 // the global default every other job inherits had no such floor.
 func TestTinyLeaseTTLIsRejected(t *testing.T) {

@@ -81,6 +81,11 @@ func loadInboxSources(k *koanf.Koanf, environ []string) ([]inbox.SourceConfig, e
 			if key == "" {
 				return nil, configErrorf("%s is not a key of inbox source %q", name, s.Name)
 			}
+			if f, ok := fieldByKey(reflect.TypeFor[inbox.SourceConfig](), key); ok {
+				if problem := valueProblem(f.Type, v); problem != "" {
+					return nil, configErrorf("%s=%s %s", name, shownValue(f, v), problem)
+				}
+			}
 			setPath(over, strings.Split(key, "."), v)
 		}
 		if len(over) > 0 {

@@ -127,7 +127,7 @@ func TestConfigErrorsNameEveryBadJobAndTheRightLine(t *testing.T) {
   - {name: a, kind: sql, sql: SELECT 1, dealy: 1s}
   - {name: b, kind: sql, sql: SELECT 1, delay: 1s, timeuot: 1s}
   - {name: c, kind: sql, sql: SELECT 1, delay: 10}
-`, []string{`:2: jobs[0] \"a\": unknown key \"dealy\"`, `:3: jobs[1] \"b\": unknown key \"timeuot\"`, `:4: jobs[2] \"c\": delay 10 is not a duration`}},
+`, []string{`:2: jobs[0] \"a\": unknown key \"dealy\"`, `:3: jobs[1] \"b\": unknown key \"timeuot\"`, `:4: jobs[2] \"c\": delay=10 is not a duration`}},
 		{"bad values", `jobs:
   - {name: a, kind: sql, sql: SELECT 1}
   - {name: b, kind: http, delay: 1s}
