@@ -36,3 +36,17 @@ func TestMisspeltSinkSettingStopsTheStart(t *testing.T) {
 		})
 	}
 }
+
+// With no APP_DATABASE_URL the worker uses a database of its own, worker,
+// as scripts/worker does, and never the maintenance database postgres,
+// which would receive the worker's and River's tables.
+func TestDefaultDatabaseIsWorker(t *testing.T) {
+	t.Parallel()
+	code, stdout, stderr := runCLI(t, []string{writeConfig(t, "{}\n")}, "config", "print")
+	if code != 0 {
+		t.Fatalf("exit %d\n%s", code, stderr)
+	}
+	if !strings.Contains(stdout, "  url: postgres://xxxxx@127.0.0.1:5432/worker?xxxxx\n") {
+		t.Errorf("the default database.url should name the database worker:\n%s", stdout)
+	}
+}
