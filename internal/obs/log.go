@@ -5,36 +5,25 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
-	"net/url"
 	"regexp"
+	"slices"
 	"strings"
 )
 
-// NewLogger builds the process logger. Every line carries instance_id, and
-// every string value passes through Mask, so a DSN password or a registered
-// secret cannot reach the output even if a caller logs it by mistake.
+// NewLogger builds the process logger. Every line carries instance_id.
+// Secrets are masked by where they sit, never by what they spell (see
+// maskAttr): a URL's user information and query string, a key=value DSN's
+// user and password, and the whole value of an attribute whose key names a
+// secret. Free text is never searched for a secret's value: that garbled
+// every word containing a short password ("exiting" with the password x)
+// and told whoever read the log which words the password equals.
 // Durations read as Go's duration strings (see DurationText).
-func NewLogger(w io.Writer, format, level, instanceID string, secrets ...string) (*slog.Logger, error) {
+func NewLogger(w io.Writer, format, level, instanceID string) (*slog.Logger, error) {
 	var lv slog.Level
 	if err := lv.UnmarshalText([]byte(level)); err != nil {
 		return nil, fmt.Errorf("log level %q: want debug, info, warn or error", level)
 	}
-	m := NewMasker(secrets...)
-	opts := &slog.HandlerOptions{Level: lv, ReplaceAttr: func(groups []string, a slog.Attr) slog.Attr {
-		switch a.Value.Kind() {
-		case slog.KindDuration:
-			a = DurationText(groups, a)
-		case slog.KindString:
-			a.Value = slog.StringValue(m.Mask(a.Value.String()))
-		case slog.KindAny:
-			if err, ok := a.Value.Any().(error); ok {
-				a.Value = slog.StringValue(m.Mask(err.Error()))
-			} else if s, ok := a.Value.Any().(fmt.Stringer); ok {
-				a.Value = slog.StringValue(m.Mask(s.String()))
-			}
-		}
-		return a
-	}}
+	opts := &slog.HandlerOptions{Level: lv, ReplaceAttr: maskAttr}
 	var h slog.Handler
 	switch format {
 	case "json":
@@ -53,6 +42,74 @@ func NewLogger(w io.Writer, format, level, instanceID string, secrets ...string)
 	return log.With("instance_id", instanceID), nil
 }
 
+// maskAttr is the logger's ReplaceAttr. A text value (a string, an
+// error's message, a Stringer's text) keeps its words and loses the
+// credentials of every URL and key=value DSN in it (MaskDSN). An attribute
+// whose key names a secret (IsSecretKey) is masked whole, whatever it
+// holds, unless it is a number: a lease's fencing token is logged as
+// "token" and is no secret.
+func maskAttr(groups []string, a slog.Attr) slog.Attr {
+	v := a.Value
+	if v.Kind() == slog.KindDuration {
+		return DurationText(groups, a)
+	}
+	if IsSecretKey(a.Key) {
+		switch v.Kind() {
+		case slog.KindInt64, slog.KindUint64, slog.KindFloat64, slog.KindBool:
+			return a
+		}
+		if v.Kind() == slog.KindString && v.String() == "" {
+			return a // nothing to hide, and "set or not" helps debugging
+		}
+		a.Value = slog.StringValue(Masked)
+		return a
+	}
+	switch v.Kind() {
+	case slog.KindString:
+		a.Value = slog.StringValue(MaskDSN(v.String()))
+	case slog.KindAny:
+		if err, ok := v.Any().(error); ok {
+			a.Value = slog.StringValue(MaskDSN(err.Error()))
+		} else if s, ok := v.Any().(fmt.Stringer); ok {
+			a.Value = slog.StringValue(MaskDSN(s.String()))
+		}
+	}
+	return a
+}
+
+// Masked is what a masked secret reads as.
+const Masked = "xxxxx"
+
+// secretKeys are attribute keys (and configuration key names) whose value
+// is a secret; IsSecretKey also takes any key ending in one of
+// secretSuffixes.
+var (
+	secretKeys = []string{
+		"password", "passwd", "pwd", "passphrase", "secret", "token", "api_key", "apikey",
+		"authorization", "proxy_authorization", "cookie", "set_cookie", "credentials", "private_key",
+		"seed", "nkey_seed", "jwt",
+	}
+	secretSuffixes = []string{"_password", "_secret", "_token", "_api_key", "_apikey", "_private_key"}
+)
+
+// IsSecretKey reports whether a log attribute or configuration key names
+// a secret: password, token, secret, api_key, ... or a key ending in
+// _password, _secret, _token and the like (sasl_password,
+// webhook_secret). Only the last part of a dotted key counts, compared
+// without case, with "-" read as "_".
+func IsSecretKey(key string) bool {
+	key = strings.ToLower(strings.ReplaceAll(key[strings.LastIndex(key, ".")+1:], "-", "_"))
+	if slices.Contains(secretKeys, key) {
+		return true
+	}
+	for _, s := range secretSuffixes {
+		if strings.HasSuffix(key, s) {
+			return true
+		}
+	}
+	return false
+}
+
 // DurationText is a ReplaceAttr that writes a duration as Go's duration
 // string ("5s", "168h0m0s"). The JSON handler writes integer nanoseconds
 // (5000000000), which a reader takes for seconds or milliseconds, and which
@@ -67,31 +124,8 @@ func DurationText(_ []string, a slog.Attr) slog.Attr {
 	return a
 }
 
-// Masker removes secrets from text: the user information and query string
-// of URLs, the user and password of key=value DSNs, and any literal secret
-// it was given.
-type Masker struct{ literals []string }
-
-// NewMasker returns a Masker that also hides the given literal secrets.
-// Empty strings are ignored.
-func NewMasker(secrets ...string) *Masker {
-	m := &Masker{}
-	for _, s := range secrets {
-		if s != "" {
-			m.literals = append(m.literals, s)
-		}
-		// A DSN's password is a secret too, in whatever text it shows up.
-		if u, err := url.Parse(s); err == nil && u.User != nil {
-			if p, ok := u.User.Password(); ok && p != "" {
-				m.literals = append(m.literals, p, url.QueryEscape(p))
-			}
-		}
-	}
-	return m
-}
-
-// A URL inside text ends at white space, a quote, an angle bracket or a
-// backslash (an escaped quote).
+// Credentials by their place in text. A URL inside text ends at white
+// space, a quote, an angle bracket or a backslash (an escaped quote).
 var (
 	// Everything between "scheme://" and the last "@" before the host: a
 	// user name alone may be a token (https://TOKEN@host), so the whole
@@ -105,22 +139,16 @@ var (
 	kvSecret = regexp.MustCompile(`(?i)(\b(?:password|user)\s*=\s*)('[^']*'|[^\s&'\x60]+)`)
 )
 
-// Mask returns s with every secret replaced by "xxxxx": a URL keeps its
-// scheme, host, port and path (postgres://xxxxx@db:5432/app?xxxxx).
-func (m *Masker) Mask(s string) string {
-	s = urlUserInfo.ReplaceAllString(s, "${1}xxxxx@")
-	s = urlQuery.ReplaceAllString(s, "${1}?xxxxx")
-	s = kvSecret.ReplaceAllString(s, "${1}xxxxx")
-	for _, lit := range m.literals {
-		s = strings.ReplaceAll(s, lit, "xxxxx")
-	}
-	return s
+// MaskDSN hides, by their place in s, the credentials of every URL in s (a
+// database URL, a webhook URL, an error that quotes one): its user
+// information and query string, so postgres://app:pw@db:5432/app?sslmode=x
+// reads postgres://xxxxx@db:5432/app?xxxxx. It also hides the user and
+// password of a key=value DSN. Every other word of s is left as it is.
+func MaskDSN(s string) string {
+	s = urlUserInfo.ReplaceAllString(s, "${1}"+Masked+"@")
+	s = urlQuery.ReplaceAllString(s, "${1}?"+Masked)
+	return kvSecret.ReplaceAllString(s, "${1}"+Masked)
 }
-
-// MaskDSN hides the user information and query string of every URL in s
-// (a database URL, a webhook URL, an error that quotes one) and the user
-// and password of a key=value DSN.
-func MaskDSN(s string) string { return NewMasker().Mask(s) }
 
 type ctxKey struct{}
 

@@ -120,17 +120,7 @@ func (e *cmdEnv) fatalLogger() *slog.Logger {
 	if e.log != nil {
 		return e.log
 	}
-	env := map[string]string{}
-	for _, kv := range e.Environ {
-		name, v, _ := strings.Cut(kv, "=")
-		env[name] = v
-	}
-	sinks := outbox.Config{}
-	sinks.Webhook.Secret = env["APP_OUTBOX_WEBHOOK_SECRET"]
-	sinks.NATS.URL, sinks.NATS.Password, sinks.NATS.Token = env["APP_OUTBOX_NATS_URL"], env["APP_OUTBOX_NATS_PASSWORD"], env["APP_OUTBOX_NATS_TOKEN"]
-	sinks.RabbitMQ.URL, sinks.Kafka.SASLPassword = env["APP_OUTBOX_RABBITMQ_URL"], env["APP_OUTBOX_KAFKA_SASL_PASSWORD"]
-	log, err := obs.NewLogger(e.Stderr, earlyLogFormat(e.ConfigPath, e.Environ), "info", earlyInstanceID(e.ConfigPath, e.Environ),
-		logSecrets(env["APP_DATABASE_URL"], append(sinkSecrets(sinks), env["APP_UI_PASSWORD"], redisPassword(env["APP_LOCK_REDIS_URL"]))...)...)
+	log, err := obs.NewLogger(e.Stderr, earlyLogFormat(e.ConfigPath, e.Environ), "info", earlyInstanceID(e.ConfigPath, e.Environ))
 	if err != nil {
 		panic(err) // earlyLogFormat returns only formats NewLogger knows
 	}

@@ -76,9 +76,9 @@ type Config struct {
 	instanceIDDerived bool
 	// ext is what an embedding program adds (jobs, task kinds, sinks).
 	ext Extensions
-	// misspeltEnv names APP_* variables that are no setting but nearly
-	// one: the logger warns about each, since the setting meant was not
-	// applied.
+	// misspeltEnv names APP_* variables that are no setting and more than
+	// maxTypoEdits from every one, yet like one (didYouMean): the logger
+	// warns about each, since the setting meant, if any, was not applied.
 	misspeltEnv []string
 }
 
@@ -91,6 +91,12 @@ func (c *Config) checkUI() error {
 	}
 	return nil
 }
+
+// DefaultDatabaseURL is database.url when neither the file nor
+// APP_DATABASE_URL sets it: a database of the worker's own, named worker as
+// scripts/worker creates it, never the server's maintenance database
+// postgres, which would receive the worker's and River's tables.
+const DefaultDatabaseURL = "postgres://postgres@127.0.0.1:5432/worker?sslmode=disable"
 
 // Lock providers.
 const (
@@ -111,7 +117,7 @@ func (s setting) Env() string { return "APP_" + strings.ToUpper(strings.ReplaceA
 
 func settings() []setting {
 	all := []setting{
-		{"database.url", "postgres://postgres@127.0.0.1:5432/postgres?sslmode=disable"},
+		{"database.url", DefaultDatabaseURL},
 		{"database.migrate_on_start", true},
 		{"database.connect_timeout", 30 * time.Second},
 		{"database.max_conns", 10},
@@ -230,18 +236,17 @@ func readConfig(path string, environ []string, ext Extensions, level checks) (*C
 	}
 
 	fromEnv := map[string]string{} // key -> env var, to name the source in errors
-	var misspelt []string
-	envNames := slices.Sorted(maps.Keys(envToKey))
+	var misspelt, typos []string
+	envNames := append(slices.Sorted(maps.Keys(envToKey)), configFileEnv)
 	err := k.Load(kenv.Provider(".", kenv.Opt{
 		Prefix:      "APP_",
 		EnvironFunc: func() []string { return environ },
 		TransformFunc: func(name, v string) (string, any) {
 			key, ok := envToKey[name]
 			if !ok {
-				// APP_CONFIG_FILE, or a variable of something else (Kubernetes
-				// sets APP_SERVICE_HOST for a Service named app): not an error.
-				// One that nearly names a setting is most likely a typo.
-				if hint := didYouMean(name, envNames); hint != "" && name != "APP_CONFIG_FILE" {
+				if typo := misspeltSetting(name, envNames); typo != "" {
+					typos = append(typos, typo)
+				} else if hint := didYouMean(name, envNames); hint != "" && !isOtherEnv(name) {
 					misspelt = append(misspelt, name+" is not a setting and is ignored"+hint)
 				}
 				return "", nil
@@ -252,6 +257,10 @@ func readConfig(path string, environ []string, ext Extensions, level checks) (*C
 	}), nil)
 	if err != nil {
 		return nil, err
+	}
+	if len(typos) > 0 {
+		slices.Sort(typos)
+		return nil, configErrorf("%s", strings.Join(typos, "\n"))
 	}
 
 	source := func(key string) string {
@@ -295,6 +304,47 @@ func readConfig(path string, environ []string, ext Extensions, level checks) (*C
 	return &cfg, nil
 }
 
+// configFileEnv names the configuration file (--config); it is read
+// before the settings, so it is no key of the table.
+const configFileEnv = "APP_CONFIG_FILE"
+
+// maxTypoEdits is how near (insertions, deletions, substitutions, swaps of
+// neighbours) an unknown APP_* variable must be to a setting's variable to
+// be taken for its misspelling. The settings' own variables are further
+// apart than that (TestSettingsAreFarApart), so a real variable is never
+// taken for another's typo.
+const maxTypoEdits = 2
+
+// misspeltSetting returns why name stops the start when it is an unknown
+// APP_* variable within maxTypoEdits of a setting's variable, "" when it is
+// not. Such a variable is most likely that setting misspelt, and running
+// without it would leave the setting meant at its value from the file or
+// its default: APP_OUTBOX_SINKK=webhook ran the log sink and marked every
+// event published.
+func misspeltSetting(name string, settings []string) string {
+	if isOtherEnv(name) {
+		return ""
+	}
+	best, bestDist := "", maxTypoEdits+1
+	for _, s := range settings {
+		if d := editDistance(name, s); d < bestDist {
+			best, bestDist = s, d
+		}
+	}
+	if best == "" {
+		return ""
+	}
+	return fmt.Sprintf("%s is not a setting (did you mean %s?); a variable within %d edits of a setting's name stops the start, since the setting meant would not apply: correct the name or unset it",
+		name, best, maxTypoEdits)
+}
+
+// isOtherEnv is true for APP_* variables the settings table does not name
+// but the worker reads: the file's name, and an inbox source's own keys
+// (APP_INBOX_SOURCES_<NAME>_<KEY>, checked by loadInboxSources).
+func isOtherEnv(name string) bool {
+	return name == configFileEnv || strings.HasPrefix(name, inboxSourcesEnvPrefix)
+}
+
 // checkFileKeys rejects keys the worker does not know, so a typo in the YAML
 // file is an error instead of a silently ignored setting. The message names
 // the line and the nearest known key, and lists every such key, so that a
@@ -315,46 +365,13 @@ func checkFileKeys(fk *koanf.Koanf, defaults map[string]any, path string, lines 
 	if errors.As(checkTaskKeys(fk, path), &taskErr) {
 		errs = append(errs, errors.New(taskErr.Msg)) // without a second "invalid configuration:"
 	}
-	errs = append(errs, checkJobKeys(fk.Get("jobs"), lines)...)
+	errs = append(errs, checkListEntries("jobs", fk.Get("jobs"), reflect.TypeFor[jobs.Definition](), lines)...)
+	errs = append(errs, checkListEntries("tasks.kinds", fk.Get("tasks.kinds"), reflect.TypeFor[tasks.Kind](), lines)...)
+	errs = append(errs, checkListEntries(inboxSourcesKey, fk.Get(inboxSourcesKey), reflect.TypeFor[inbox.SourceConfig](), lines)...)
 	if len(errs) > 0 {
 		return configErrorf("%w", errors.Join(errs...))
 	}
 	return nil
-}
-
-// checkJobKeys returns a problem for each unknown key and each unitless
-// duration in the jobs list, every job's.
-func checkJobKeys(raw any, lines lineFinder) []error {
-	if raw == nil {
-		return nil
-	}
-	list, ok := raw.([]any)
-	if !ok {
-		return []error{fmt.Errorf("%s: jobs must be a list of job entries", lines.at("jobs"))}
-	}
-	var errs []error
-	allowed := tagNames(reflect.TypeFor[jobs.Definition]())
-	for i, item := range list {
-		m, ok := item.(map[string]any)
-		if !ok {
-			errs = append(errs, fmt.Errorf("%s: jobs[%d] must be a mapping with name, kind, delay, ...", lines.at("jobs", strconv.Itoa(i)), i))
-			continue
-		}
-		for _, key := range slices.Sorted(maps.Keys(m)) {
-			where := lines.at("jobs", strconv.Itoa(i), key)
-			if !slices.Contains(allowed, key) {
-				errs = append(errs, fmt.Errorf("%s: jobs[%d] %q: unknown key %q%s; allowed: %s",
-					where, i, fmt.Sprint(m["name"]), key, didYouMean(key, allowed), strings.Join(allowed, ", ")))
-				continue
-			}
-			if slices.Contains([]string{"delay", "initial_delay", "timeout", "lease_ttl"}, key) {
-				if err := checkUnitless(m[key]); err != nil {
-					errs = append(errs, fmt.Errorf("%s: jobs[%d] %q: %s %v %v", where, i, fmt.Sprint(m["name"]), key, m[key], err))
-				}
-			}
-		}
-	}
-	return errs
 }
 
 func tagNames(t reflect.Type) []string {
@@ -380,15 +397,15 @@ func checkType(s setting, v any, source string) error {
 	switch s.Default.(type) {
 	case time.Duration:
 		if _, err := time.ParseDuration(str); err != nil {
-			return configErrorf("%s=%q is not a duration; want a number with a unit, such as 3s, 500ms or 5m", source, str)
+			return configErrorf("%s=%q %s", source, str, wantDuration)
 		}
 	case int:
 		if _, err := strconv.Atoi(str); err != nil {
-			return configErrorf("%s=%q is not a whole number", source, str)
+			return configErrorf("%s=%q %s", source, str, wantWholeNumber)
 		}
 	case bool:
 		if _, err := strconv.ParseBool(str); err != nil {
-			return configErrorf("%s=%q is not a boolean; want true or false", source, str)
+			return configErrorf("%s=%q %s", source, str, wantBoolean)
 		}
 	}
 	return nil
@@ -400,7 +417,7 @@ func checkUnitless(v any) error {
 	switch v.(type) {
 	case int, int64, uint64, float64:
 		if !reflect.ValueOf(v).IsZero() {
-			return errors.New("is not a duration; want a number with a unit, such as 3s, 500ms or 5m")
+			return errors.New(wantDuration)
 		}
 	}
 	return nil

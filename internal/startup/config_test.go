@@ -33,7 +33,7 @@ func TestDefaults(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if cfg.Database.URL != "postgres://postgres@127.0.0.1:5432/postgres?sslmode=disable" ||
+	if cfg.Database.URL != "postgres://postgres@127.0.0.1:5432/worker?sslmode=disable" ||
 		cfg.MultiInstance.Enabled || cfg.Lock.Provider != ProviderInProcess ||
 		cfg.Lock.WaitTime != 100*time.Millisecond || cfg.Lock.LeaseTTL != 30*time.Second ||
 		cfg.HTTP.Addr != ":9090" || cfg.Shutdown.Timeout != 20*time.Second ||
@@ -128,7 +128,7 @@ func TestMissingConfigFile(t *testing.T) {
 func TestPrintConfigMasksSecrets(t *testing.T) {
 	cfg, err := LoadConfig(writeFile(t, "{}"), []string{
 		"APP_DATABASE_URL=postgres://app-user:s3cr3t-pw@db:5432/app?application_name=billing",
-		"APP_OUTBOX_WEBHOOK_SECRET=whsec_c2VjcmV0LXNpZ25pbmcta2V5",
+		"APP_OUTBOX_SINK=webhook", "APP_OUTBOX_WEBHOOK_SECRET=whsec_c2VjcmV0LXNpZ25pbmcta2V5",
 		"APP_OUTBOX_WEBHOOK_URL=https://example.test/hook",
 		"APP_LOCK_PROVIDER=redis", "APP_LOCK_REDIS_URL=rediss://lease-user:r3d1s-pw@cache:6380/2",
 	})
@@ -234,7 +234,7 @@ jobs:
     url: https://user-token@billing.internal/hook
     headers:
       Authorization: Bearer header-token
-`), []string{"APP_OUTBOX_WEBHOOK_URL=https://hook:hook-pass@example.test/hook?sig=hook-query"})
+`), []string{"APP_OUTBOX_SINK=webhook", "APP_OUTBOX_WEBHOOK_URL=https://hook:hook-pass@example.test/hook?sig=hook-query"})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -273,6 +273,82 @@ func TestYAMLDurationWithoutUnitIsRejected(t *testing.T) {
 				t.Fatalf("exit %d for %v", ExitCode(err), err)
 			}
 		})
+	}
+}
+
+// A bad field of a list entry (jobs, tasks.kinds, inbox.sources, and an
+// inbox source's variable) is reported as a bad top-level key is: where it
+// is (file and line, or the variable), the value, and the form allowed;
+// never the decoder's own "'jobs[0].delay' time: invalid duration".
+func TestListEntryErrorsNameKeyLineValueAndForm(t *testing.T) {
+	t.Parallel()
+	cases := []struct {
+		name, yaml string
+		env        []string
+		want       []string
+	}{
+		{"jobs", `jobs:
+  - name: a
+    kind: sql
+    sql: SELECT 1
+    delay: "five"
+  - {name: b, kind: http, url: "https://h/x", delay: 1s, enabled: perhaps, headers: [1], timeout: 30}
+`, nil, []string{
+			`:5: jobs[0] "a": delay="five" ` + wantDuration,
+			`:6: jobs[1] "b": enabled="perhaps" ` + wantBoolean,
+			`:6: jobs[1] "b": headers=[...] ` + wantPairs,
+			`:6: jobs[1] "b": timeout=30 ` + wantDuration,
+		}},
+		{"tasks.kinds", `tasks:
+  kinds:
+    - name: k
+      type: sql
+      sql: SELECT 1
+      timeout: soon
+      max_attempts: many
+    - {name: h, type: http, url: "https://h/x", timeuot: 1s}
+`, nil, []string{
+			`:6: tasks.kinds[0] "k": timeout="soon" ` + wantDuration,
+			`:7: tasks.kinds[0] "k": max_attempts="many" ` + wantWholeNumber,
+			`:8: tasks.kinds[1] "h": unknown key "timeuot" (did you mean timeout?); allowed: name, type, queue`,
+		}},
+		{"inbox.sources", `inbox:
+  sources:
+    - name: orders
+      kind: nats
+      nats:
+        url: "nats://127.0.0.1:4222"
+        ack_wait: long
+        create_consumer: maybe
+        password: {a: b}
+      key: [x]
+`, nil, []string{
+			`:7: inbox.sources[0] "orders": nats.ack_wait="long" ` + wantDuration,
+			`:8: inbox.sources[0] "orders": nats.create_consumer="maybe" ` + wantBoolean,
+			`:9: inbox.sources[0] "orders": nats.password={...} ` + wantText,
+			`:10: inbox.sources[0] "orders": key=[...] ` + wantText,
+		}},
+		{"an inbox source's variable", `inbox:
+  sources:
+    - {name: orders, kind: nats, nats: {url: "nats://127.0.0.1:4222"}}
+`, []string{"APP_INBOX_SOURCES_ORDERS_NATS_MAX_ACK_PENDING=lots"}, []string{
+			`APP_INBOX_SOURCES_ORDERS_NATS_MAX_ACK_PENDING="lots" ` + wantWholeNumber,
+		}},
+	}
+	for _, c := range cases {
+		_, err := LoadConfig(writeFile(t, c.yaml), c.env)
+		if ExitCode(err) != ExitConfig {
+			t.Errorf("%s: %v (exit %d), want exit 78", c.name, err, ExitCode(err))
+			continue
+		}
+		for _, w := range c.want {
+			if !strings.Contains(err.Error(), w) {
+				t.Errorf("%s: want %q in:\n%v", c.name, w, err)
+			}
+		}
+		if strings.Contains(err.Error(), "decoding failed") || strings.Contains(err.Error(), "'") && strings.Contains(err.Error(), "cannot parse") {
+			t.Errorf("%s: the decoder's own error reached the operator:\n%v", c.name, err)
+		}
 	}
 }
 
@@ -352,12 +428,28 @@ func TestUnknownKeySuggestsNearestKeyAndLine(t *testing.T) {
 	}
 }
 
-// A misspelt APP_* variable is not an error (other software sets APP_
-// variables too) but is not silent either: a warning names the nearest
-// setting. Variables like no setting pass quietly.
-func TestMisspeltEnvironmentVariableIsWarned(t *testing.T) {
+// An APP_* variable within two edits of a setting's is that setting
+// misspelt: it stops the start (exit 78) naming the setting meant, since
+// running without it would leave the setting at its default. One further
+// from every setting is not an error (other software sets APP_ variables
+// too) but is warned about when it still looks like one; others pass
+// quietly.
+func TestMisspeltEnvironmentVariable(t *testing.T) {
 	t.Parallel()
-	cfg, err := LoadConfig("", []string{"APP_LOCK_LEASE_TLL=5s", "APP_SERVICE_HOST=10.0.0.1", "APP_CONFIG_FILE="})
+	for name, want := range map[string]string{
+		"APP_OUTBOX_SINKK=webhook":         "APP_OUTBOX_SINKK is not a setting (did you mean APP_OUTBOX_SINK?)",
+		"APP_LOCK_LEASE_TLL=5s":            "APP_LOCK_LEASE_TLL is not a setting (did you mean APP_LOCK_LEASE_TTL?)",
+		"APP_OUTBOX_BACTH_SZE=10":          "APP_OUTBOX_BACTH_SZE is not a setting (did you mean APP_OUTBOX_BATCH_SIZE?)",
+		"APP_CONFIG_FIEL=/etc/worker.yaml": "APP_CONFIG_FIEL is not a setting (did you mean APP_CONFIG_FILE?)",
+	} {
+		_, err := LoadConfig(writeFile(t, "{}"), []string{name})
+		if ExitCode(err) != ExitConfig || !strings.Contains(err.Error(), want) {
+			t.Errorf("%s: %v (exit %d); want exit 78 saying %q", name, err, ExitCode(err), want)
+		}
+	}
+
+	cfg, err := LoadConfig("", []string{"APP_LOCK_LEASE_TTL_SECONDS=5", "APP_SERVICE_HOST=10.0.0.1", "APP_PORT_9090_TCP_ADDR=10.0.0.1",
+		"APP_CONFIG_FILE=", "APP_INBOX_SOURCES_ORDERS_NATS_PASSWORD=p"})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -368,11 +460,72 @@ func TestMisspeltEnvironmentVariableIsWarned(t *testing.T) {
 	}
 	warnMisspeltEnv(log, cfg)
 	out := buf.String()
-	if !strings.Contains(out, "APP_LOCK_LEASE_TLL is not a setting and is ignored (did you mean APP_LOCK_LEASE_TTL?)") {
-		t.Errorf("no warning for the misspelt variable:\n%s", out)
+	if !strings.Contains(out, "APP_LOCK_LEASE_TTL_SECONDS is not a setting and is ignored (did you mean APP_LOCK_LEASE_TTL?)") {
+		t.Errorf("no warning for the variable like a setting:\n%s", out)
 	}
-	if strings.Contains(out, "APP_SERVICE_HOST") || strings.Contains(out, "APP_CONFIG_FILE") {
-		t.Errorf("warned about a variable that is no typo:\n%s", out)
+	for _, quiet := range []string{"APP_SERVICE_HOST", "APP_PORT_9090", "APP_CONFIG_FILE", "APP_INBOX_SOURCES"} {
+		if strings.Contains(out, quiet) {
+			t.Errorf("warned about %s, which is no typo:\n%s", quiet, out)
+		}
+	}
+}
+
+// The settings' variables are more than maxTypoEdits apart, so a real one
+// is never taken for another's misspelling; a new key that breaks this
+// needs another name.
+func TestSettingsAreFarApart(t *testing.T) {
+	t.Parallel()
+	names := []string{configFileEnv}
+	for _, s := range settings() {
+		names = append(names, s.Env())
+	}
+	for i, a := range names {
+		for _, b := range names[i+1:] {
+			if d := editDistance(a, b); d <= maxTypoEdits {
+				t.Errorf("%s and %s are %d edits apart; a misspelling of one could be the other", a, b, d)
+			}
+		}
+	}
+}
+
+// A sink's settings given while another sink is selected stop the start,
+// naming both: the selected sink would publish, and mark published, the
+// events meant for the other. Defaults written out, as configs/worker.yaml
+// does, are not "given".
+func TestOtherSinksSettingsStopTheStart(t *testing.T) {
+	t.Parallel()
+	cases := []struct {
+		name, yaml string
+		env        []string
+		want       []string
+	}{
+		{"webhook url with the default log sink", "{}", []string{"APP_OUTBOX_WEBHOOK_URL=https://hooks.example/x"},
+			[]string{`APP_OUTBOX_WEBHOOK_URL is set, but outbox.sink="log" (the default): the webhook sink's settings apply only with outbox.sink=webhook`}},
+		{"nats section with sink webhook", "outbox:\n  nats:\n    stream: events\n    publish_timeout: 3s\n",
+			[]string{"APP_OUTBOX_SINK=webhook", "APP_OUTBOX_WEBHOOK_URL=https://hooks.example/x"},
+			[]string{`outbox.nats.stream, outbox.nats.publish_timeout are set, but APP_OUTBOX_SINK="webhook": the nats sink's settings apply only with APP_OUTBOX_SINK=nats`}},
+		{"river routes with sink kafka", "outbox:\n  sink: kafka\n  kafka: {brokers: k1:9092}\n  river:\n    routes: {\"*\": k}\n", nil,
+			[]string{`outbox.river.routes is set, but outbox.sink="kafka": the river sink's settings apply only with outbox.sink=river`}},
+	}
+	for _, c := range cases {
+		_, err := LoadConfig(writeFile(t, c.yaml), c.env)
+		if ExitCode(err) != ExitConfig {
+			t.Errorf("%s: %v (exit %d), want exit 78", c.name, err, ExitCode(err))
+			continue
+		}
+		for _, w := range c.want {
+			if !strings.Contains(err.Error(), w) {
+				t.Errorf("%s: %v\nwant %q", c.name, err, w)
+			}
+		}
+	}
+
+	// Every key at its default, as the commented file lists them.
+	if _, err := LoadConfig("../../configs/worker.yaml", nil); err != nil {
+		t.Errorf("configs/worker.yaml: %v", err)
+	}
+	if _, err := LoadConfig(writeFile(t, "outbox:\n  webhook: {timeout: 10s}\n  nats: {url: nats://127.0.0.1:4222}\n"), nil); err != nil {
+		t.Errorf("defaults written out: %v", err)
 	}
 }
 

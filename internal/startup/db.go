@@ -149,10 +149,19 @@ func permanentDBError(err error, url string) error {
 		return &exitError{code: ExitNoPerm, err: err, msg: fmt.Sprintf("database %s: authentication failed for user %q (APP_DATABASE_URL): %s (SQLSTATE %s)",
 			shown, userOf(url), obs.MaskDSN(pgErr.Message), pgErr.Code)}
 	case pgErr.Code == "3D000":
-		return &exitError{code: ExitNoInput, err: err, msg: fmt.Sprintf("database %s (APP_DATABASE_URL): %s; create it or fix the URL",
-			shown, obs.MaskDSN(pgErr.Message))}
+		return &exitError{code: ExitNoInput, err: err, msg: fmt.Sprintf("database %s (APP_DATABASE_URL): %s; create it (createdb %s) or name another database in APP_DATABASE_URL",
+			shown, obs.MaskDSN(pgErr.Message), databaseOf(url))}
 	}
 	return nil
+}
+
+// databaseOf is the database the URL names, as pgx resolves it.
+func databaseOf(url string) string {
+	c, err := pgconn.ParseConfig(url)
+	if err != nil {
+		return ""
+	}
+	return c.Database
 }
 
 // userOf is the role the URL connects as, as pgx resolves it (a default

@@ -22,6 +22,10 @@ import (
 // inboxSourcesKey is the YAML-only list of inbox sources.
 const inboxSourcesKey = "inbox.sources"
 
+// inboxSourcesEnvPrefix starts the variables of one source's keys,
+// APP_INBOX_SOURCES_<NAME>_<KEY>.
+const inboxSourcesEnvPrefix = "APP_INBOX_SOURCES_"
+
 // sourceKinds builds an inbox source of each kind, without connecting:
 // NewRunner's sources connect when they run. reg takes a source's own
 // metrics; nil when the source is built only to check its section.
@@ -62,7 +66,7 @@ func loadInboxSources(k *koanf.Koanf, environ []string) ([]inbox.SourceConfig, e
 		if err := decodeInto(entry, &s); err != nil {
 			return nil, configErrorf("%s[%d]: %w", inboxSourcesKey, i, err)
 		}
-		prefix := "APP_INBOX_SOURCES_" + strings.ToUpper(strings.ReplaceAll(s.Name, "-", "_")) + "_"
+		prefix := inboxSourcesEnvPrefix + strings.ToUpper(strings.ReplaceAll(s.Name, "-", "_")) + "_"
 		over := map[string]any{}
 		for _, kv := range environ {
 			name, v, _ := strings.Cut(kv, "=")
@@ -79,6 +83,11 @@ func loadInboxSources(k *koanf.Koanf, environ []string) ([]inbox.SourceConfig, e
 			}
 			if key == "" {
 				return nil, configErrorf("%s is not a key of inbox source %q", name, s.Name)
+			}
+			if f, ok := fieldByKey(reflect.TypeFor[inbox.SourceConfig](), key); ok {
+				if problem := valueProblem(f.Type, v); problem != "" {
+					return nil, configErrorf("%s=%s %s", name, shownValue(f, v), problem)
+				}
 			}
 			setPath(over, strings.Split(key, "."), v)
 		}
@@ -175,17 +184,6 @@ func newInbox(cfg *Config, pool *pgxpool.Pool, log *slog.Logger, reg prometheus.
 		parts = append(parts, inbox.Part{Config: s, Source: src, Handler: cfg.inboxHandler(s)})
 	}
 	return inbox.NewRunner(pool, cfg.Inbox, parts, cfg.Instance.ID, log, m), nil
-}
-
-// inboxSecrets are the inbox sources' secrets, masked in every log line.
-func inboxSecrets(c inbox.Config) []string {
-	var secrets []string
-	for _, s := range c.Sources {
-		secrets = append(secrets, s.NATS.Password, s.NATS.Token, s.Kafka.SASLPassword)
-		secrets = append(secrets, strings.Fields(s.Webhook.Secret)...)
-		secrets = append(secrets, urlSecrets(s.NATS.URL+","+s.RabbitMQ.URL)...)
-	}
-	return secrets
 }
 
 func (x Extensions) inboxHandlerNames() []string {

@@ -33,13 +33,13 @@ func checkLogLines(t *testing.T, out string) []map[string]any {
 }
 
 // docs/operations.md: instance_id on every line, the first line is "worker
-// starting", and a misspelt APP_* variable is warned about. Ctrl-C (SIGINT)
+// starting", and an APP_* variable like a setting is warned about. Ctrl-C (SIGINT)
 // stops the worker with exit 0, as SIGTERM does: `go run` exiting 1 after
 // Ctrl-C is go run's own doing (golang/go#40467).
 func TestRunLogsStartupFirstAndEveryLineNamesItsInstance(t *testing.T) {
 	t.Parallel()
 	db := pgtest.New(t)
-	p := startWorker(t, []string{"APP_DATABASE_URL=" + db.URL, "APP_LOCK_LEASE_TLL=5s", "APP_LOG_LEVEL=info"})
+	p := startWorker(t, []string{"APP_DATABASE_URL=" + db.URL, "APP_LOCK_LEASE_TTL_SECONDS=5", "APP_LOG_LEVEL=info"})
 	p.waitReady(t, 15*time.Second)
 	if err := p.cmd.Process.Signal(syscall.SIGINT); err != nil {
 		t.Fatal(err)
@@ -56,8 +56,8 @@ func TestRunLogsStartupFirstAndEveryLineNamesItsInstance(t *testing.T) {
 	if got := lines[0]["db_conns_max"]; got != float64(12) {
 		t.Errorf("worker starting: db_conns_max %v, want 12", got)
 	}
-	if msg, _ := lines[1]["msg"].(string); !strings.Contains(msg, "APP_LOCK_LEASE_TLL is not a setting") || lines[1]["level"] != "WARN" {
-		t.Errorf("second line: %v; want the warning about APP_LOCK_LEASE_TLL", lines[1])
+	if msg, _ := lines[1]["msg"].(string); !strings.Contains(msg, "APP_LOCK_LEASE_TTL_SECONDS is not a setting") || lines[1]["level"] != "WARN" {
+		t.Errorf("second line: %v; want the warning about APP_LOCK_LEASE_TTL_SECONDS", lines[1])
 	}
 }
 
@@ -97,11 +97,11 @@ func TestExitLinesNameTheInstance(t *testing.T) {
 	}
 }
 
-// config print warns about a misspelt variable, as run does, on stderr:
-// stdout stays the YAML.
-func TestConfigPrintWarnsAboutAMisspeltVariable(t *testing.T) {
+// config print warns about a variable like a setting, as run does, on
+// stderr: stdout stays the YAML.
+func TestConfigPrintWarnsAboutAVariableLikeASetting(t *testing.T) {
 	t.Parallel()
-	code, stdout, stderr := runCLI(t, []string{"APP_OUTBOX_BATCH_SIZ=10", writeConfig(t, "{}\n")}, "config", "print")
+	code, stdout, stderr := runCLI(t, []string{"APP_OUTBOX_BATCH_SIZE_MAX=10", writeConfig(t, "{}\n")}, "config", "print")
 	if code != 0 {
 		t.Fatalf("exit %d\n%s", code, stderr)
 	}
@@ -110,7 +110,7 @@ func TestConfigPrintWarnsAboutAMisspeltVariable(t *testing.T) {
 		t.Fatalf("stdout is not the configuration (%v):\n%s", err, stdout)
 	}
 	lines := checkLogLines(t, stderr)
-	if len(lines) != 1 || !strings.Contains(stderr, "APP_OUTBOX_BATCH_SIZ is not a setting and is ignored (did you mean APP_OUTBOX_BATCH_SIZE?)") {
+	if len(lines) != 1 || !strings.Contains(stderr, "APP_OUTBOX_BATCH_SIZE_MAX is not a setting and is ignored (did you mean APP_OUTBOX_BATCH_SIZE?)") {
 		t.Errorf("want the warning on stderr:\n%s", stderr)
 	}
 }
@@ -127,7 +127,7 @@ func TestConfigErrorsNameEveryBadJobAndTheRightLine(t *testing.T) {
   - {name: a, kind: sql, sql: SELECT 1, dealy: 1s}
   - {name: b, kind: sql, sql: SELECT 1, delay: 1s, timeuot: 1s}
   - {name: c, kind: sql, sql: SELECT 1, delay: 10}
-`, []string{`:2: jobs[0] \"a\": unknown key \"dealy\"`, `:3: jobs[1] \"b\": unknown key \"timeuot\"`, `:4: jobs[2] \"c\": delay 10 is not a duration`}},
+`, []string{`:2: jobs[0] \"a\": unknown key \"dealy\"`, `:3: jobs[1] \"b\": unknown key \"timeuot\"`, `:4: jobs[2] \"c\": delay=10 is not a duration`}},
 		{"bad values", `jobs:
   - {name: a, kind: sql, sql: SELECT 1}
   - {name: b, kind: http, delay: 1s}

@@ -70,7 +70,8 @@ var durationType = reflect.TypeFor[time.Duration]()
 
 // printable turns config structs into ordered YAML nodes keyed by their
 // koanf tags. A field tagged secret:"dsn" has its password masked; any
-// other secret-tagged field, or a key named "secret", is hidden whole.
+// other secret-tagged field, or one whose key names a secret
+// (obs.IsSecretKey: password, token, secret, ...), is hidden whole.
 func printable(v reflect.Value, secret string) any {
 	switch {
 	case v.Type() == durationType:
@@ -90,8 +91,8 @@ func printable(v reflect.Value, secret string) any {
 			name := f.Tag.Get("koanf")
 			sec := f.Tag.Get("secret")
 			switch {
-			case name == "secret":
-				sec = "all"
+			case sec == "" && obs.IsSecretKey(name):
+				sec = "all" // a password, token or secret even if untagged
 			case name == "url" && sec == "":
 				sec = "url" // job and webhook URLs: user info and query may carry credentials
 			case name == "headers":

@@ -355,7 +355,7 @@ func TestDatabaseRefusalExitsAtOnce(t *testing.T) {
 		msg       string
 	}{
 		{"unknown role", role.String(), 77, `authentication failed for user \"no_such_role_for_worker\"`},
-		{"unknown database", db.String(), 66, `database \"no_such_database_for_worker\" does not exist`},
+		{"unknown database", db.String(), 66, `database \"no_such_database_for_worker\" does not exist; create it (createdb no_such_database_for_worker)`},
 	}
 	for _, c := range cases { // msg as it appears in the JSON line
 		t.Run(c.name, func(t *testing.T) {

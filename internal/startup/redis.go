@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"net/url"
 	"strings"
 
 	"github.com/redis/go-redis/v9"
@@ -70,15 +69,6 @@ func (c RedisLockConfig) options(instanceID string) (*redis.Options, error) {
 		return r
 	}, instanceID)
 	return o, nil
-}
-
-// redisPassword is the password in a Redis URL, for the logger to hide.
-func redisPassword(raw string) string {
-	if u, err := url.Parse(raw); err == nil && u.User != nil {
-		p, _ := u.User.Password()
-		return p
-	}
-	return ""
 }
 
 // newRedisLocker connects to lock.redis.url, waiting for it like the

@@ -8,7 +8,6 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
-	"net/url"
 	"os"
 	"os/signal"
 	"runtime/debug"
@@ -266,8 +265,7 @@ func shutdownAll(parts []component, budget time.Duration, log *slog.Logger) {
 }
 
 func newLogger(e *cmdEnv, cfg *Config) (*slog.Logger, error) {
-	log, err := obs.NewLogger(e.Stderr, cfg.Log.Format, cfg.Log.Level, cfg.Instance.ID,
-		logSecrets(cfg.Database.URL, append(append(sinkSecrets(cfg.Outbox), inboxSecrets(cfg.Inbox)...), cfg.UI.Password, redisPassword(cfg.Lock.Redis.URL))...)...)
+	log, err := obs.NewLogger(e.Stderr, cfg.Log.Format, cfg.Log.Level, cfg.Instance.ID)
 	if err != nil {
 		return nil, configErrorf("%w", err)
 	}
@@ -281,17 +279,6 @@ func warnMisspeltEnv(log *slog.Logger, cfg *Config) {
 	for _, m := range cfg.misspeltEnv {
 		log.Warn("environment variable " + m)
 	}
-}
-
-// logSecrets are the literal values the logger hides wherever they appear:
-// the database password (from the URL, a key=value DSN or the passfile) and
-// the sinks' secrets. The rest of a database URL stays readable.
-func logSecrets(databaseURL string, others ...string) []string {
-	secrets := others
-	if c, err := pgconn.ParseConfig(databaseURL); err == nil && c.Password != "" {
-		secrets = append(secrets, c.Password, url.QueryEscape(c.Password))
-	}
-	return secrets
 }
 
 // closeBounded closes the pool without letting a stuck connection hold the

@@ -7,7 +7,7 @@ import (
 	"io"
 	"log/slog"
 	"maps"
-	"net/url"
+	"reflect"
 	"slices"
 	"strings"
 	"time"
@@ -130,12 +130,15 @@ var sinkKinds = map[string]sinkKind{
 // publish context's deadline.
 func validateSink(c outbox.Config, ext Extensions) error {
 	if _, ok := ext.Sinks[c.Sink]; ok {
-		return nil
+		return checkIdleSinkSettings(c)
 	}
 	kind, ok := sinkKinds[c.Sink]
 	if !ok {
 		names := slices.Concat(slices.Collect(maps.Keys(sinkKinds)), slices.Collect(maps.Keys(ext.Sinks)))
 		return configErrorf("outbox.sink=%q: want one of %s", c.Sink, strings.Join(slices.Sorted(slices.Values(names)), ", "))
+	}
+	if err := checkIdleSinkSettings(c); err != nil {
+		return err
 	}
 	if err := kind.validate(c); err != nil {
 		var ce *ConfigError
@@ -149,6 +152,61 @@ func validateSink(c outbox.Config, ext Extensions) error {
 			c.InFlightTimeout, c.Sink, t)
 	}
 	return nil
+}
+
+// checkIdleSinkSettings refuses settings of a sink other than the one
+// outbox.sink selects, such as outbox.webhook.url with the log sink: the
+// operator meant that sink, and the selected one would publish, and mark
+// published, every event the intended one never receives. A setting counts
+// as given when it differs from its default, so a file that lists every key
+// with its default (configs/worker.yaml) passes.
+func checkIdleSinkSettings(c outbox.Config) error {
+	def := reflect.ValueOf(outbox.DefaultConfig())
+	got := reflect.ValueOf(c)
+	var msgs []string
+	for i := range got.NumField() {
+		section := got.Type().Field(i).Tag.Get("koanf")
+		if _, isSink := sinkKinds[section]; !isSink || section == c.Sink {
+			continue
+		}
+		set := changedKeys("outbox."+section, got.Field(i), def.Field(i))
+		if len(set) == 0 {
+			continue
+		}
+		verb := "is"
+		if len(set) > 1 {
+			verb = "are"
+		}
+		msgs = append(msgs, fmt.Sprintf("%s %s set, but outbox.sink=%q%s: the %s sink's settings apply only with outbox.sink=%s; select that sink, or leave them at their defaults",
+			strings.Join(set, ", "), verb, c.Sink, defaultNote(c.Sink == outbox.DefaultConfig().Sink), section, section))
+	}
+	if len(msgs) > 0 {
+		return configErrorf("%s", strings.Join(msgs, "\n"))
+	}
+	return nil
+}
+
+func defaultNote(isDefault bool) string {
+	if isDefault {
+		return " (the default)"
+	}
+	return ""
+}
+
+// changedKeys are the keys under prefix whose value in got differs from
+// def, the same struct's defaults.
+func changedKeys(prefix string, got, def reflect.Value) []string {
+	if got.Kind() != reflect.Struct {
+		if reflect.DeepEqual(got.Interface(), def.Interface()) || (got.Kind() == reflect.Map && got.Len() == 0 && def.Len() == 0) {
+			return nil
+		}
+		return []string{prefix}
+	}
+	var keys []string
+	for i := range got.NumField() {
+		keys = append(keys, changedKeys(prefix+"."+got.Type().Field(i).Tag.Get("koanf"), got.Field(i), def.Field(i))...)
+	}
+	return keys
 }
 
 // newSink builds the configured sink (connected, for a broker).
@@ -201,29 +259,6 @@ func brokerError(err error, timeoutKey string, timeout time.Duration) error {
 	default:
 		return &exitError{code: ExitUnavailable, msg: fmt.Sprintf("%v (waited %s=%s, %s)", err, timeoutKey, timeout, setting{Key: timeoutKey}.Env()), err: err}
 	}
-}
-
-// sinkSecrets are the broker credentials the logger must hide: passwords
-// and tokens, also where they sit in a URL.
-func sinkSecrets(c outbox.Config) []string {
-	secrets := []string{c.Webhook.Secret, c.NATS.Password, c.NATS.Token, c.Kafka.SASLPassword}
-	return append(secrets, urlSecrets(c.NATS.URL+","+c.RabbitMQ.URL)...)
-}
-
-// urlSecrets are the passwords (or tokens, nats://token@host) in a
-// comma-separated list of broker URLs.
-func urlSecrets(urls string) []string {
-	var secrets []string
-	for raw := range strings.SplitSeq(urls, ",") {
-		if u, err := url.Parse(strings.TrimSpace(raw)); err == nil && u.User != nil {
-			if p, ok := u.User.Password(); ok {
-				secrets = append(secrets, p)
-			} else {
-				secrets = append(secrets, u.User.Username()) // nats://token@host
-			}
-		}
-	}
-	return secrets
 }
 
 // closer is a sink that holds a connection: Close runs after the relay

@@ -51,13 +51,14 @@ func newTaskRuntime(cfg *Config, pool *pgxpool.Pool, log *slog.Logger, reg prome
 }
 
 // isTaskListKey is true for the YAML-only parts of `tasks:` (queues and
-// kinds), which checkTaskKeys checks instead of the scalar key list.
+// kinds), which checkTaskKeys and checkListEntries check instead of the
+// scalar key list.
 func isTaskListKey(key string) bool {
 	return key == "tasks.kinds" || key == "tasks.queues" || strings.HasPrefix(key, "tasks.queues.")
 }
 
-// checkTaskKeys rejects unknown keys under tasks.queues.<name> and in
-// tasks.kinds entries, and unitless durations.
+// checkTaskKeys rejects unknown keys under tasks.queues.<name>
+// (checkListEntries checks the tasks.kinds entries).
 func checkTaskKeys(fk *koanf.Koanf, path string) error {
 	queueKeys := tagNames(reflect.TypeFor[tasks.Queue]())
 	for _, key := range fk.Keys() {
@@ -68,31 +69,6 @@ func checkTaskKeys(fk *koanf.Koanf, path string) error {
 		name, field, _ := strings.Cut(rest, ".")
 		if !slices.Contains(queueKeys, field) {
 			return configErrorf("%s: tasks.queues.%s: unknown key %q; allowed: %s", path, name, field, strings.Join(queueKeys, ", "))
-		}
-	}
-	raw := fk.Get("tasks.kinds")
-	if raw == nil {
-		return nil
-	}
-	list, ok := raw.([]any)
-	if !ok {
-		return configErrorf("%s: tasks.kinds must be a list of kinds with name, type, ...", path)
-	}
-	allowed := tagNames(reflect.TypeFor[tasks.Kind]())
-	for i, item := range list {
-		m, ok := item.(map[string]any)
-		if !ok {
-			return configErrorf("%s: tasks.kinds[%d] must be a mapping with name, type, ...", path, i)
-		}
-		for key, v := range m {
-			if !slices.Contains(allowed, key) {
-				return configErrorf("%s: tasks.kinds[%d] %q: unknown key %q; allowed: %s", path, i, fmt.Sprint(m["name"]), key, strings.Join(allowed, ", "))
-			}
-			if key == "timeout" {
-				if err := checkUnitless(v); err != nil {
-					return configErrorf("%s: tasks.kinds[%d] %q: timeout %v %v", path, i, fmt.Sprint(m["name"]), v, err)
-				}
-			}
 		}
 	}
 	return nil
