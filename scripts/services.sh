@@ -53,6 +53,8 @@ ensure_postgres() {
     if [ -n "$installed" ]; then
       # First lines win in pg_hba.conf. Every role: the tests log in with
       # roles they create.
+      echo "PostgreSQL $v: trusting every role from 127.0.0.1 and ::1, without a password" \
+        "(first lines of /etc/postgresql/$v/main/pg_hba.conf; a local development server)" >&2
       as_root sed -i '1i host all all 127.0.0.1/32 trust\nhost all all ::1/128 trust' \
         "/etc/postgresql/$v/main/pg_hba.conf"
     fi

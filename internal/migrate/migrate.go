@@ -51,11 +51,22 @@ func Up(ctx context.Context, pool *pgxpool.Pool, log *slog.Logger) (err error) {
 	if err != nil {
 		return err
 	}
-	if err := upWorker(ctx, p, log); err != nil {
+	// The version before, for the summary line; this also creates goose's
+	// table on an empty database, as Up would.
+	workerFrom, err := p.GetDBVersion(ctx)
+	if err != nil {
+		return fmt.Errorf("read worker schema version: %w", err)
+	}
+	applied, err := upWorker(ctx, p, log)
+	if err != nil {
 		return err
 	}
+	workerTo := workerFrom
+	if len(applied) > 0 {
+		workerTo = applied[len(applied)-1].Source.Version
+	}
 	// River logs every step under its own generic message; one line per
-	// applied version (below) is enough.
+	// applied version (below, at debug) is enough.
 	m, err := rivermigrate.New(riverpgxv5.New(pool), &rivermigrate.Config{Logger: slog.New(slog.DiscardHandler)})
 	if err != nil {
 		return err
@@ -65,8 +76,23 @@ func Up(ctx context.Context, pool *pgxpool.Pool, log *slog.Logger) (err error) {
 		return fmt.Errorf("apply river migrations: %w", err)
 	}
 	for _, v := range rr.Versions {
-		log.Info("river migration applied", "version", v.Version, "name", v.Name)
+		log.Debug("river migration applied", "version", v.Version, "name", v.Name)
 	}
+	existing, err := m.ExistingVersions(ctx)
+	if err != nil {
+		return fmt.Errorf("read river schema version: %w", err)
+	}
+	// River's versions are consecutive, so the one before is the last one
+	// less the number applied now.
+	riverTo := 0
+	if len(existing) > 0 {
+		riverTo = existing[len(existing)-1].Version
+	}
+	// One line, so that a first start's log does not open with a screen of
+	// migrations; the per-migration lines are at debug.
+	log.Info("migrations applied", "count", len(applied)+len(rr.Versions),
+		"worker_count", len(applied), "worker_version_from", workerFrom, "worker_version_to", workerTo,
+		"river_count", len(rr.Versions), "river_version_from", riverTo-len(rr.Versions), "river_version_to", riverTo)
 	return nil
 }
 
@@ -80,26 +106,29 @@ const lockAttempts = 30
 // upWorker applies the worker's migrations, retrying one that gave up
 // waiting for a lock. Goose records each migration as it commits, so a
 // retry resumes at the one that failed, whose transaction rolled back whole.
-func upWorker(ctx context.Context, p *goose.Provider, log *slog.Logger) error {
+// It returns the migrations applied, in order.
+func upWorker(ctx context.Context, p *goose.Provider, log *slog.Logger) ([]*goose.MigrationResult, error) {
+	var applied []*goose.MigrationResult
 	for attempt := 1; ; attempt++ {
 		res, err := p.Up(ctx)
 		if partial := (*goose.PartialError)(nil); errors.As(err, &partial) {
 			res = partial.Applied
 		}
 		for _, r := range res {
-			log.Info("migration applied", "version", r.Source.Version, "file", r.Source.Path, "duration_ms", r.Duration.Milliseconds())
+			log.Debug("migration applied", "version", r.Source.Version, "file", r.Source.Path, "duration_ms", r.Duration.Milliseconds())
 		}
+		applied = append(applied, res...)
 		var pgErr *pgconn.PgError
 		if err == nil || !errors.As(err, &pgErr) || pgErr.Code != pgerrcode.LockNotAvailable || attempt == lockAttempts {
 			if err != nil {
-				return fmt.Errorf("apply worker migrations: %w", err)
+				return applied, fmt.Errorf("apply worker migrations: %w", err)
 			}
-			return nil
+			return applied, nil
 		}
 		log.Warn("migration waiting for a lock; trying again", "attempt", attempt, "error", err)
 		select {
 		case <-ctx.Done():
-			return ctx.Err()
+			return applied, ctx.Err()
 		case <-time.After(time.Second):
 		}
 	}

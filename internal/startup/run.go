@@ -173,8 +173,8 @@ func (runCmd) Run(e *cmdEnv) error {
 		}
 	}
 	ready.started.Store(true)
-	log.Info("worker ready", "http_addr", cfg.HTTP.Addr, "multi_instance", cfg.MultiInstance.Enabled,
-		"lock_provider", cfg.Lock.Provider)
+	log.Info("worker ready", append([]any{"http_addr", cfg.HTTP.Addr, "multi_instance", cfg.MultiInstance.Enabled,
+		"lock_provider", cfg.Lock.Provider}, whereToLook(servers)...)...)
 	hooks := startOnReady(ctx, e.ext.OnReady)
 
 	<-ctx.Done()
@@ -209,6 +209,7 @@ type listening struct {
 	srv  *http.Server
 	ln   net.Listener
 	name string
+	ui   bool // River UI is served here
 }
 
 func (l listening) serve(log *slog.Logger) {
@@ -236,7 +237,7 @@ func newServers(cfg *Config, reg *prometheus.Registry, ready *readiness, log *sl
 	if err != nil {
 		return nil, nil, &exitError{code: ExitOSError, err: err, msg: fmt.Sprintf("ops HTTP server on %s (APP_HTTP_ADDR): %v", cfg.HTTP.Addr, err)}
 	}
-	servers := []listening{{srv: srv.Server, ln: ln, name: "ops"}}
+	servers := []listening{{srv: srv.Server, ln: ln, name: "ops", ui: opsUI != nil}}
 	if guarded != nil && cfg.UI.Addr != "" {
 		uiSrv := newUIServer(cfg.UI.Addr, guarded)
 		uiLn, err := uiSrv.listen()
@@ -244,9 +245,39 @@ func newServers(cfg *Config, reg *prometheus.Registry, ready *readiness, log *sl
 			_ = ln.Close()
 			return nil, nil, &exitError{code: ExitOSError, err: err, msg: fmt.Sprintf("River UI server on %s (APP_UI_ADDR): %v", cfg.UI.Addr, err)}
 		}
-		servers = append(servers, listening{srv: uiSrv.Server, ln: uiLn, name: "River UI"})
+		servers = append(servers, listening{srv: uiSrv.Server, ln: uiLn, name: "River UI", ui: true})
 	}
 	return ui, servers, nil
+}
+
+// whereToLook are the ready line's URLs, from the addresses bound (so an
+// addr of port 0 shows the port taken): the ops server, its /metrics, and
+// River UI's when it is on.
+func whereToLook(servers []listening) []any {
+	var attrs []any
+	for _, s := range servers {
+		base := "http://" + browsable(s.ln.Addr())
+		if s.name == "ops" {
+			attrs = append(attrs, "ops_url", base, "metrics_url", base+"/metrics")
+		}
+		if s.ui {
+			attrs = append(attrs, "riverui_url", base+uiPrefix+"/")
+		}
+	}
+	return attrs
+}
+
+// browsable is a listener's address as a browser on the same machine
+// reaches it: a wildcard host (":9090") becomes localhost.
+func browsable(a net.Addr) string {
+	host, port, err := net.SplitHostPort(a.String())
+	if err != nil {
+		return a.String()
+	}
+	if ip := net.ParseIP(host); host == "" || ip != nil && ip.IsUnspecified() {
+		host = "localhost"
+	}
+	return net.JoinHostPort(host, port)
 }
 
 // shutdownAll stops the components in parallel within budget.
