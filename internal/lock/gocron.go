@@ -87,9 +87,9 @@ func (g *GocronLocker) Lock(ctx context.Context, job string) (gocron.Lock, error
 		// A timeout (another replica holds the job) is the normal case, not
 		// a fault: it is not logged here, where it would repeat on every
 		// tick, but left to the caller's AfterLockError listener.
-		if !IsTimeout(err) {
-			g.log.Warn("job lease not acquired; skipping run", "job", job, "key", key,
-				"error", err, "error.code", obs.CodeOf(err))
+		// A cancelled ctx is the scheduler stopping, not a fault.
+		if !IsTimeout(err) && ctx.Err() == nil {
+			g.log.Warn("job lease not acquired; skipping run", append([]any{"job", job, "key", key}, obs.ErrorAttrs(err)...)...)
 		}
 		return nil, err
 	}

@@ -10,6 +10,13 @@ const (
 	CodeJobExecutorRejected    = "JOB_EXECUTOR_REJECTED"    // transient, retryable
 	CodeJobTimeout             = "JOB_TIMEOUT"              // transient, retryable
 	CodeJobDeadLetter          = "JOB_DEAD_LETTER"          // internal, not retryable
+	// The database's schema version is not the binary's: a replica of
+	// another release. Not ready until the versions match.
+	CodeSchemaVersionMismatch = "SCHEMA_VERSION_MISMATCH"
+	// The lock provider (Redis, or PostgreSQL's lease store) has not
+	// answered for longer than a lease ttl: no job runs. Logged once when
+	// the outage starts; retried until it ends.
+	CodeLockProviderUnavailable = "LOCK_PROVIDER_UNAVAILABLE"
 )
 
 // Coded is implemented by errors that carry one of the codes above.
@@ -25,4 +32,13 @@ func CodeOf(err error) string {
 		return c.Code()
 	}
 	return ""
+}
+
+// ErrorAttrs are the log attributes of err: "error", and "error.code" when
+// err carries a code. A line never gets an empty error.code.
+func ErrorAttrs(err error) []any {
+	if code := CodeOf(err); code != "" {
+		return []any{"error", err, "error.code", code}
+	}
+	return []any{"error", err}
 }
