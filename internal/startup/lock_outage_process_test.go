@@ -104,15 +104,21 @@ func TestLockProviderOutageIsLoudAndRecovers(t *testing.T) {
 	if v, ready := metricLine(p, up), metricLine(p, "worker_ready"); v != "0" || ready != "0" {
 		t.Errorf("%s = %q and worker_ready = %q during the outage, want 0 and 0", up, v, ready)
 	}
-	// The job keeps trying meanwhile: its failures are coded WARNs.
-	testkit.Eventually(t, bound, "a job attempt to fail with LOCK_PROVIDER_UNAVAILABLE", func() bool {
+	// The job keeps trying meanwhile, every second: its failures are
+	// coded, the first a WARN, the next ones DEBUG.
+	failed := func(level string) int {
+		n := 0
 		for _, l := range p.out.Lines(t, "job lease not acquired; skipping run") {
-			if l["error.code"] == "LOCK_PROVIDER_UNAVAILABLE" && l["level"] == "WARN" {
-				return true
+			if l["error.code"] == "LOCK_PROVIDER_UNAVAILABLE" && l["job"] == "tick" && l["level"] == level {
+				n++
 			}
 		}
-		return false
-	})
+		return n
+	}
+	testkit.Eventually(t, bound, "the tick job to fail again on the store", func() bool { return failed("DEBUG") > 0 })
+	if n := failed("WARN"); n != 1 {
+		t.Errorf("%d WARN lines for the tick job's failed attempts, want 1 (the first)", n)
+	}
 	ranBefore := successes()
 
 	rds.start()
@@ -124,14 +130,9 @@ func TestLockProviderOutageIsLoudAndRecovers(t *testing.T) {
 	}
 	testkit.Eventually(t, bound, "the tick job to run again", func() bool { return successes() != ranBefore })
 
-	var errs []map[string]any
-	for _, l := range p.out.Lines(t, "") {
-		if l["level"] == "ERROR" {
-			errs = append(errs, l)
-		}
-	}
-	if len(errs) != 1 || errs[0]["error.code"] != "LOCK_PROVIDER_UNAVAILABLE" || errs[0]["provider"] != "redis" {
-		t.Errorf("ERROR lines %v; want one, with error.code LOCK_PROVIDER_UNAVAILABLE and provider redis", errs)
+	errs := p.out.Lines(t, "lock provider unreachable for longer than the lease ttl; no job runs until it answers")
+	if len(errs) != 1 || errs[0]["level"] != "ERROR" || errs[0]["error.code"] != "LOCK_PROVIDER_UNAVAILABLE" || errs[0]["provider"] != "redis" {
+		t.Errorf("outage lines %v; want one ERROR, with error.code LOCK_PROVIDER_UNAVAILABLE and provider redis", errs)
 	}
 	if n := len(p.out.Lines(t, "lock provider reachable again; jobs run again")); n != 1 {
 		t.Errorf("%d INFO lines for the recovery, want 1", n)
