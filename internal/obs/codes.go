@@ -10,12 +10,17 @@ const (
 	CodeJobExecutorRejected    = "JOB_EXECUTOR_REJECTED"    // transient, retryable
 	CodeJobTimeout             = "JOB_TIMEOUT"              // transient, retryable
 	CodeJobDeadLetter          = "JOB_DEAD_LETTER"          // internal, not retryable
+)
+
+// Codes of a replica that cannot work as it is; each also turns /readyz
+// to 503 until the cause is gone.
+const (
 	// The database's schema version is not the binary's: a replica of
 	// another release. Not ready until the versions match.
 	CodeSchemaVersionMismatch = "SCHEMA_VERSION_MISMATCH"
-	// The lock provider (Redis, or PostgreSQL's lease store) has not
-	// answered for longer than a lease ttl: no job runs. Logged once when
-	// the outage starts; retried until it ends.
+	// The lock provider (Redis, or PostgreSQL's lease store) does not
+	// answer: no job takes its lease. Logged once when the outage has
+	// lasted a lease ttl; retried by itself until it ends.
 	CodeLockProviderUnavailable = "LOCK_PROVIDER_UNAVAILABLE"
 )
 
