@@ -59,10 +59,12 @@ func (b durationBound) allows(d time.Duration) bool {
 	return d >= b.min
 }
 
-// refusal completes "<key>=<value> ": what is allowed, and why.
-func (b durationBound) refusal() string {
+// refusal completes "<key>=<v> ": what is allowed, and why.
+func (b durationBound) refusal(v time.Duration) string {
 	var s string
 	switch {
+	case v <= 0:
+		return "must be positive"
 	case b.above && b.min == 0:
 		s = "must be positive"
 	case b.above:

@@ -396,7 +396,7 @@ func (c *Config) validate(source func(string) string) error {
 		{"shutdown.timeout", c.Shutdown.Timeout},
 	} {
 		if b := ownDurationBounds[p.key]; !b.allows(p.v) {
-			return configErrorf("%s=%s %s", source(p.key), p.v, b.refusal())
+			return configErrorf("%s=%s %s", source(p.key), p.v, b.refusal(p.v))
 		}
 	}
 	if c.Lock.LeaseTTL < c.Lock.WaitTime {
