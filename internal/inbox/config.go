@@ -34,6 +34,30 @@ type Config struct {
 	Sources []SourceConfig `koanf:"sources" yaml:"sources"`
 }
 
+// The smallest values of the duration settings. Validate refuses less;
+// DurationMinimums lists them by key for docs/configuration.md, which a
+// test holds to them.
+const (
+	MinLeaseTTL        = time.Second
+	MinBackoffBase     = time.Millisecond
+	MinBackoffMax      = MinBackoffBase // and at least backoff_base
+	MinRetention       = time.Minute
+	MinReapInterval    = time.Second
+	MinProbeBackoffMax = 10 * time.Millisecond
+)
+
+// DurationMinimums are the constants above by key (inbox.<key>).
+func DurationMinimums() map[string]time.Duration {
+	return map[string]time.Duration{
+		"inbox.lease_ttl":         MinLeaseTTL,
+		"inbox.backoff_base":      MinBackoffBase,
+		"inbox.backoff_max":       MinBackoffMax,
+		"inbox.retention":         MinRetention,
+		"inbox.reap_interval":     MinReapInterval,
+		"inbox.probe_backoff_max": MinProbeBackoffMax,
+	}
+}
+
 // DefaultConfig is the inbox section when nothing is set: no sources.
 func DefaultConfig() Config {
 	return Config{
@@ -105,24 +129,24 @@ var sourceName = regexp.MustCompile(`^[a-z][a-z0-9_-]{0,62}$`)
 // source packages check their own sections.
 func (c Config) Validate() error {
 	switch {
-	case c.LeaseTTL < time.Second:
-		return fmt.Errorf("inbox.lease_ttl=%s: want at least 1s", c.LeaseTTL)
+	case c.LeaseTTL < MinLeaseTTL:
+		return fmt.Errorf("inbox.lease_ttl=%s: want at least %s", c.LeaseTTL, MinLeaseTTL)
 	case c.MaxAttempts < 1 || c.MaxAttempts > 1000:
 		return fmt.Errorf("inbox.max_attempts=%d: want 1 to 1000", c.MaxAttempts)
-	case c.BackoffBase < time.Millisecond:
-		return fmt.Errorf("inbox.backoff_base=%s: want at least 1ms", c.BackoffBase)
+	case c.BackoffBase < MinBackoffBase:
+		return fmt.Errorf("inbox.backoff_base=%s: want at least %s", c.BackoffBase, MinBackoffBase)
 	case c.BackoffMax < c.BackoffBase:
 		return fmt.Errorf("inbox.backoff_max=%s: want at least inbox.backoff_base (%s)", c.BackoffMax, c.BackoffBase)
 	case c.BatchSize < 1 || c.BatchSize > 10000:
 		return fmt.Errorf("inbox.batch_size=%d: want 1 to 10000", c.BatchSize)
-	case c.Retention < time.Minute:
-		return fmt.Errorf("inbox.retention=%s: want at least 1m", c.Retention)
-	case c.ReapInterval < time.Second:
-		return fmt.Errorf("inbox.reap_interval=%s: want at least 1s", c.ReapInterval)
+	case c.Retention < MinRetention:
+		return fmt.Errorf("inbox.retention=%s: want at least %s", c.Retention, MinRetention)
+	case c.ReapInterval < MinReapInterval:
+		return fmt.Errorf("inbox.reap_interval=%s: want at least %s", c.ReapInterval, MinReapInterval)
 	case c.ReapBatch < 1 || c.ReapBatch > 100000:
 		return fmt.Errorf("inbox.reap_batch=%d: want 1 to 100000", c.ReapBatch)
-	case c.ProbeBackoffMax < 10*time.Millisecond:
-		return fmt.Errorf("inbox.probe_backoff_max=%s: want at least 10ms", c.ProbeBackoffMax)
+	case c.ProbeBackoffMax < MinProbeBackoffMax:
+		return fmt.Errorf("inbox.probe_backoff_max=%s: want at least %s", c.ProbeBackoffMax, MinProbeBackoffMax)
 	}
 	seen := map[string]bool{}
 	for i, s := range c.Sources {

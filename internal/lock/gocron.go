@@ -49,8 +49,9 @@ type GocronLocker struct {
 	log          *slog.Logger
 	unlockErrors prometheus.Counter
 
-	mu     sync.Mutex
-	active map[string]Lease // job name -> lease of its current run
+	mu      sync.Mutex
+	active  map[string]Lease    // job name -> lease of its current run
+	failing map[string]struct{} // jobs whose last attempt failed on the store
 }
 
 var _ gocron.Locker = (*GocronLocker)(nil)
@@ -71,7 +72,7 @@ func NewGocronLocker(l Locker, cfg GocronConfig, reg prometheus.Registerer, log 
 	if err := reg.Register(c); err != nil {
 		return nil, err
 	}
-	return &GocronLocker{locker: l, cfg: cfg, log: log, unlockErrors: c, active: map[string]Lease{}}, nil
+	return &GocronLocker{locker: l, cfg: cfg, log: log, unlockErrors: c, active: map[string]Lease{}, failing: map[string]struct{}{}}, nil
 }
 
 // Lock implements gocron.Locker. An error makes gocron skip the run and
@@ -87,14 +88,25 @@ func (g *GocronLocker) Lock(ctx context.Context, job string) (gocron.Lock, error
 		// A timeout (another replica holds the job) is the normal case, not
 		// a fault: it is not logged here, where it would repeat on every
 		// tick, but left to the caller's AfterLockError listener.
-		if !IsTimeout(err) {
-			g.log.Warn("job lease not acquired; skipping run", "job", job, "key", key,
-				"error", err, "error.code", obs.CodeOf(err))
+		// A cancelled ctx is the scheduler stopping, not a fault. During an
+		// outage the scheduler retries every second: the first failure of
+		// each job is a WARN, the rest DEBUG (Health logs the outage).
+		if !IsTimeout(err) && ctx.Err() == nil {
+			g.mu.Lock()
+			_, again := g.failing[job]
+			g.failing[job] = struct{}{}
+			g.mu.Unlock()
+			level := slog.LevelWarn
+			if again {
+				level = slog.LevelDebug
+			}
+			g.log.Log(ctx, level, "job lease not acquired; skipping run", append([]any{"job", job, "key", key}, obs.ErrorAttrs(err)...)...)
 		}
 		return nil, err
 	}
 	g.mu.Lock()
 	g.active[job] = lease
+	delete(g.failing, job)
 	g.mu.Unlock()
 	return &gocronLock{g: g, job: job, lease: lease}, nil
 }

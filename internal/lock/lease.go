@@ -9,6 +9,8 @@ import (
 
 	"github.com/cenkalti/backoff/v5"
 	"github.com/jackc/pgx/v5"
+
+	"github.com/worker-dev/worker/internal/obs"
 )
 
 // store is what a provider contributes to a lease: the two statements that
@@ -251,7 +253,8 @@ func (l *lease) tick() {
 				}
 				l.retry.Reset()
 			}
-			l.log.Warn("lock lease renewal failed; retrying within the ttl", "error", err)
+			l.log.Warn("lock lease renewal failed; retrying within the ttl", "error", err,
+				"error.code", obs.CodeLockProviderUnavailable)
 			l.retryAt = l.now().Add(l.retry.NextBackOff())
 		}
 	}

@@ -66,6 +66,20 @@ func (e *TimeoutError) Error() string {
 // Code implements obs.Coded.
 func (e *TimeoutError) Code() string { return obs.CodeLockAcquisitionTimeout }
 
+// StoreError is a provider's store failing an acquisition for a reason
+// other than a held key: unreachable, hung past its budget, or refusing
+// the statement. Logged with error.code=LOCK_PROVIDER_UNAVAILABLE; Health
+// reports the outage as a whole.
+type StoreError struct {
+	Err error
+}
+
+func (e *StoreError) Error() string { return e.Err.Error() }
+func (e *StoreError) Unwrap() error { return e.Err }
+
+// Code implements obs.Coded.
+func (e *StoreError) Code() string { return obs.CodeLockProviderUnavailable }
+
 // IsTimeout reports whether err is an acquisition timeout.
 func IsTimeout(err error) bool {
 	var t *TimeoutError

@@ -11,6 +11,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/redis/go-redis/v9"
 
+	"github.com/worker-dev/worker/internal/obs"
 	"github.com/worker-dev/worker/internal/pgtest"
 	"github.com/worker-dev/worker/internal/testkit"
 )
@@ -272,6 +273,9 @@ func TestRedisUnreachable(t *testing.T) {
 	_, err := l.TryAcquire(testCtx(t), "k", 0, time.Second)
 	if err == nil || IsTimeout(err) {
 		t.Fatalf("TryAcquire against an unreachable Redis = %v, want an error", err)
+	}
+	if code := obs.CodeOf(err); code != obs.CodeLockProviderUnavailable {
+		t.Errorf("its code is %q, want %s: the job's log line names it", code, obs.CodeLockProviderUnavailable)
 	}
 	if d := time.Since(start); d > 2*minStatementBudget {
 		t.Errorf("failed after %s", d)

@@ -77,6 +77,9 @@ func (s *shared) tryAcquire(ctx context.Context, key string, wait, ttl time.Dura
 		return attempt(ctx, key, ttl, deadline, willWait)
 	})
 	if err != nil {
+		if !IsTimeout(err) && ctx.Err() == nil {
+			err = &StoreError{Err: err}
+		}
 		return nil, err
 	}
 	return newLease(key, s.owner, token, ttl, sent, st, s.opts, s.log), nil

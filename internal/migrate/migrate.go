@@ -47,6 +47,13 @@ func Up(ctx context.Context, pool *pgxpool.Pool, log *slog.Logger) (err error) {
 		}
 	}()
 
+	// A newer release migrated the database: this binary knows none of
+	// those migrations and cannot take them back.
+	if found, err := Version(ctx, pool); err != nil {
+		return fmt.Errorf("read the schema version: %w", err)
+	} else if want := Want(); found > want {
+		return &MismatchError{Found: found, Want: want}
+	}
 	p, err := provider(db, log)
 	if err != nil {
 		return err

@@ -4,6 +4,8 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"errors"
+	"fmt"
 	"io/fs"
 	"log/slog"
 	"strings"
@@ -14,6 +16,7 @@ import (
 	"github.com/riverqueue/river/rivermigrate"
 
 	"github.com/worker-dev/worker/internal/migrate"
+	"github.com/worker-dev/worker/internal/obs"
 	"github.com/worker-dev/worker/internal/pgtest"
 	"github.com/worker-dev/worker/migrations"
 )
@@ -152,4 +155,44 @@ func mustJSON(t *testing.T, v any) string {
 		t.Fatal(err)
 	}
 	return string(b)
+}
+
+// The binary's schema version is its last migration's, and a migrated
+// database is at it.
+func TestWantIsTheLastMigrationAndUpReachesIt(t *testing.T) {
+	t.Parallel()
+	names, err := fs.Glob(migrations.FS, "*.sql")
+	if err != nil || len(names) == 0 {
+		t.Fatalf("no migrations: %v", err)
+	}
+	last := names[len(names)-1]
+	if want := migrate.Want(); !strings.HasPrefix(last, fmt.Sprintf("%05d_", want)) {
+		t.Fatalf("Want() = %d, the last migration is %s", want, last)
+	}
+	db := pgtest.New(t)
+	if err := migrate.Check(context.Background(), db.Pool); err != nil {
+		t.Fatalf("Check on a migrated database: %v", err)
+	}
+	empty := pgtest.NewEmpty(t)
+	var mm *migrate.MismatchError
+	if err := migrate.Check(context.Background(), empty.Pool); !errors.As(err, &mm) || mm.Found != 0 || mm.Newer() {
+		t.Fatalf("Check on an empty database = %v, want an older-schema mismatch at version 0", err)
+	}
+}
+
+// A database a newer release migrated is refused before anything is
+// applied: this binary cannot migrate it down.
+func TestUpRefusesANewerDatabase(t *testing.T) {
+	t.Parallel()
+	db := pgtest.New(t)
+	ctx := context.Background()
+	ahead := migrate.Want() + 1
+	if _, err := db.Pool.Exec(ctx, `INSERT INTO goose_db_version (version_id, is_applied) VALUES ($1, true)`, ahead); err != nil {
+		t.Fatal(err)
+	}
+	var mm *migrate.MismatchError
+	err := migrate.Up(ctx, db.Pool, slog.New(slog.DiscardHandler))
+	if !errors.As(err, &mm) || !mm.Newer() || mm.Found != ahead || obs.CodeOf(err) != obs.CodeSchemaVersionMismatch {
+		t.Fatalf("Up on a newer database = %v, want a newer-schema mismatch coded %s", err, obs.CodeSchemaVersionMismatch)
+	}
 }

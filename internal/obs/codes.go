@@ -13,6 +13,18 @@ const (
 	CodeInboxWebhookRefused    = "INBOX_WEBHOOK_REFUSED"    // a webhook request refused: the sender's to fix, or retry
 )
 
+// Codes of a replica that cannot work as it is; each also turns /readyz
+// to 503 until the cause is gone.
+const (
+	// The database's schema version is not the binary's: a replica of
+	// another release. Not ready until the versions match.
+	CodeSchemaVersionMismatch = "SCHEMA_VERSION_MISMATCH"
+	// The lock provider (Redis, or PostgreSQL's lease store) does not
+	// answer: no job takes its lease. Logged once when the outage has
+	// lasted a lease ttl; retried by itself until it ends.
+	CodeLockProviderUnavailable = "LOCK_PROVIDER_UNAVAILABLE"
+)
+
 // Coded is implemented by errors that carry one of the codes above.
 type Coded interface {
 	error
@@ -26,4 +38,13 @@ func CodeOf(err error) string {
 		return c.Code()
 	}
 	return ""
+}
+
+// ErrorAttrs are the log attributes of err: "error", and "error.code" when
+// err carries a code. A line never gets an empty error.code.
+func ErrorAttrs(err error) []any {
+	if code := CodeOf(err); code != "" {
+		return []any{"error", err, "error.code", code}
+	}
+	return []any{"error", err}
 }

@@ -78,8 +78,8 @@ func (c WebhookConfig) Validate() error {
 	if c.URL == "" {
 		return fmt.Errorf("outbox.webhook.url is empty: sink webhook needs an http(s) URL")
 	}
-	if c.Timeout < time.Millisecond {
-		return fmt.Errorf("outbox.webhook.timeout=%s: want at least 1ms", c.Timeout)
+	if c.Timeout < MinWebhookTimeout {
+		return fmt.Errorf("outbox.webhook.timeout=%s: want at least %s", c.Timeout, MinWebhookTimeout)
 	}
 	return nil
 }
@@ -96,6 +96,47 @@ func DefaultMaxInFlight(sink string) int {
 		return 256
 	}
 	return 64
+}
+
+// The smallest values of the duration settings. Validate refuses less;
+// DurationMinimums lists them by key for docs/configuration.md, which a
+// test holds to them.
+const (
+	MinPollInterval        = 10 * time.Millisecond
+	MinDetachAfter         = time.Millisecond
+	MinInFlightTimeout     = time.Second // the claim transaction lives at most this long; a second leaves room for one publish and the final write
+	MinBackoffBase         = time.Millisecond
+	MinBackoffMax          = MinBackoffBase // and at least backoff_base
+	MinProbeBackoffMax     = 10 * time.Millisecond
+	MinRetention           = time.Minute
+	MinPartitionInterval   = time.Second
+	MinMetricsInterval     = 100 * time.Millisecond
+	MinWebhookTimeout      = time.Millisecond
+	MinConnectTimeout      = 100 * time.Millisecond // every broker sink's connect_timeout
+	MinPublishTimeout      = time.Millisecond       // NATS and RabbitMQ
+	MinKafkaPublishTimeout = time.Second            // franz-go's smallest record delivery timeout
+)
+
+// DurationMinimums are the constants above by key (outbox.<key>).
+func DurationMinimums() map[string]time.Duration {
+	return map[string]time.Duration{
+		"outbox.poll_interval":            MinPollInterval,
+		"outbox.detach_after":             MinDetachAfter,
+		"outbox.in_flight_timeout":        MinInFlightTimeout,
+		"outbox.backoff_base":             MinBackoffBase,
+		"outbox.backoff_max":              MinBackoffMax,
+		"outbox.probe_backoff_max":        MinProbeBackoffMax,
+		"outbox.retention":                MinRetention,
+		"outbox.partition_interval":       MinPartitionInterval,
+		"outbox.metrics_interval":         MinMetricsInterval,
+		"outbox.webhook.timeout":          MinWebhookTimeout,
+		"outbox.nats.connect_timeout":     MinConnectTimeout,
+		"outbox.nats.publish_timeout":     MinPublishTimeout,
+		"outbox.rabbitmq.connect_timeout": MinConnectTimeout,
+		"outbox.rabbitmq.publish_timeout": MinPublishTimeout,
+		"outbox.kafka.connect_timeout":    MinConnectTimeout,
+		"outbox.kafka.publish_timeout":    MinKafkaPublishTimeout,
+	}
 }
 
 // DefaultConfig is the outbox configuration when nothing is set.
@@ -145,17 +186,16 @@ func (c Config) Validate() error {
 		between("batch_size", c.BatchSize, 1, 10000),
 		between("max_in_flight", c.MaxInFlight, 0, 10000),
 		between("max_attempts", c.MaxAttempts, 1, 1000),
-		atLeast("poll_interval", c.PollInterval, 10*time.Millisecond),
-		atLeast("detach_after", c.DetachAfter, time.Millisecond),
-		// The claim transaction lives at most this long; a second leaves
-		// room for one publish and the final write.
-		atLeast("in_flight_timeout", c.InFlightTimeout, time.Second),
-		atLeast("backoff_base", c.BackoffBase, time.Millisecond),
-		atLeast("probe_backoff_max", c.ProbeBackoffMax, 10*time.Millisecond),
-		atLeast("retention", c.Retention, time.Minute),
-		atLeast("partition_interval", c.PartitionInterval, time.Second),
+		atLeast("poll_interval", c.PollInterval, MinPollInterval),
+		atLeast("detach_after", c.DetachAfter, MinDetachAfter),
+		atLeast("in_flight_timeout", c.InFlightTimeout, MinInFlightTimeout),
+		atLeast("backoff_base", c.BackoffBase, MinBackoffBase),
+		atLeast("backoff_max", c.BackoffMax, MinBackoffMax),
+		atLeast("probe_backoff_max", c.ProbeBackoffMax, MinProbeBackoffMax),
+		atLeast("retention", c.Retention, MinRetention),
+		atLeast("partition_interval", c.PartitionInterval, MinPartitionInterval),
 		between("partitions_ahead", c.PartitionsAhead, 2, 1000),
-		atLeast("metrics_interval", c.MetricsInterval, 100*time.Millisecond),
+		atLeast("metrics_interval", c.MetricsInterval, MinMetricsInterval),
 	} {
 		if err != nil {
 			return err
@@ -221,10 +261,10 @@ func (c NATSConfig) Validate() error {
 		return fmt.Errorf("outbox.nats.url is empty: want nats://host:4222 (or a comma-separated list)")
 	case c.Stream == "" || strings.ContainsAny(c.Stream, ".*> \t\r\n"):
 		return fmt.Errorf("outbox.nats.stream=%q: want a stream name without '.', '*', '>' or whitespace", c.Stream)
-	case c.ConnectTimeout < 100*time.Millisecond:
-		return fmt.Errorf("outbox.nats.connect_timeout=%s: want at least 100ms", c.ConnectTimeout)
-	case c.PublishTimeout < time.Millisecond:
-		return fmt.Errorf("outbox.nats.publish_timeout=%s: want at least 1ms", c.PublishTimeout)
+	case c.ConnectTimeout < MinConnectTimeout:
+		return fmt.Errorf("outbox.nats.connect_timeout=%s: want at least %s", c.ConnectTimeout, MinConnectTimeout)
+	case c.PublishTimeout < MinPublishTimeout:
+		return fmt.Errorf("outbox.nats.publish_timeout=%s: want at least %s", c.PublishTimeout, MinPublishTimeout)
 	case c.MaxPending < 1:
 		return fmt.Errorf("outbox.nats.max_pending=%d: want at least 1", c.MaxPending)
 	case c.Password != "" && c.User == "":
@@ -288,10 +328,10 @@ func (c RabbitMQConfig) Validate() error {
 		return fmt.Errorf("outbox.rabbitmq.declare_exchange=true needs outbox.rabbitmq.exchange: the default exchange cannot be declared")
 	case c.DeclareExchange && !slices.Contains([]string{"topic", "direct", "fanout", "headers"}, c.ExchangeType):
 		return fmt.Errorf("outbox.rabbitmq.exchange_type=%q: want topic, direct, fanout or headers", c.ExchangeType)
-	case c.ConnectTimeout < 100*time.Millisecond:
-		return fmt.Errorf("outbox.rabbitmq.connect_timeout=%s: want at least 100ms", c.ConnectTimeout)
-	case c.PublishTimeout < time.Millisecond:
-		return fmt.Errorf("outbox.rabbitmq.publish_timeout=%s: want at least 1ms", c.PublishTimeout)
+	case c.ConnectTimeout < MinConnectTimeout:
+		return fmt.Errorf("outbox.rabbitmq.connect_timeout=%s: want at least %s", c.ConnectTimeout, MinConnectTimeout)
+	case c.PublishTimeout < MinPublishTimeout:
+		return fmt.Errorf("outbox.rabbitmq.publish_timeout=%s: want at least %s", c.PublishTimeout, MinPublishTimeout)
 	case c.MaxPending < 1:
 		return fmt.Errorf("outbox.rabbitmq.max_pending=%d: want at least 1", c.MaxPending)
 	case (c.TLSCertFile == "") != (c.TLSKeyFile == ""):
@@ -337,10 +377,10 @@ func (c KafkaConfig) Validate() error {
 	switch {
 	case strings.TrimSpace(c.Brokers) == "":
 		return fmt.Errorf("outbox.kafka.brokers is empty: want host:port[,host:port...]")
-	case c.ConnectTimeout < 100*time.Millisecond:
-		return fmt.Errorf("outbox.kafka.connect_timeout=%s: want at least 100ms", c.ConnectTimeout)
-	case c.PublishTimeout < time.Second:
-		return fmt.Errorf("outbox.kafka.publish_timeout=%s: want at least 1s (franz-go's smallest record delivery timeout)", c.PublishTimeout)
+	case c.ConnectTimeout < MinConnectTimeout:
+		return fmt.Errorf("outbox.kafka.connect_timeout=%s: want at least %s", c.ConnectTimeout, MinConnectTimeout)
+	case c.PublishTimeout < MinKafkaPublishTimeout:
+		return fmt.Errorf("outbox.kafka.publish_timeout=%s: want at least %s (franz-go's smallest record delivery timeout)", c.PublishTimeout, MinKafkaPublishTimeout)
 	case !slices.Contains([]string{"", "PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"}, c.SASLMechanism):
 		return fmt.Errorf("outbox.kafka.sasl_mechanism=%q: want PLAIN, SCRAM-SHA-256, SCRAM-SHA-512 or empty", c.SASLMechanism)
 	case c.SASLMechanism != "" && c.SASLUser == "":

@@ -122,7 +122,7 @@ func registerOpsMetrics(reg prometheus.Registerer, ready *readiness) {
 		}, func() float64 { return 1 }),
 		prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 			Name: "worker_ready",
-			Help: "1 when /readyz answers 200 (database reachable, migrations current, started, not draining; never the sink), else 0.",
+			Help: "1 when /readyz answers 200 (database reachable, migrations current, schema version this build's, lock provider reachable, started, not draining; never the sink), else 0.",
 		}, func() float64 {
 			if ok, _ := ready.check(context.Background()); ok {
 				return 1

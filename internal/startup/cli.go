@@ -106,7 +106,7 @@ func run(ext Extensions, args []string, stdout, stderr io.Writer, environ []stri
 	}
 	if err := kctx.Run(e); err != nil {
 		code := ExitCode(err)
-		e.fatalLogger().Error("exiting", "error", err, "exit_code", code)
+		e.fatalLogger().Error("exiting", append(obs.ErrorAttrs(err), "exit_code", code)...)
 		return code
 	}
 	return ExitOK

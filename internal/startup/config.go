@@ -424,7 +424,7 @@ func checkUnitless(v any) error {
 }
 
 func (c *Config) validate(source func(string) string, level checks) error {
-	positive := []struct {
+	for _, p := range []struct {
 		key string
 		v   time.Duration
 	}{
@@ -432,25 +432,14 @@ func (c *Config) validate(source func(string) string, level checks) error {
 		{"lock.lease_ttl", c.Lock.LeaseTTL},
 		{"lock.wait_time", c.Lock.WaitTime},
 		{"shutdown.timeout", c.Shutdown.Timeout},
-	}
-	for _, p := range positive {
-		if p.v <= 0 {
-			return configErrorf("%s=%s must be positive", source(p.key), p.v)
+	} {
+		if b := ownDurationBounds[p.key]; !b.allows(p.v) {
+			return configErrorf("%s=%s %s", source(p.key), p.v, b.refusal(p.v))
 		}
-	}
-	if c.Lock.LeaseTTL < time.Second {
-		// Same floor as a job's own lease_ttl: the lease is renewed every
-		// ttl/3, so a tiny ttl floods the database and loses leases.
-		return configErrorf("%s=%s is too short; want at least 1s (the lease is renewed every ttl/3)",
-			source("lock.lease_ttl"), c.Lock.LeaseTTL)
 	}
 	if c.Lock.LeaseTTL < c.Lock.WaitTime {
 		return configErrorf("%s=%s is shorter than %s=%s; the lease must outlive the wait for it",
 			source("lock.lease_ttl"), c.Lock.LeaseTTL, source("lock.wait_time"), c.Lock.WaitTime)
-	}
-	if c.Shutdown.Timeout <= time.Second {
-		return configErrorf("%s=%s must be longer than 1s: in-flight work gets the timeout minus 1s, the last second hands back claims and leases",
-			source("shutdown.timeout"), c.Shutdown.Timeout)
 	}
 	switch c.Lock.Provider {
 	case "", ProviderInProcess, ProviderPostgres:

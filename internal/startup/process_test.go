@@ -169,6 +169,17 @@ func startBinary(t *testing.T, bin string, env []string, args ...string) *proc {
 		if strings.Contains(p.out.String(), "WARNING: DATA RACE") {
 			t.Error("the worker process reported a data race")
 		}
+		// Every run of this build, whatever the test: a coded line names
+		// its code, an uncoded one leaves the attribute out. (An older
+		// build, as the upgrade test runs, is what it was.)
+		for line := range strings.SplitSeq(p.out.String(), "\n") {
+			if bin != workerBin {
+				break
+			}
+			if strings.Contains(line, `"error.code":""`) || strings.Contains(line, `error.code=""`) {
+				t.Errorf("log line with an empty error.code: %s", line)
+			}
+		}
 		if t.Failed() {
 			t.Logf("worker output:\n%s", p.out.String())
 		}

@@ -121,14 +121,24 @@ func (runCmd) Run(e *cmdEnv) error {
 	defer closeBounded(probePool, time.Second, log)
 	ready.db.Store(probePool)
 
+	if err := checkSchemaAhead(ctx, pool, cfg); err != nil {
+		if ctx.Err() != nil {
+			return nil
+		}
+		return err
+	}
 	if cfg.Database.MigrateOnStart {
 		if err := migrate.Up(ctx, pool, log); err != nil {
 			if ctx.Err() != nil {
 				return nil
 			}
-			return fmt.Errorf("migrations: %w", err)
+			return migrateError(cfg, err)
 		}
 	}
+	schema := &schemaGuard{pool: probePool, log: log}
+	schema.start()
+	defer schema.shutdown()
+	ready.add(schema)
 
 	checkStore := lock.CheckStore
 	if cfg.Lock.Provider == ProviderRedis {
@@ -150,6 +160,11 @@ func (runCmd) Run(e *cmdEnv) error {
 			return nil // asked to stop while connecting to the broker
 		}
 		return err
+	}
+	for _, p := range parts {
+		if r, ok := p.(readyReporter); ok {
+			ready.add(r)
+		}
 	}
 	if ui != nil {
 		part, err := ui.attach(pool, log)
@@ -331,11 +346,21 @@ type migrateCmd struct{}
 func (migrateCmd) Run(e *cmdEnv) error {
 	return withPoolChecking(e, checkAll, func(ctx context.Context, pool *pgxpool.Pool, log *slog.Logger) error {
 		if err := migrate.Up(ctx, pool, log); err != nil {
-			return err
+			return migrateError(e.cfg, err)
 		}
 		log.Info("migrations current")
 		return nil
 	})
+}
+
+// migrateError is err from migrate.Up: exit 78 for a database a newer
+// release migrated (see checkSchemaAhead), else the error as it is.
+func migrateError(cfg *Config, err error) error {
+	var mm *migrate.MismatchError
+	if errors.As(err, &mm) && mm.Newer() {
+		return schemaAheadError(cfg, mm)
+	}
+	return fmt.Errorf("migrations: %w", err)
 }
 
 // withPool runs an operator command that needs only the database: load the

@@ -31,6 +31,11 @@ type readiness struct {
 	// for (or takes) a connection the relay and jobs need.
 	db atomic.Pointer[pgxpool.Pool]
 
+	// parts are the components that can make the replica not ready on
+	// their own (the schema guard, the lock provider's health). Each
+	// answers from state it keeps, at no cost to a probe.
+	parts atomic.Pointer[[]readyReporter]
+
 	mu        sync.Mutex
 	checkedAt time.Time
 	dbState   string // "ok", or why the database is not ready; cached for readyCheckEvery
@@ -45,7 +50,34 @@ func (r *readiness) check(ctx context.Context) (bool, string) {
 		return false, "starting"
 	}
 	state := r.database(ctx)
-	return state == "ok", state
+	if state != "ok" {
+		return false, state
+	}
+	if parts := r.parts.Load(); parts != nil {
+		for _, p := range *parts {
+			if ok, why := p.Ready(); !ok {
+				return false, why
+			}
+		}
+	}
+	return true, state
+}
+
+// readyReporter is a part of the worker with a say in /readyz: ok, or why
+// not.
+type readyReporter interface {
+	Ready() (ok bool, why string)
+}
+
+// add gives p a say in /readyz. Not safe to call concurrently with itself:
+// run adds the parts one after the other, before it reports ready.
+func (r *readiness) add(p readyReporter) {
+	var parts []readyReporter
+	if old := r.parts.Load(); old != nil {
+		parts = append(parts, *old...)
+	}
+	parts = append(parts, p)
+	r.parts.Store(&parts)
 }
 
 // database answers from the last check while it is fresh; concurrent

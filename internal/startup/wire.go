@@ -80,6 +80,14 @@ func wire(ctx context.Context, cfg *Config, pool *pgxpool.Pool, log *slog.Logger
 	default:
 		locker = lock.NewInProcess(cfg.Instance.ID, log)
 	}
+	// Started first and stopped with the rest: while the provider's store
+	// does not answer, it reports the outage once and keeps the replica
+	// not ready (docs/lock.md, "When the provider is unreachable").
+	health, err := lock.NewHealth(locker, cfg.Lock.LeaseTTL, reg, log)
+	if err != nil {
+		return nil, cleanup, err
+	}
+	parts = append(parts, health)
 	if locker, err = lock.WithMetrics(locker, reg); err != nil {
 		return nil, cleanup, err
 	}

@@ -84,6 +84,20 @@ type Kind struct {
 	SQL     string            `koanf:"sql" yaml:",omitempty"`     // sql
 }
 
+// MinDuration is the smallest value of every tasks duration setting:
+// any positive one. Further rules relate them (timeout below
+// rescue_after, backoff_max at least backoff_base).
+const MinDuration = time.Nanosecond
+
+// DurationMinimums are the tasks duration settings by key, each with
+// MinDuration, for docs/configuration.md, which a test holds to them.
+func DurationMinimums() map[string]time.Duration {
+	return map[string]time.Duration{
+		"tasks.backoff_base": MinDuration, "tasks.backoff_max": MinDuration, "tasks.timeout": MinDuration,
+		"tasks.rescue_after": MinDuration, "tasks.metrics_interval": MinDuration, "tasks.probe_backoff_max": MinDuration,
+	}
+}
+
 // DefaultConfig holds the scalar defaults. The default queue is added by
 // Validate, so a YAML `queues:` section adds queues rather than replacing it.
 func DefaultConfig() Config {
@@ -111,7 +125,7 @@ func (c *Config) Validate() error {
 	for key, d := range map[string]time.Duration{"tasks.backoff_base": c.BackoffBase, "tasks.backoff_max": c.BackoffMax,
 		"tasks.timeout": c.Timeout, "tasks.rescue_after": c.RescueAfter, "tasks.metrics_interval": c.MetricsInterval,
 		"tasks.probe_backoff_max": c.ProbeBackoffMax} {
-		if d <= 0 {
+		if d < DurationMinimums()[key] {
 			return fmt.Errorf("%s=%s must be positive", key, d)
 		}
 	}
