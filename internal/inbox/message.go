@@ -67,6 +67,12 @@ type Delivery struct {
 	// key (stream and sequence, topic, partition and offset). Empty means
 	// a digest of the body.
 	Ref string
+	// Found is, when Settle is told Duplicate, the state the message's
+	// row was found in: StateProcessed or StateResolved (done),
+	// StateDead, or StateRecoveryRequired (an operator has it, and its
+	// work may not have happened). A source that answers its sender (the
+	// webhook) says which; the brokers acknowledge all alike.
+	Found string
 	// Settle tells the source what became of the message. It is called
 	// once, after the commit that decided it: Processed, Duplicate and Dead
 	// acknowledge; Busy asks for a redelivery no sooner than after.
@@ -81,8 +87,15 @@ func (d *Delivery) key() (source, id string) {
 	}
 	ref := d.Ref
 	if ref == "" {
-		sum := sha256.Sum256(d.Message.Body)
-		ref = "sha256:" + hex.EncodeToString(sum[:])
+		// A message without a key is known by its body; one whose key the
+		// database cannot store, by that key (escaped) too, so that two
+		// such messages with one body stay two.
+		h := sha256.New()
+		if d.Message.ID != "" {
+			h.Write([]byte(d.Message.Source + "\x00" + d.Message.ID + "\x00"))
+		}
+		h.Write(d.Message.Body)
+		ref = "sha256:" + hex.EncodeToString(h.Sum(nil))
 	}
 	return unkeyedSource, ref
 }

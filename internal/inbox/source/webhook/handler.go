@@ -88,7 +88,7 @@ func (hd *handler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	hd.h.Process(ctx, []*inbox.Delivery{d})
 	select {
 	case st := <-settled:
-		s.respond(w, st)
+		s.respond(w, st, d)
 	default:
 		// The timeout, the sender's disconnect or shutdown ended the work
 		// before it committed.
@@ -97,17 +97,29 @@ func (hd *handler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	}
 }
 
-// respond answers what the inbox committed.
-func (s *Source) respond(w http.ResponseWriter, st settlement) {
-	switch st.outcome {
-	case inbox.Processed:
+// respond answers what the inbox committed about d (the package's doc
+// lists the answers).
+func (s *Source) respond(w http.ResponseWriter, st settlement, d *inbox.Delivery) {
+	switch {
+	case d.Invalid != nil && (st.outcome == inbox.Dead || st.outcome == inbox.Duplicate):
+		// Dead-lettered because the database cannot store its text: the
+		// sender must fix the message, and a resend is refused alike.
+		answer(w, http.StatusBadRequest, reply{Outcome: string(inbox.Dead), Error: d.Invalid.Error(),
+			Detail: "dead-lettered in the receiver's inbox; do not resend"})
+	case st.outcome == inbox.Processed:
 		answer(w, http.StatusOK, reply{Outcome: string(st.outcome)})
-	case inbox.Duplicate:
-		answer(w, s.cfg.DuplicateStatus, reply{Outcome: string(st.outcome), Detail: "already received"})
-	case inbox.Dead:
+	case st.outcome == inbox.Duplicate && d.Found == inbox.StateRecoveryRequired:
+		// Not "already received": its work was cut off and may not have
+		// happened. An operator decides; a resend after that is answered
+		// as a duplicate.
+		answer(w, http.StatusConflict, reply{Outcome: "recovery_required",
+			Error: "the message's earlier processing was cut off before it committed; an operator decides whether it runs again (worker inbox recovery); resend later"})
+	case st.outcome == inbox.Dead, st.outcome == inbox.Duplicate && d.Found == inbox.StateDead:
 		// A 2xx, because a resend would only be a duplicate: the dead
 		// letter stays in the inbox for an operator.
-		answer(w, http.StatusOK, reply{Outcome: string(st.outcome), Detail: "dead-lettered in the receiver's inbox; do not resend"})
+		answer(w, http.StatusOK, reply{Outcome: string(inbox.Dead), Detail: "dead-lettered in the receiver's inbox; do not resend"})
+	case st.outcome == inbox.Duplicate:
+		answer(w, s.cfg.DuplicateStatus, reply{Outcome: string(st.outcome), Detail: "already received"})
 	default:
 		retryAfter(w, st.after)
 		answer(w, http.StatusServiceUnavailable, reply{Outcome: string(inbox.Busy), Error: "the message is being processed elsewhere, or the receiver's database failed; retry"})
