@@ -101,6 +101,14 @@ inbox:
 		}
 		return n
 	}
+	t.Cleanup(func() {
+		if t.Failed() {
+			var states string
+			_ = db.Pool.QueryRow(context.Background(), `SELECT coalesce(string_agg(state || ' ' || n, ', '), 'none') FROM (
+				SELECT state, count(*) n FROM inbox_message GROUP BY state) s`).Scan(&states)
+			t.Logf("inbox rows: %s; applied: %d", states, count(`SELECT count(*) FROM applied`))
+		}
+	})
 	testkit.Eventually(t, 20*time.Second, "every message applied", func() bool {
 		return count(`SELECT count(DISTINCT event_id) FROM applied`) == messages
 	})

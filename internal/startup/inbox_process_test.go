@@ -365,11 +365,13 @@ inbox:
 	}
 	// a resumes and its late work ends: the server ended its session,
 	// idle in transaction past a third of the lease (a database error to
-	// a), and its retry finds the message done (a duplicate).
+	// a, or past its share of the lease a timeout), and its next claim
+	// finds the message done (a duplicate).
 	testkit.Eventually(t, 20*time.Second, "a's late work to end", func() bool {
 		_, body := a.get("/metrics")
 		failed, _ := sample(body, `inbox_transaction_errors_total{source="shop"}`)
-		return failed > 0
+		duplicate, _ := sample(body, `inbox_received_total{outcome="duplicate",source="shop"}`)
+		return failed+duplicate > 0
 	})
 	testkit.Eventually(t, 30*time.Second, "every delivery settled", func() bool {
 		c, err := js.Consumer(ctx, "IN", "shop")
