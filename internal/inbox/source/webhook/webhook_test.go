@@ -9,6 +9,7 @@ import (
 	"fmt"
 	"net"
 	"net/http"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
@@ -367,5 +368,37 @@ func TestNewRefuses(t *testing.T) {
 	}
 	if _, err := New(good, Options{Name: "hook"}); err != nil {
 		t.Errorf("the default section with a secret: %v", err)
+	}
+}
+
+// A signed request whose ce-id, ce-source or ce-subject decodes to text
+// the database cannot store (%00, or bytes that are not UTF-8) is
+// dead-lettered at once and answered 400, never 503; its resend is
+// answered alike, and nothing else is held back.
+func TestUnstorableIs400(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t)
+	f.start(t)
+	body := []byte(`{}`)
+	for n, set := range []func(h http.Header){
+		func(h http.Header) { h.Set("Ce-Id", "nul%00id") },
+		func(h http.Header) { h.Set("Ce-Source", "shop%00") },
+		func(h http.Header) { h.Set("Ce-Subject", "o-%FF") },
+	} {
+		id := "u-" + strconv.Itoa(n)
+		h := signed(f.key, id, time.Now(), body)
+		set(h)
+		for try := range 2 {
+			a := post(t, f.url, h, body)
+			if a.code != http.StatusBadRequest || a.body.Outcome != "dead" || !strings.Contains(a.body.Error, "unstorable") {
+				t.Errorf("%s, try %d: %+v; want 400 dead, unstorable", id, try+1, a)
+			}
+		}
+	}
+	if n := f.count(t, `SELECT count(*) FROM inbox_message WHERE state = 'DEAD' AND last_error LIKE 'unstorable message:%'`); n != 3 {
+		t.Errorf("%d dead letters; want the 3 unstorable messages", n)
+	}
+	if a := post(t, f.url, signed(f.key, "fine", time.Now(), body), body); a.code != http.StatusOK || a.body.Outcome != "processed" {
+		t.Errorf("a good message after them: %+v, want 200 processed", a)
 	}
 }
