@@ -101,14 +101,30 @@ inbox:
 		}
 		return n
 	}
-	t.Cleanup(func() {
+	defer func() {
 		if t.Failed() {
-			var states string
+			var states, waits string
 			_ = db.Pool.QueryRow(context.Background(), `SELECT coalesce(string_agg(state || ' ' || n, ', '), 'none') FROM (
 				SELECT state, count(*) n FROM inbox_message GROUP BY state) s`).Scan(&states)
-			t.Logf("inbox rows: %s; applied: %d", states, count(`SELECT count(*) FROM applied`))
+			_ = db.Pool.QueryRow(context.Background(), `SELECT coalesce(string_agg(application_name || ' ' || state || ' ' || coalesce(wait_event_type, '') || ' ' || left(query, 60), '; '), 'none')
+				FROM pg_stat_activity WHERE datname = current_database()`).Scan(&waits)
+			_, metrics := b.get("/metrics")
+			var received []string
+			for line := range strings.SplitSeq(metrics, "\n") {
+				if strings.HasPrefix(line, "inbox_received_total") || strings.HasPrefix(line, "inbox_source_up") {
+					received = append(received, line)
+				}
+			}
+			t.Logf("inbox rows: %s; sessions: %s; b: %v", states, waits, received)
+			if conn, err := amqp.Dial(url); err == nil {
+				if ch, err := conn.Channel(); err == nil {
+					q, err := ch.QueueDeclarePassive(queue, true, false, false, false, amqp.Table{amqp.QueueTypeArg: amqp.QueueTypeQuorum, amqp.SingleActiveConsumerArg: true})
+					t.Logf("queue: %d ready, %d consumers (%v)", q.Messages, q.Consumers, err)
+				}
+				_ = conn.Close()
+			}
 		}
-	})
+	}()
 	testkit.Eventually(t, 20*time.Second, "every message applied", func() bool {
 		return count(`SELECT count(DISTINCT event_id) FROM applied`) == messages
 	})
