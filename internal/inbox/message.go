@@ -1,9 +1,11 @@
 // Package inbox turns deliveries from a broker or a webhook into work done
-// exactly once: each message's row in inbox_message is claimed in a short
-// transaction of its own, and turned PROCESSED by the same transaction
-// that does the message's work. The source is acknowledged only after that
-// commit, so a crash before it redelivers a message whose row says it is
-// done, and the redelivery is a duplicate.
+// exactly once: each message's row in inbox_message is claimed, worked and
+// turned PROCESSED in one transaction (for a handler declared to act
+// outside the database, the claim commits first, so that a crash mid-work
+// is found and handed to an operator). The source is acknowledged only
+// after that commit, so a crash before it redelivers a message whose row
+// says it is done, or that has no row at all, and the redelivery is a
+// duplicate or simply runs again.
 package inbox
 
 import (
