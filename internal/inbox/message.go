@@ -113,8 +113,9 @@ const unkeyedSource = "!unkeyed"
 
 // Handler does a message's work inside tx, the transaction that also marks
 // the message processed. An error rolls the work back; the message is
-// retried with backoff, then dead-lettered. Handlers must keep their
-// effects inside tx: anything else they do may happen more than once.
+// retried with backoff, then dead-lettered. Handlers should keep their
+// effects inside tx: anything else they do may happen more than once, and
+// a handler that does more must be declared effects: external.
 type Handler interface {
 	Handle(ctx context.Context, tx pgx.Tx, m Message) error
 }
