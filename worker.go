@@ -155,7 +155,11 @@ func WithOnReady(f func(ctx context.Context)) Option {
 // done once however often the message is delivered. It may write
 // outgoing events in tx with outbox.Append. An error rolls the work back;
 // the message is retried with backoff, then dead-lettered (at once for
-// inbox.Permanent). name must not be sql or river.
+// inbox.Permanent). name must not be sql or river. A handler that also acts
+// outside the database (an HTTP call, an email) is declared so on its
+// sources with effects: external: its claim then commits before its work,
+// and a crash mid-work hands the message to an operator instead of running
+// it again (docs/inbox.md, "Handler effects").
 func WithInboxHandler(name string, handle func(ctx context.Context, tx pgx.Tx, m inbox.Message) error) Option {
 	return Option{func(x *startup.Extensions) {
 		if x.InboxHandlers == nil {

@@ -88,6 +88,16 @@ const (
 	HandlerRiver = "river"
 )
 
+// Handler effects, the values of inbox.sources[].effects.
+const (
+	EffectsTransactional = "transactional"
+	EffectsExternal      = "external"
+)
+
+// MaxConcurrency bounds inbox.sources[].concurrency: each lane holds a
+// database connection while it works.
+const MaxConcurrency = 64
+
 // SourceConfig is one entry of inbox.sources.
 type SourceConfig struct {
 	// Name identifies the consumer: in metrics (source label), logs, the
@@ -99,6 +109,17 @@ type SourceConfig struct {
 	// JSON field of the body ("field:order_id").
 	Key     string        `koanf:"key" yaml:"key"`
 	Handler HandlerConfig `koanf:"handler" yaml:"handler"`
+	// Effects says where the handler's effects go: "transactional" (all in
+	// the work transaction: the claim, the work and PROCESSED commit
+	// together, and a crash simply runs the message again) or "external"
+	// (it also acts outside the database: the claim commits first, and a
+	// crash mid-work hands the message to an operator, RECOVERY_REQUIRED).
+	// sql and river handlers are transactional.
+	Effects string `koanf:"effects" yaml:"effects"`
+	// Concurrency is how many lanes a batch is split into, by a hash of
+	// the order key, each worked in a transaction of its own at the same
+	// time: messages of one order key share a lane, in the source's order.
+	Concurrency int `koanf:"concurrency" yaml:"concurrency"`
 
 	NATS     NATSSource     `koanf:"nats" yaml:"nats"`
 	RabbitMQ RabbitMQSource `koanf:"rabbitmq" yaml:"rabbitmq"`
@@ -177,6 +198,18 @@ func (c Config) Validate() error {
 			}
 		case "":
 			return fmt.Errorf("%s.handler.kind is empty: want sql, river or a Go handler's name", at)
+		}
+		switch s.Effects {
+		case "", EffectsTransactional:
+		case EffectsExternal:
+			if s.Handler.Kind == HandlerSQL || s.Handler.Kind == HandlerRiver {
+				return fmt.Errorf("%s.effects=%q: a %s handler's effects are all in the work transaction; want transactional (only a Go handler can act outside it)", at, s.Effects, s.Handler.Kind)
+			}
+		default:
+			return fmt.Errorf("%s.effects=%q: want transactional or external", at, s.Effects)
+		}
+		if s.Concurrency < 1 || s.Concurrency > MaxConcurrency {
+			return fmt.Errorf("%s.concurrency=%d: want 1 to %d", at, s.Concurrency, MaxConcurrency)
 		}
 	}
 	return nil

@@ -103,10 +103,17 @@ type WebhookSource struct {
 	MaxInFlight int `koanf:"max_in_flight" yaml:"max_in_flight"`
 }
 
+// DefaultConcurrency is inbox.sources[].concurrency when not set.
+const DefaultConcurrency = 4
+
 // DefaultSource is an entry of inbox.sources before its keys are applied:
 // every key not given has this value.
 func DefaultSource() SourceConfig {
 	return SourceConfig{
+		Effects: EffectsTransactional,
+		// Measured on a loaded 2-core machine only: re-measure with the
+		// inbox benchmarks (docs/inbox.md, "Performance") before tuning.
+		Concurrency: DefaultConcurrency,
 		NATS: NATSSource{
 			URL: "nats://127.0.0.1:4222", Stream: "OUTBOX", AckWait: 5 * time.Second,
 			MaxAckPending: 1000, ConnectTimeout: 30 * time.Second,

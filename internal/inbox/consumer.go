@@ -4,7 +4,9 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"hash/fnv"
 	"log/slog"
+	"sync"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -26,6 +28,15 @@ type Consumer struct {
 	log     *slog.Logger
 	m       *Metrics
 	health  *health
+	// external is set for a handler declared to act outside the work
+	// transaction (inbox.sources[].effects: external): its claim commits
+	// before its work, so that a crash mid-work is found and handed to an
+	// operator. Otherwise the claim, the work and PROCESSED commit in one
+	// transaction, and a crash simply rolls all of it back.
+	external bool
+	// lanes is inbox.sources[].concurrency: the most transactions a batch
+	// is worked in at once.
+	lanes int
 
 	// hard ends the work in progress: at the end of the shutdown budget.
 	// A source's own context ending (shutdown begins) stops retries and
@@ -36,6 +47,9 @@ type Consumer struct {
 	// deliveries are settled: the failpoint the exactly-once test kills
 	// the process at.
 	afterCommit func(unacked int)
+	// inWork, when set, runs in a work transaction after its handlers and
+	// before its commit: the failpoint the crash tests kill the process at.
+	inWork func(messages int)
 }
 
 // NewConsumer returns the consumer of source src, claiming as owner (the
@@ -50,8 +64,11 @@ func NewConsumer(pool *pgxpool.Pool, src SourceConfig, cfg Config, h Handler, ow
 	return &Consumer{
 		name: src.Name, pool: pool, handler: h, key: key, cfg: cfg, owner: owner, log: log, m: m,
 		health:      newHealth(src.Name, log, m),
+		external:    src.Effects == EffectsExternal,
+		lanes:       max(src.Concurrency, 1),
 		hard:        context.Background(),
 		afterCommit: failpointAfterCommit(),
+		inWork:      failpointInWork(),
 	}
 }
 
@@ -68,10 +85,12 @@ type claim struct {
 	d        *Delivery
 	attempts int // failed tries so far
 	twins    []*Delivery
-	decided  bool // its source was told a final outcome: not Busy
+	decided  bool   // its source was told a final outcome: not Busy or Unavailable
+	found    string // for a Duplicate, the state its row was found in
 }
 
-// batchState is one Process call: its token, and its deliveries' fates.
+// batchState is one lane of a Process call: its token, and its
+// deliveries' fates.
 type batchState struct {
 	c       *Consumer
 	token   int64
@@ -81,27 +100,108 @@ type batchState struct {
 // Process claims, works and settles batch. It returns when every delivery
 // is settled, or when ctx ends (the rest come again from the source).
 func (c *Consumer) Process(ctx context.Context, batch []*Delivery) {
+	for _, d := range batch {
+		c.prepare(d)
+	}
+	lanes := c.split(batch)
+	if len(lanes) == 1 {
+		c.processLane(ctx, lanes[0])
+		return
+	}
+	var wg sync.WaitGroup
+	for _, lane := range lanes {
+		wg.Go(func() { c.processLane(ctx, lane) })
+	}
+	wg.Wait()
+}
+
+// prepare gives d its dedupe key, or the reason it cannot be processed:
+// no key, or text the database cannot store (which is made storable, so
+// that the dead letter itself can be written).
+func (c *Consumer) prepare(d *Delivery) {
+	d.Message.Consumer = c.name
+	switch {
+	case d.Invalid != nil:
+	case d.Message.ID == "" && c.key == (KeySpec{}) && d.NativeID != "":
+		d.Message.ID = d.NativeID
+	default:
+		d.Invalid = c.key.Apply(&d.Message)
+	}
+	if err := checkStorable(&d.Message); err != nil {
+		if d.Invalid == nil {
+			d.Invalid = err
+		}
+		makeStorable(&d.Message)
+		c.m.unstorable.WithLabelValues(c.name).Inc()
+	}
+}
+
+// laneMin is the fewest messages a lane is given: a lane costs a
+// transaction, which a handful of messages does not repay.
+const laneMin = 16
+
+// split divides batch into lanes by a hash of the order key (of the dedupe
+// key when it has none), each in the source's order: the messages of one
+// order key share a lane, so they never run at once or out of order. The
+// lanes of one Process call end before the next call's begin.
+func (c *Consumer) split(batch []*Delivery) [][]*Delivery {
+	n := min(c.lanes, len(batch)/laneMin)
+	if n <= 1 {
+		return [][]*Delivery{batch}
+	}
+	lanes := make([][]*Delivery, n)
+	for _, d := range batch {
+		h := fnv.New32a()
+		if d.Message.OrderKey != "" {
+			h.Write([]byte(d.Message.OrderKey))
+		} else {
+			s, i := d.key()
+			h.Write([]byte(s + "\x00" + i))
+		}
+		l := h.Sum32() % uint32(n)
+		lanes[l] = append(lanes[l], d)
+	}
+	out := lanes[:0]
+	for _, l := range lanes {
+		if len(l) > 0 {
+			out = append(out, l)
+		}
+	}
+	return out
+}
+
+// roundKind says what a work transaction does before its handlers.
+type roundKind int
+
+const (
+	// claimInWork: claim the messages in the work transaction itself (a
+	// transactional handler's first round).
+	claimInWork roundKind = iota
+	// claimed: the claims committed PROCESSING already (an external
+	// handler's first round).
+	claimed
+	// retry: the claims are held, FAILED after a failed round.
+	retry
+)
+
+// processLane claims, works and settles one lane of a batch.
+func (c *Consumer) processLane(ctx context.Context, batch []*Delivery) {
 	work, cancel := context.WithCancel(context.WithoutCancel(ctx))
 	defer cancel()
 	defer context.AfterFunc(c.hard, cancel)()
 	b := &batchState{c: c, started: time.Now()}
-	for _, d := range batch {
-		d.Message.Consumer = c.name
-		switch {
-		case d.Invalid != nil:
-		case d.Message.ID == "" && c.key == (KeySpec{}) && d.NativeID != "":
-			d.Message.ID = d.NativeID
-		default:
-			d.Invalid = c.key.Apply(&d.Message)
+	claims := group(batch)
+	kind := claimInWork
+	if c.external {
+		var err error
+		if claims, err = b.receive(work, claims); err != nil {
+			c.databaseTrouble(err)
+			for _, d := range batch {
+				b.settle(work, d, Unavailable, c.cfg.BackoffBase)
+			}
+			return
 		}
-	}
-	claims, err := b.receive(work, batch)
-	if err != nil {
-		c.databaseTrouble(err)
-		for _, d := range batch {
-			b.settle(work, d, Unavailable, c.cfg.BackoffBase)
-		}
-		return
+		kind = claimed
 	}
 	// Claims still held when Process returns early (shutdown, a database
 	// that did not come back in time) are let go: their work rolled back,
@@ -109,10 +209,13 @@ func (c *Consumer) Process(ctx context.Context, batch []*Delivery) {
 	// expired processing lease.
 	defer func() { b.letGo(claims) }()
 	failures := 0
-	fresh := true // claims from receive are PROCESSING already
 	for len(claims) > 0 && ctx.Err() == nil {
-		next, wait, err := b.round(work, claims, fresh)
-		fresh = false
+		next, wait, err := b.round(work, claims, kind)
+		if err == nil || kind == claimed {
+			// A claim in the work transaction rolled back with it: the
+			// next round claims again.
+			kind = retry
+		}
 		if err != nil {
 			// The database, not the messages: their work rolled back, and
 			// no attempt is spent. Retry while the claim could still be ours.
@@ -134,18 +237,12 @@ func (c *Consumer) Process(ctx context.Context, batch []*Delivery) {
 	}
 }
 
-// receive claims the batch's messages (new keys in one statement, the rest
-// in one transaction) and settles, once that commits, the deliveries it
-// decided: duplicates, dead letters, busy ones and those now waiting for
-// an operator. It returns the rest, claimed and PROCESSING, in the
-// source's order.
-func (b *batchState) receive(ctx context.Context, batch []*Delivery) ([]*claim, error) {
-	c := b.c
-	// One claim per key: a key twice in one batch (the relay published it
-	// twice) is settled like its first delivery.
+// group makes a claim of each key of batch, in the source's order: a key
+// twice in one batch (the relay published it twice) is settled like its
+// first delivery.
+func group(batch []*Delivery) []*claim {
 	byKey := map[[2]string]*claim{}
 	var claims []*claim
-	var valid, invalid []*Delivery
 	for _, d := range batch {
 		if first, ok := byKey[d.keyPair()]; ok {
 			first.twins = append(first.twins, d)
@@ -154,204 +251,241 @@ func (b *batchState) receive(ctx context.Context, batch []*Delivery) ([]*claim, 
 		cl := &claim{d: d}
 		byKey[d.keyPair()] = cl
 		claims = append(claims, cl)
-		if d.Invalid != nil {
-			invalid = append(invalid, d)
+	}
+	return claims
+}
+
+// decided is a delivery whose fate a claim decided: settled once the
+// claim commits.
+type decided struct {
+	cl      *claim
+	outcome Outcome
+	after   time.Duration
+}
+
+// intake is what a claim decided: the claims to work now, in the source's
+// order, and the deliveries to settle once it commits.
+type intake struct {
+	run       []*claim
+	settled   []decided
+	recovered []string // expired processing leases handed to an operator
+}
+
+// receive claims an external handler's messages in a commit of their own,
+// before their work, and settles what it decided. It returns the claims
+// to work, PROCESSING.
+func (b *batchState) receive(ctx context.Context, claims []*claim) ([]*claim, error) {
+	var in intake
+	err := pgx.BeginFunc(ctx, b.c.pool, func(tx pgx.Tx) error {
+		var err error
+		in, err = b.claimIn(ctx, tx, claims)
+		return err
+	})
+	if err != nil {
+		return nil, err
+	}
+	b.afterClaim(ctx, in)
+	return in.run, nil
+}
+
+// claimIn claims the messages of claims in tx: new keys inserted
+// PROCESSING, the rest (dead letters, keys seen before) looked at. It
+// draws the transaction's token and bounds it on the server first.
+func (b *batchState) claimIn(ctx context.Context, tx pgx.Tx, claims []*claim) (in intake, err error) {
+	c := b.c
+	var valid, invalid []*Delivery
+	for _, cl := range claims {
+		if cl.d.Invalid != nil {
+			invalid = append(invalid, cl.d)
 		} else {
-			valid = append(valid, d)
+			valid = append(valid, cl.d)
 		}
 	}
-
-	type decided struct {
-		cl      *claim
-		outcome Outcome
-		after   time.Duration
-	}
-	var settled []decided
-	owned := map[*claim]bool{}
-	var recovered []string
-
-	// New keys, the usual case, are claimed by one statement of its own.
-	inserted := map[[2]string]bool{}
+	batch := &pgx.Batch{}
+	batch.Queue(claimToken, b.bounds(ctx)...)
 	if len(valid) > 0 {
 		s, i := keyArrays(valid)
 		ok, ty, og, h, body := make([]string, len(valid)), make([]string, len(valid)), make([]string, len(valid)), make([]json.RawMessage, len(valid)), make([][]byte, len(valid))
 		for n, d := range valid {
 			ok[n], ty[n], og[n], h[n], body[n] = d.Message.OrderKey, d.Message.Type, d.Message.Origin, headersJSON(d.Message.Headers), d.Message.Body
 		}
-		tokens, err := collectKeyed[int64](c.pool.Query(ctx, insertClaimed, c.name, s, i, c.owner, c.cfg.LeaseTTL, ok, ty, og, h, body))
-		if err != nil {
-			return nil, err
-		}
-		for k, token := range tokens {
-			inserted[k], b.token = true, token // one token for the statement
-		}
+		batch.Queue(insertClaimed, c.name, s, i, c.owner, c.cfg.LeaseTTL, ok, ty, og, h, body)
 	}
-	for _, cl := range claims {
-		if inserted[cl.d.keyPair()] {
-			owned[cl] = true
+	if len(invalid) > 0 {
+		s, i := keyArrays(invalid)
+		e, og, h, body := make([]string, len(invalid)), make([]string, len(invalid)), make([]json.RawMessage, len(invalid)), make([][]byte, len(invalid))
+		for n, d := range invalid {
+			e[n], og[n], h[n], body[n] = d.Invalid.Error(), d.Message.Origin, headersJSON(d.Message.Headers), d.Message.Body
 		}
+		batch.Queue(insertDead, c.name, s, i, e, og, h, body)
 	}
-	if len(owned) == len(claims) {
-		return claims, nil
-	}
-
-	// The rest (dead letters, keys seen before) in a transaction.
-	err := pgx.BeginFunc(ctx, c.pool, func(tx pgx.Tx) error {
-		if b.token == 0 {
-			if err := tx.QueryRow(ctx, `SELECT nextval('inbox_lease_token_seq')`).Scan(&b.token); err != nil {
-				return err
-			}
+	inserted := map[[2]string]bool{}
+	err = func() error {
+		br := tx.SendBatch(ctx, batch)
+		defer br.Close()
+		if err := br.QueryRow().Scan(&b.token, nil, nil); err != nil {
+			return err
 		}
-		if len(invalid) > 0 {
-			s, i := keyArrays(invalid)
-			e, og, h, body := make([]string, len(invalid)), make([]string, len(invalid)), make([]json.RawMessage, len(invalid)), make([][]byte, len(invalid))
-			for n, d := range invalid {
-				e[n], og[n], h[n], body[n] = d.Invalid.Error(), d.Message.Origin, headersJSON(d.Message.Headers), d.Message.Body
-			}
-			dead, err := collectKeyed[struct{}](tx.Query(ctx, insertDead, c.name, s, i, e, og, h, body))
+		for range len(batch.QueuedQueries) - 1 {
+			got, err := collectKeyed[struct{}](br.Query())
 			if err != nil {
 				return err
 			}
-			for k := range dead {
+			for k := range got {
 				inserted[k] = true
 			}
 		}
-		var existing []*claim
-		for _, cl := range claims {
-			switch {
-			case !inserted[cl.d.keyPair()]:
-				existing = append(existing, cl)
-			case cl.d.Invalid != nil:
-				settled = append(settled, decided{cl, Dead, 0})
-			}
+		return br.Close()
+	}()
+	if err != nil {
+		return intake{}, err
+	}
+
+	owned := map[*claim]bool{}
+	var existing []*claim
+	for _, cl := range claims {
+		switch {
+		case !inserted[cl.d.keyPair()]:
+			existing = append(existing, cl)
+		case cl.d.Invalid != nil:
+			in.settled = append(in.settled, decided{cl, Dead, 0})
+		default:
+			owned[cl] = true
 		}
-		if len(existing) == 0 {
-			return nil
+	}
+	if len(existing) > 0 {
+		if err := b.claimExisting(ctx, tx, existing, owned, &in); err != nil {
+			return intake{}, err
 		}
-		s, i := keyArrays(claimDeliveries(existing))
-		rows, err := tx.Query(ctx, lockExisting, c.name, s, i)
+	}
+	// A message behind a busy one of its order key must wait with it,
+	// or it would overtake it. Its claim is let go at once, so that
+	// its next delivery, here or elsewhere, takes it over.
+	busyKeys := map[string]bool{}
+	for _, d := range in.settled {
+		if d.outcome == Busy && d.cl.d.Message.OrderKey != "" {
+			busyKeys[d.cl.d.Message.OrderKey] = true
+		}
+	}
+	var behind []*claim
+	for _, cl := range claims {
+		if owned[cl] && busyKeys[cl.d.Message.OrderKey] {
+			behind = append(behind, cl)
+			delete(owned, cl)
+			in.settled = append(in.settled, decided{cl, Busy, time.Second})
+		}
+	}
+	if len(behind) > 0 {
+		s, i := keyArrays(claimDeliveries(behind))
+		if _, err := tx.Exec(ctx, release, c.name, s, i, c.owner, b.token, time.Duration(0)); err != nil {
+			return intake{}, err
+		}
+	}
+	for _, cl := range claims {
+		if owned[cl] {
+			in.run = append(in.run, cl)
+		}
+	}
+	return in, nil
+}
+
+// claimExisting looks at the rows of keys seen before: done ones are
+// duplicates, live claims elsewhere are busy, expired ones are taken over
+// (their work never started or rolled back) or handed to an operator
+// (their work was running, with effects outside the database).
+func (b *batchState) claimExisting(ctx context.Context, tx pgx.Tx, existing []*claim, owned map[*claim]bool, in *intake) error {
+	c := b.c
+	s, i := keyArrays(claimDeliveries(existing))
+	rows, err := tx.Query(ctx, lockExisting, c.name, s, i)
+	if err != nil {
+		return err
+	}
+	type row struct {
+		state   string
+		expired bool
+		left    float64
+	}
+	found := map[[2]string]row{}
+	for rows.Next() {
+		var k [2]string
+		var r row
+		var owner string
+		var token int64
+		if err := rows.Scan(&k[0], &k[1], &r.state, &owner, &token, &r.expired, &r.left); err != nil {
+			rows.Close()
+			return err
+		}
+		found[k] = r
+	}
+	if err := rows.Err(); err != nil {
+		return err
+	}
+	var takeover, recover []*claim
+	for _, cl := range existing {
+		r, ok := found[cl.d.keyPair()]
+		switch {
+		case !ok: // its work is committing elsewhere now
+			in.settled = append(in.settled, decided{cl, Busy, time.Second})
+		case r.state == StateProcessed || r.state == StateResolved || r.state == StateDead || r.state == StateRecoveryRequired:
+			cl.found = r.state
+			in.settled = append(in.settled, decided{cl, Duplicate, 0})
+		case !r.expired:
+			in.settled = append(in.settled, decided{cl, Busy, time.Duration(r.left*float64(time.Second)) + time.Second})
+		case r.state == StateProcessing:
+			recover = append(recover, cl)
+		default:
+			takeover = append(takeover, cl)
+		}
+	}
+	if len(takeover) > 0 {
+		s, i := keyArrays(claimDeliveries(takeover))
+		got, err := collectKeyed[int](tx.Query(ctx, takeOver, c.name, s, i, c.owner, b.token, c.cfg.LeaseTTL))
 		if err != nil {
 			return err
 		}
-		type row struct {
-			state   string
-			expired bool
-			left    float64
-		}
-		found := map[[2]string]row{}
-		for rows.Next() {
-			var k [2]string
-			var r row
-			var owner string
-			var token int64
-			if err := rows.Scan(&k[0], &k[1], &r.state, &owner, &token, &r.expired, &r.left); err != nil {
-				rows.Close()
-				return err
+		for _, cl := range takeover {
+			if attempts, ok := got[cl.d.keyPair()]; ok {
+				cl.attempts = attempts
+				owned[cl] = true
+			} else {
+				in.settled = append(in.settled, decided{cl, Busy, time.Second})
 			}
-			found[k] = r
 		}
-		if err := rows.Err(); err != nil {
+	}
+	if len(recover) > 0 {
+		s, i := keyArrays(claimDeliveries(recover))
+		reasons, err := collectKeyed[string](tx.Query(ctx, toRecovery, c.name, s, i))
+		if err != nil {
 			return err
 		}
-		var takeover, recover []*claim
-		for _, cl := range existing {
-			r, ok := found[cl.d.keyPair()]
-			switch {
-			case !ok: // its work is committing elsewhere now
-				settled = append(settled, decided{cl, Busy, time.Second})
-			case r.state == "PROCESSED" || r.state == "RESOLVED" || r.state == "DEAD" || r.state == "RECOVERY_REQUIRED":
-				settled = append(settled, decided{cl, Duplicate, 0})
-			case !r.expired:
-				settled = append(settled, decided{cl, Busy, time.Duration(r.left*float64(time.Second)) + time.Second})
-			case r.state == "PROCESSING":
-				recover = append(recover, cl)
-			default:
-				takeover = append(takeover, cl)
-			}
+		for k, reason := range reasons {
+			in.recovered = append(in.recovered, k[0]+"/"+k[1]+": "+reason)
 		}
-		if len(takeover) > 0 {
-			s, i := keyArrays(claimDeliveries(takeover))
-			got, err := collectKeyed[int](tx.Query(ctx, takeOver, c.name, s, i, c.owner, b.token, c.cfg.LeaseTTL))
-			if err != nil {
-				return err
-			}
-			for _, cl := range takeover {
-				if attempts, ok := got[cl.d.keyPair()]; ok {
-					cl.attempts = attempts
-					owned[cl] = true
-				} else {
-					settled = append(settled, decided{cl, Busy, time.Second})
-				}
-			}
+		for _, cl := range recover {
+			cl.found = StateRecoveryRequired
+			in.settled = append(in.settled, decided{cl, Duplicate, 0})
 		}
-		if len(recover) > 0 {
-			s, i := keyArrays(claimDeliveries(recover))
-			reasons, err := collectKeyed[string](tx.Query(ctx, toRecovery, c.name, s, i))
-			if err != nil {
-				return err
-			}
-			for k, reason := range reasons {
-				recovered = append(recovered, k[0]+"/"+k[1]+": "+reason)
-			}
-			for _, cl := range recover {
-				settled = append(settled, decided{cl, Duplicate, 0})
-			}
-		}
-		// A message behind a busy one of its order key must wait with it,
-		// or it would overtake it. Its claim is let go at once, so that
-		// its next delivery, here or elsewhere, takes it over.
-		busyKeys := map[string]bool{}
-		for _, d := range settled {
-			if d.outcome == Busy && d.cl.d.Message.OrderKey != "" {
-				busyKeys[d.cl.d.Message.OrderKey] = true
-			}
-		}
-		var behind []*claim
-		for _, cl := range claims {
-			if owned[cl] && busyKeys[cl.d.Message.OrderKey] {
-				behind = append(behind, cl)
-				delete(owned, cl)
-				settled = append(settled, decided{cl, Busy, time.Second})
-			}
-		}
-		if len(behind) > 0 {
-			s, i := keyArrays(claimDeliveries(behind))
-			if _, err := tx.Exec(ctx, release, c.name, s, i, c.owner, b.token, time.Duration(0)); err != nil {
-				return err
-			}
-		}
-		return nil
-	})
-	if err != nil {
-		var mine []*claim
-		for _, cl := range claims {
-			if inserted[cl.d.keyPair()] && cl.d.Invalid == nil {
-				mine = append(mine, cl)
-			}
-		}
-		b.letGo(mine)
-		return nil, err
 	}
-	for _, r := range recovered {
+	return nil
+}
+
+// afterClaim reports and settles, once its claim committed, what a claim
+// decided.
+func (b *batchState) afterClaim(ctx context.Context, in intake) {
+	c := b.c
+	for _, r := range in.recovered {
 		c.log.Error("inbox message needs an operator: its processing lease expired before its work committed; it is not retried blindly (worker inbox recovery list)",
 			"error.code", obs.CodeJobDeadLetter, "message", r)
 	}
-	if len(recovered) > 0 {
-		c.m.recoveryFound.WithLabelValues(c.name).Add(float64(len(recovered)))
+	if len(in.recovered) > 0 {
+		c.m.recoveryFound.WithLabelValues(c.name).Add(float64(len(in.recovered)))
 	}
-	for _, s := range settled {
+	for _, s := range in.settled {
 		if s.outcome == Dead {
 			b.deadLettered(s.cl, s.cl.d.Invalid.Error())
 		}
 		b.settleClaim(ctx, s.cl, s.outcome, s.after)
 	}
-	var out []*claim
-	for _, cl := range claims {
-		if owned[cl] {
-			out = append(out, cl)
-		}
-	}
-	return out, nil
 }
 
 // letGo releases claims this call still holds without a final outcome:
@@ -425,11 +559,14 @@ func headersJSON(h map[string]string) json.RawMessage {
 // message processed now is a duplicate.
 func (b *batchState) settleClaim(ctx context.Context, cl *claim, o Outcome, after time.Duration) {
 	cl.decided = o.Final()
+	cl.d.Found = cl.found
 	b.settle(ctx, cl.d, o, after)
+	found := cl.found
 	if o == Processed {
-		o = Duplicate
+		o, found = Duplicate, StateProcessed
 	}
 	for _, t := range cl.twins {
+		t.Found = found
 		b.settle(ctx, t, o, after)
 	}
 }

@@ -53,13 +53,22 @@ func testConfig() inbox.Config {
 // counts each message's work in the table work.
 func newConsumer(t *testing.T, db *pgtest.DB, owner string, cfg inbox.Config, h inbox.Handler) *inbox.Consumer {
 	t.Helper()
+	return newConsumerOf(t, db, owner, cfg, h, inbox.SourceConfig{Name: "test", Kind: inbox.KindNATS})
+}
+
+// newConsumerOf is newConsumer of source src.
+func newConsumerOf(t *testing.T, db *pgtest.DB, owner string, cfg inbox.Config, h inbox.Handler, src inbox.SourceConfig) *inbox.Consumer {
+	t.Helper()
 	m, err := inbox.NewMetrics(prometheus.NewRegistry())
 	if err != nil {
 		t.Fatal(err)
 	}
-	src := inbox.SourceConfig{Name: "test", Kind: inbox.KindNATS}
 	return inbox.NewConsumer(db.Pool, src, cfg, h, owner, slog.New(slog.NewTextHandler(os.Stderr, nil)), m)
 }
+
+// external is the test source with a handler declared to act outside the
+// work transaction.
+var external = inbox.SourceConfig{Name: "test", Kind: inbox.KindNATS, Effects: inbox.EffectsExternal}
 
 func workDB(t *testing.T) *pgtest.DB {
 	db := pgtest.New(t)
@@ -193,8 +202,9 @@ func TestUnkeyedDeadLettered(t *testing.T) {
 }
 
 // A claim whose holder stopped before its work began (RECEIVED) is taken
-// over once its lease expires; one whose work began (PROCESSING) goes to
-// an operator, and its holder's late commit is refused.
+// over once its lease expires; one whose work began (PROCESSING) under a
+// handler with external effects goes to an operator, with the cut-off try
+// counted as an attempt, and its holder's late commit is refused.
 func TestExpiredLeases(t *testing.T) {
 	t.Parallel()
 	db := workDB(t)
@@ -211,8 +221,8 @@ func TestExpiredLeases(t *testing.T) {
 		}
 		return countWork.Handle(ctx, tx, m)
 	})
-	a := newConsumer(t, db, "a", cfg, slow)
-	b := newConsumer(t, db, "b", cfg, countWork)
+	a := newConsumerOf(t, db, "a", cfg, slow, external)
+	b := newConsumerOf(t, db, "b", cfg, countWork, external)
 	s := &settled{outcomes: map[string][]inbox.Outcome{}}
 
 	// RECEIVED by a dead replica: insert the claim as a receive would.
@@ -244,6 +254,10 @@ func TestExpiredLeases(t *testing.T) {
 	<-done
 	if n := workCount(t, db, "stuck"); n != 0 {
 		t.Fatalf("the stuck message's work committed %d times after its lease expired, want 0", n)
+	}
+	list, _, err := inbox.List(ctx, db.Pool, inbox.StateRecoveryRequired, inbox.Selection{}, 10)
+	if err != nil || len(list) != 1 || list[0].Attempts != 1 {
+		t.Fatalf("recovery list %+v (%v); want the stuck message with the 1 attempt it had", list, err)
 	}
 }
 

@@ -29,3 +29,26 @@ func failpointAfterCommit() func(unacked int) {
 		}
 	}
 }
+
+// FailpointKillInWork names an environment variable for the crash tests:
+// with it set to n, the process kills itself (SIGKILL) in its n-th work
+// transaction, after the handlers ran and before the commit, as a crash
+// mid-batch would. Unset, it costs nothing.
+const FailpointKillInWork = "WORKER_FAILPOINT_INBOX_KILL_IN_WORK"
+
+func failpointInWork() func(messages int) {
+	n, err := strconv.Atoi(os.Getenv(FailpointKillInWork))
+	if err != nil || n < 1 {
+		return nil
+	}
+	var works atomic.Int64
+	return func(messages int) {
+		if works.Add(1) == int64(n) {
+			fmt.Fprintf(os.Stderr, "failpoint: killed in a work transaction of %d messages\n", messages)
+			if p, err := os.FindProcess(os.Getpid()); err == nil {
+				_ = p.Kill()
+			}
+			select {} // the kill is on its way: nothing may commit before it lands
+		}
+	}
+}

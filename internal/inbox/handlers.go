@@ -1,6 +1,7 @@
 package inbox
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
@@ -47,10 +48,12 @@ func sqlArgs(m Message) pgx.NamedArgs {
 		"source": m.Source, "id": m.ID, "type": m.Type, "order_key": m.OrderKey, "origin": m.Origin,
 		"headers": headersJSON(m.Headers), "attempt": m.Attempt, "body": nil, "body_json": nil,
 	}
-	if utf8.Valid(m.Body) {
+	// Text and jsonb take no NUL: such a body is NULL rather than a
+	// failure of every attempt.
+	if utf8.Valid(m.Body) && bytes.IndexByte(m.Body, 0) < 0 {
 		args["body"] = string(m.Body)
 	}
-	if json.Valid(m.Body) {
+	if json.Valid(m.Body) && !bytes.Contains(m.Body, []byte(`\u0000`)) {
 		args["body_json"] = json.RawMessage(m.Body)
 	}
 	return args

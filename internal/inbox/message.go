@@ -1,9 +1,11 @@
 // Package inbox turns deliveries from a broker or a webhook into work done
-// exactly once: each message's row in inbox_message is claimed in a short
-// transaction of its own, and turned PROCESSED by the same transaction
-// that does the message's work. The source is acknowledged only after that
-// commit, so a crash before it redelivers a message whose row says it is
-// done, and the redelivery is a duplicate.
+// exactly once: each message's row in inbox_message is claimed, worked and
+// turned PROCESSED in one transaction (for a handler declared to act
+// outside the database, the claim commits first, so that a crash mid-work
+// is found and handed to an operator). The source is acknowledged only
+// after that commit, so a crash before it redelivers a message whose row
+// says it is done, or that has no row at all, and the redelivery is a
+// duplicate or simply runs again.
 package inbox
 
 import (
@@ -76,6 +78,12 @@ type Delivery struct {
 	// key (stream and sequence, topic, partition and offset). Empty means
 	// a digest of the body.
 	Ref string
+	// Found is, when Settle is told Duplicate, the state the message's
+	// row was found in: StateProcessed or StateResolved (done),
+	// StateDead, or StateRecoveryRequired (an operator has it, and its
+	// work may not have happened). A source that answers its sender (the
+	// webhook) says which; the brokers acknowledge all alike.
+	Found string
 	// Settle tells the source what became of the message. It is called
 	// once, after the commit that decided it: Processed, Duplicate and Dead
 	// acknowledge; Busy asks for a redelivery no sooner than after.
@@ -90,8 +98,15 @@ func (d *Delivery) key() (source, id string) {
 	}
 	ref := d.Ref
 	if ref == "" {
-		sum := sha256.Sum256(d.Message.Body)
-		ref = "sha256:" + hex.EncodeToString(sum[:])
+		// A message without a key is known by its body; one whose key the
+		// database cannot store, by that key (escaped) too, so that two
+		// such messages with one body stay two.
+		h := sha256.New()
+		if d.Message.ID != "" {
+			h.Write([]byte(d.Message.Source + "\x00" + d.Message.ID + "\x00"))
+		}
+		h.Write(d.Message.Body)
+		ref = "sha256:" + hex.EncodeToString(h.Sum(nil))
 	}
 	return unkeyedSource, ref
 }
@@ -107,8 +122,9 @@ const unkeyedSource = "!unkeyed"
 
 // Handler does a message's work inside tx, the transaction that also marks
 // the message processed. An error rolls the work back; the message is
-// retried with backoff, then dead-lettered. Handlers must keep their
-// effects inside tx: anything else they do may happen more than once.
+// retried with backoff, then dead-lettered. Handlers should keep their
+// effects inside tx: anything else they do may happen more than once, and
+// a handler that does more must be declared effects: external.
 type Handler interface {
 	Handle(ctx context.Context, tx pgx.Tx, m Message) error
 }

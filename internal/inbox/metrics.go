@@ -20,6 +20,7 @@ type Metrics struct {
 	recoveryFound *prometheus.CounterVec   // inbox_recovery_required_total{source}
 	sourceUp      *prometheus.GaugeVec     // inbox_source_up{source}
 	dbErrors      *prometheus.CounterVec   // inbox_transaction_errors_total{source}
+	unstorable    *prometheus.CounterVec   // inbox_unstorable_total{source}
 	reaped        prometheus.Counter       // inbox_reaped_total
 	shared        *obs.RetryMetrics        // job_retry_total, job_dlq_total
 }
@@ -62,11 +63,15 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 		Name: "inbox_transaction_errors_total",
 		Help: "Inbox transactions that failed for the database's sake (no attempt spent), by source.",
 	}, []string{"source"})
+	m.unstorable = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "inbox_unstorable_total",
+		Help: "Deliveries whose text the database cannot store (a NUL byte, or not UTF-8, in a key, subject, source, type or header), dead-lettered at once, by source.",
+	}, []string{"source"})
 	m.reaped = prometheus.NewCounter(prometheus.CounterOpts{
 		Name: "inbox_reaped_total",
 		Help: "Dedupe records removed by retention (inbox.retention).",
 	})
-	for _, c := range []prometheus.Collector{m.received, m.latency, m.recovery, m.dead, m.recoveryFound, m.sourceUp, m.dbErrors, m.reaped} {
+	for _, c := range []prometheus.Collector{m.received, m.latency, m.recovery, m.dead, m.recoveryFound, m.sourceUp, m.dbErrors, m.unstorable, m.reaped} {
 		reg1(c)
 	}
 	if err != nil {
@@ -89,5 +94,6 @@ func (m *Metrics) initSource(name string) {
 	m.recoveryFound.WithLabelValues(name)
 	m.sourceUp.WithLabelValues(name)
 	m.dbErrors.WithLabelValues(name)
+	m.unstorable.WithLabelValues(name)
 	m.shared.Start(JobName(name))
 }

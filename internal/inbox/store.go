@@ -13,26 +13,38 @@ const keysIn = `consumer = $1 AND (msg_source, msg_id) IN (SELECT * FROM unnest(
 // held matches rows of keysIn still claimed by owner $4 with token $5.
 const held = keysIn + ` AND owner = $4 AND lease_token = $5`
 
-// insertClaimed claims new messages under owner $4 and a token drawn
-// once for the statement, for $5, and returns the token. They go straight
-// to PROCESSING: their work starts at once, in the next transaction, so a
-// separate commit to say so would only add a round trip and a flush. A
-// key that exists is left alone; the claim looks at it next.
+// claimToken draws the token of a claim transaction and bounds it on the
+// server (see boundWork): its first statement. insertClaimed reads the
+// token back with currval.
+const claimToken = `SELECT nextval('inbox_lease_token_seq'),
+       set_config('statement_timeout', $1, true), set_config('idle_in_transaction_session_timeout', $2, true)`
+
+// insertClaimed claims new messages under owner $4 and the transaction's
+// token (claimToken). They go straight to PROCESSING: their work starts
+// at once. A key that exists is left alone; the claim looks at it next.
+//
+// The keys are inserted in one order, the same in every transaction, so
+// that two claims racing over the same duplicate keys wait for each other
+// instead of deadlocking: an insert of a key another open transaction
+// inserted waits for that transaction, and finds its row once it commits.
 const insertClaimed = `
 INSERT INTO inbox_message (consumer, msg_source, msg_id, state, owner, lease_token, lease_until,
                            order_key, msg_type, origin, headers, body)
-SELECT $1, s, i, 'PROCESSING', $4, (SELECT nextval('inbox_lease_token_seq')), now() + $5::interval, ok, ty, og, h, b
+SELECT $1, s, i, 'PROCESSING', $4, currval('inbox_lease_token_seq'), now() + $5::interval, ok, ty, og, h, b
   FROM unnest($2::text[], $3::text[], $6::text[], $7::text[], $8::text[], $9::jsonb[], $10::bytea[])
        AS u(s, i, ok, ty, og, h, b)
+ ORDER BY s COLLATE "C", i COLLATE "C"
 ON CONFLICT DO NOTHING
-RETURNING msg_source, msg_id, lease_token`
+RETURNING msg_source, msg_id`
 
 // insertDead dead-letters messages that cannot be processed, with their
-// reason ($4); a redelivery of one finds it and is a duplicate.
+// reason ($4); a redelivery of one finds it and is a duplicate. Sorted
+// like insertClaimed.
 const insertDead = `
 INSERT INTO inbox_message (consumer, msg_source, msg_id, state, origin, headers, body, last_error, finished_at)
 SELECT $1, s, i, 'DEAD', og, h, b, e, now()
   FROM unnest($2::text[], $3::text[], $4::text[], $5::text[], $6::jsonb[], $7::bytea[]) AS u(s, i, e, og, h, b)
+ ORDER BY s COLLATE "C", i COLLATE "C"
 ON CONFLICT DO NOTHING
 RETURNING msg_source, msg_id`
 
@@ -56,18 +68,20 @@ RETURNING msg_source, msg_id, attempts`
 
 // toRecovery ends PROCESSING rows whose lease expired: their holder may
 // have done part of the work's effects outside the transaction, so only
-// an operator decides (worker inbox recovery).
+// an operator decides (worker inbox recovery). The try that was cut off
+// counts as an attempt.
 const toRecovery = `
 UPDATE inbox_message
-   SET state = 'RECOVERY_REQUIRED', finished_at = now(),
+   SET state = 'RECOVERY_REQUIRED', finished_at = now(), attempts = attempts + 1,
        last_error = 'the processing lease of ' || owner || ' expired at ' || lease_until::text || ' before its work committed',
        owner = NULL, lease_token = NULL, lease_until = NULL
  WHERE ` + keysIn + ` AND state = 'PROCESSING' AND lease_until <= now()
 RETURNING msg_source, msg_id, last_error`
 
-// begin marks claimed rows PROCESSING again, for $6, in a commit of its
-// own, before a retry's work: from here on an expired lease means the
-// work may have started.
+// begin marks claimed rows PROCESSING again, for $6, before a retry's
+// work. For a handler with external effects it commits on its own: from
+// there on an expired lease means the work may have started. A
+// transactional handler's retry runs it in its work transaction.
 const begin = `
 UPDATE inbox_message SET state = 'PROCESSING', lease_until = now() + $6::interval
  WHERE ` + held + ` AND state IN ('RECEIVED', 'FAILED', 'PROCESSING')

@@ -14,24 +14,29 @@ import (
 
 // round runs the work of claims once: every message's handler in one work
 // transaction that ends by marking them PROCESSED, then it settles what
-// that commit decided. Fresh claims are PROCESSING since their claim; a
-// retry's are marked so first, in a commit of their own. It returns the
-// claims to run again (failed, or held behind a failure of their order
-// key) and the wait before that.
-func (b *batchState) round(ctx context.Context, claims []*claim, fresh bool) (next []*claim, wait time.Duration, err error) {
+// that commit decided. What the transaction does first depends on kind:
+// claim the messages (a transactional handler's first round: claim, work
+// and PROCESSED commit together), nothing (an external handler's claims
+// committed PROCESSING already), or take the held claims back to
+// PROCESSING (a retry; an external handler's in a commit of its own
+// first). It returns the claims to run again (failed, or held behind a
+// failure of their order key) and the wait before that.
+func (b *batchState) round(ctx context.Context, claims []*claim, kind roundKind) (next []*claim, wait time.Duration, err error) {
 	c := b.c
 	began := time.Now()
-	if fresh {
+	if kind != retry {
 		began = b.started // the claim's lease runs since then
 	}
-	run, lost := claims, []*claim(nil)
-	if !fresh {
+	run := claims
+	if kind == retry && c.external {
+		var lost []*claim
 		if run, lost, err = b.begin(ctx, claims); err != nil {
 			return nil, 0, err
 		}
-	}
-	if err := b.settleLost(ctx, lost); err != nil {
-		return nil, 0, err
+		if err := b.settleLost(ctx, lost); err != nil {
+			return nil, 0, err
+		}
+		kind = claimed
 	}
 
 	// The work may run for 2/3 of the lease: the last third leaves room
@@ -40,7 +45,7 @@ func (b *batchState) round(ctx context.Context, claims []*claim, fresh bool) (ne
 	defer cancel()
 	var res workResult
 	for isolate := false; ; {
-		res, err = b.work(wctx, run, isolate)
+		res, err = b.work(wctx, run, kind, isolate)
 		var hf *handlerFailure
 		switch {
 		case errors.As(err, &hf) && !isolate:
@@ -57,7 +62,7 @@ func (b *batchState) round(ctx context.Context, claims []*claim, fresh bool) (ne
 		case err != nil && wctx.Err() != nil && ctx.Err() == nil:
 			// The work ran out of its share of the lease: it failed, each
 			// of its messages spends an attempt.
-			res, err = b.timedOut(ctx, run, time.Since(began))
+			res, err = b.timedOut(ctx, run, kind, time.Since(began))
 		}
 		break
 	}
@@ -66,6 +71,10 @@ func (b *batchState) round(ctx context.Context, claims []*claim, fresh bool) (ne
 	}
 	if len(res.done) > 0 && c.afterCommit != nil {
 		c.afterCommit(len(res.done) + len(res.dead))
+	}
+	b.afterClaim(ctx, res.intake)
+	if err := b.settleLost(ctx, res.gone); err != nil {
+		return nil, 0, err
 	}
 	for _, cl := range res.done {
 		b.settleClaim(ctx, cl, Processed, 0)
@@ -85,8 +94,9 @@ func (b *batchState) round(ctx context.Context, claims []*claim, fresh bool) (ne
 	return append(next, res.held...), wait, nil
 }
 
-// begin marks claims PROCESSING again before a retry, and returns those
-// still held and those lost to another claim.
+// begin marks an external handler's claims PROCESSING again, in a commit
+// of its own, before a retry, and returns those still held and those lost
+// to another claim.
 func (b *batchState) begin(ctx context.Context, claims []*claim) (run, lost []*claim, err error) {
 	c := b.c
 	s, i := keyArrays(claimDeliveries(claims))
@@ -94,15 +104,56 @@ func (b *batchState) begin(ctx context.Context, claims []*claim) (run, lost []*c
 	if err != nil {
 		return nil, nil, err
 	}
+	run, lost = splitHeld(claims, attempts)
+	return run, lost, nil
+}
+
+// splitHeld splits claims into those a statement returned (still held;
+// their attempts updated) and the rest.
+func splitHeld(claims []*claim, attempts map[[2]string]int) (held, lost []*claim) {
 	for _, cl := range claims {
 		if a, ok := attempts[cl.d.keyPair()]; ok {
 			cl.attempts = a
-			run = append(run, cl)
+			held = append(held, cl)
 		} else {
 			lost = append(lost, cl)
 		}
 	}
-	return run, lost, nil
+	return held, lost
+}
+
+// take starts a work transaction by doing what kind says (see round),
+// bounded on the server, and returns the claims to work in it.
+func (b *batchState) take(ctx context.Context, tx pgx.Tx, run []*claim, kind roundKind, res *workResult) ([]*claim, error) {
+	c := b.c
+	switch kind {
+	case claimInWork:
+		in, err := b.claimIn(ctx, tx, run)
+		if err != nil {
+			return nil, err
+		}
+		res.intake = in
+		return in.run, nil
+	case retry: // a transactional handler's: its rows stay FAILED if this rolls back
+		batch := &pgx.Batch{}
+		batch.Queue(boundWork, b.bounds(ctx)...)
+		s, i := keyArrays(claimDeliveries(run))
+		batch.Queue(begin, c.name, s, i, c.owner, b.token, c.cfg.LeaseTTL)
+		br := tx.SendBatch(ctx, batch)
+		defer br.Close()
+		if _, err := br.Exec(); err != nil {
+			return nil, err
+		}
+		attempts, err := collectKeyed[int](br.Query())
+		if err != nil {
+			return nil, err
+		}
+		var held []*claim
+		held, res.gone = splitHeld(run, attempts)
+		return held, br.Close()
+	}
+	_, err := tx.Exec(ctx, boundWork, b.bounds(ctx)...)
+	return run, err
 }
 
 // failure is one message whose work failed in a round.
@@ -114,7 +165,9 @@ type failure struct {
 
 // workResult is what a work transaction committed.
 type workResult struct {
-	done   []*claim
+	intake intake    // what its claim decided (claimInWork)
+	gone   []*claim  // taken from this claim before the work began
+	done   []*claim  // PROCESSED
 	failed []failure // FAILED, to retry
 	dead   []failure // out of attempts
 	held   []*claim  // not run: an earlier message of their order key failed
@@ -129,119 +182,123 @@ func (h *handlerFailure) Error() string { return h.err.Error() }
 // work runs run's handlers in one transaction and commits. Without
 // isolate, the first failure rolls everything back (handlerFailure), and
 // the caller runs again with isolate: a savepoint per message.
-func (b *batchState) work(ctx context.Context, run []*claim, isolate bool) (res workResult, err error) {
+func (b *batchState) work(ctx context.Context, run []*claim, kind roundKind, isolate bool) (res workResult, err error) {
 	c := b.c
-	if q, ok := c.handler.(batchQueuer); ok && !isolate {
-		return b.workPipelined(ctx, run, q)
-	}
 	err = pgx.BeginFunc(ctx, c.pool, func(tx pgx.Tx) error {
 		res = workResult{}
-		if _, err := tx.Exec(ctx, boundWork, b.bounds(ctx)...); err != nil {
+		todo, err := b.take(ctx, tx, run, kind, &res)
+		if err != nil || len(todo) == 0 {
 			return err
 		}
-		var failed []failure
-		blocked := map[string]bool{}
-		for _, cl := range run {
-			m := cl.d.Message
-			if m.OrderKey != "" && blocked[m.OrderKey] {
-				res.held = append(res.held, cl)
-				continue
-			}
-			m.Attempt = cl.attempts + 1
-			var herr error
-			if isolate {
-				herr = pgx.BeginFunc(ctx, tx, func(sp pgx.Tx) error { return c.handler.Handle(ctx, sp, m) })
-			} else if herr = c.handler.Handle(ctx, tx, m); herr != nil {
-				return &handlerFailure{herr}
-			}
-			if herr != nil {
-				if tx.Conn().IsClosed() || ctx.Err() != nil {
-					return herr // the database or the deadline, not this message
-				}
-				if m.OrderKey != "" {
-					blocked[m.OrderKey] = true
-				}
-				failed = append(failed, failure{cl: cl, err: herr})
-				continue
-			}
-			res.done = append(res.done, cl)
+		if q, ok := c.handler.(batchQueuer); ok && !isolate {
+			err = b.workPipelined(ctx, tx, todo, q, &res)
+		} else {
+			err = b.workEach(ctx, tx, todo, isolate, &res)
 		}
-		if len(res.done) > 0 {
-			s, i := keyArrays(claimDeliveries(res.done))
-			got, err := collectKeyed[struct{}](tx.Query(ctx, markProcessed, c.name, s, i, c.owner, b.token))
-			if err != nil {
-				return err
-			}
-			for _, cl := range res.done {
-				if _, ok := got[cl.d.keyPair()]; !ok {
-					res.lost = append(res.lost, cl)
-				}
-			}
-			if len(res.lost) > 0 {
-				return errLost
-			}
+		if err == nil && c.inWork != nil {
+			c.inWork(len(todo))
 		}
-		if err := b.recordFailures(ctx, tx, failed, &res); err != nil {
-			return err
-		}
-		if len(res.held) > 0 {
-			s, i := keyArrays(claimDeliveries(res.held))
-			if _, err := tx.Exec(ctx, release, c.name, s, i, c.owner, b.token, c.cfg.LeaseTTL); err != nil {
-				return err
-			}
-		}
-		return nil
+		return err
 	})
 	return res, err
 }
 
-// workPipelined is work without isolation for a handler whose work is one
-// statement: every message's statement and the final markProcessed go in
-// one round trip. The first failure aborts the transaction
-// (handlerFailure), and the caller runs again with isolation.
-func (b *batchState) workPipelined(ctx context.Context, run []*claim, q batchQueuer) (res workResult, err error) {
+// workEach runs each message's handler in tx, then marks the messages.
+func (b *batchState) workEach(ctx context.Context, tx pgx.Tx, run []*claim, isolate bool, res *workResult) error {
 	c := b.c
-	err = pgx.BeginFunc(ctx, c.pool, func(tx pgx.Tx) error {
-		res = workResult{}
-		batch := &pgx.Batch{}
-		batch.Queue(boundWork, b.bounds(ctx)...)
-		for _, cl := range run {
-			m := cl.d.Message
-			m.Attempt = cl.attempts + 1
-			q.queue(batch, m)
+	var failed []failure
+	blocked := map[string]bool{}
+	for _, cl := range run {
+		m := cl.d.Message
+		if m.OrderKey != "" && blocked[m.OrderKey] {
+			res.held = append(res.held, cl)
+			continue
 		}
-		s, i := keyArrays(claimDeliveries(run))
-		batch.Queue(markProcessed, c.name, s, i, c.owner, b.token)
-		br := tx.SendBatch(ctx, batch)
-		defer br.Close()
-		if _, err := br.Exec(); err != nil {
-			return err
+		m.Attempt = cl.attempts + 1
+		var herr error
+		if isolate {
+			herr = pgx.BeginFunc(ctx, tx, func(sp pgx.Tx) error { return c.handler.Handle(ctx, sp, m) })
+		} else if herr = c.handler.Handle(ctx, tx, m); herr != nil {
+			return &handlerFailure{herr}
 		}
-		for range run {
-			if _, err := br.Exec(); err != nil {
-				if tx.Conn().IsClosed() || ctx.Err() != nil {
-					return err // the database or the deadline, not a message
-				}
-				return &handlerFailure{err}
+		if herr != nil {
+			if tx.Conn().IsClosed() || ctx.Err() != nil {
+				return herr // the database or the deadline, not this message
 			}
+			if m.OrderKey != "" {
+				blocked[m.OrderKey] = true
+			}
+			failed = append(failed, failure{cl: cl, err: herr})
+			continue
 		}
-		got, err := collectKeyed[struct{}](br.Query())
+		res.done = append(res.done, cl)
+	}
+	if len(res.done) > 0 {
+		s, i := keyArrays(claimDeliveries(res.done))
+		got, err := collectKeyed[struct{}](tx.Query(ctx, markProcessed, c.name, s, i, c.owner, b.token))
 		if err != nil {
 			return err
 		}
-		for _, cl := range run {
-			if _, ok := got[cl.d.keyPair()]; ok {
-				res.done = append(res.done, cl)
-			} else {
+		for _, cl := range res.done {
+			if _, ok := got[cl.d.keyPair()]; !ok {
 				res.lost = append(res.lost, cl)
 			}
 		}
 		if len(res.lost) > 0 {
 			return errLost
 		}
-		return br.Close()
-	})
-	return res, err
+	}
+	if err := b.recordFailures(ctx, tx, failed, res); err != nil {
+		return err
+	}
+	if len(res.held) > 0 {
+		s, i := keyArrays(claimDeliveries(res.held))
+		if _, err := tx.Exec(ctx, release, c.name, s, i, c.owner, b.token, c.cfg.LeaseTTL); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// workPipelined is workEach without isolation for a handler whose work is
+// one statement: every message's statement and the final markProcessed go
+// in one round trip. The first failure aborts the transaction
+// (handlerFailure), and the caller runs again with isolation.
+func (b *batchState) workPipelined(ctx context.Context, tx pgx.Tx, run []*claim, q batchQueuer, res *workResult) error {
+	c := b.c
+	batch := &pgx.Batch{}
+	for _, cl := range run {
+		m := cl.d.Message
+		m.Attempt = cl.attempts + 1
+		q.queue(batch, m)
+	}
+	s, i := keyArrays(claimDeliveries(run))
+	batch.Queue(markProcessed, c.name, s, i, c.owner, b.token)
+	br := tx.SendBatch(ctx, batch)
+	defer br.Close()
+	for range run {
+		if _, err := br.Exec(); err != nil {
+			if tx.Conn().IsClosed() || ctx.Err() != nil {
+				return err // the database or the deadline, not a message
+			}
+			return &handlerFailure{err}
+		}
+	}
+	got, err := collectKeyed[struct{}](br.Query())
+	if err != nil {
+		return err
+	}
+	for _, cl := range run {
+		if _, ok := got[cl.d.keyPair()]; ok {
+			res.done = append(res.done, cl)
+		} else {
+			res.lost = append(res.lost, cl)
+		}
+	}
+	if len(res.lost) > 0 {
+		return errLost
+	}
+	return br.Close()
 }
 
 // boundWork bounds a work transaction on the server, where a holder that
@@ -296,14 +353,20 @@ func (b *batchState) recordFailures(ctx context.Context, tx pgx.Tx, failed []fai
 }
 
 // timedOut records every message of run as failed: their work ran past
-// its share of the lease and rolled back.
-func (b *batchState) timedOut(ctx context.Context, run []*claim, took time.Duration) (res workResult, err error) {
-	failed := make([]failure, len(run))
-	for n, cl := range run {
-		failed[n] = failure{cl: cl, err: fmt.Errorf("the batch's work ran for %s, past 2/3 of inbox.lease_ttl, and rolled back", took.Round(time.Millisecond))}
-	}
+// its share of the lease and rolled back. A claim made in that work
+// transaction rolled back with it, so this one claims again first.
+func (b *batchState) timedOut(ctx context.Context, run []*claim, kind roundKind, took time.Duration) (res workResult, err error) {
+	reason := fmt.Errorf("the batch's work ran for %s, past 2/3 of inbox.lease_ttl, and rolled back", took.Round(time.Millisecond))
 	err = pgx.BeginFunc(ctx, b.c.pool, func(tx pgx.Tx) error {
 		res = workResult{}
+		todo, err := b.take(ctx, tx, run, kind, &res)
+		if err != nil {
+			return err
+		}
+		failed := make([]failure, len(todo))
+		for n, cl := range todo {
+			failed[n] = failure{cl: cl, err: reason}
+		}
 		return b.recordFailures(ctx, tx, failed, &res)
 	})
 	if errors.Is(err, errLost) {
@@ -325,8 +388,9 @@ func (b *batchState) settleLost(ctx context.Context, lost []*claim) error {
 		return err
 	}
 	for _, cl := range lost {
-		switch state[cl.d.keyPair()] {
-		case "PROCESSED", "RESOLVED", "DEAD", "RECOVERY_REQUIRED":
+		switch st := state[cl.d.keyPair()]; st {
+		case StateProcessed, StateResolved, StateDead, StateRecoveryRequired:
+			cl.found = st
 			b.settleClaim(ctx, cl, Duplicate, 0)
 		default:
 			b.settleClaim(ctx, cl, Busy, time.Second)

@@ -97,6 +97,12 @@ func TestInvalidConfig(t *testing.T) {
 			[]string{"rediss://"}},
 		{"redis cert without key", "{}", []string{"APP_LOCK_PROVIDER=redis", "APP_LOCK_REDIS_URL=rediss://cache:6379/0", "APP_LOCK_REDIS_TLS_CERT_FILE=/c.pem"},
 			[]string{"APP_LOCK_REDIS_TLS_CERT_FILE", "tls_key_file"}},
+		{"inbox sql handler with external effects", "inbox:\n  sources:\n    - {name: a, kind: webhook, effects: external, handler: {kind: sql, sql: SELECT 1}}\n", nil,
+			[]string{"inbox.sources[0].effects", "external", "transactional"}},
+		{"inbox effects unknown", "inbox:\n  sources:\n    - {name: a, kind: webhook, effects: maybe, handler: {kind: sql, sql: SELECT 1}}\n", nil,
+			[]string{"inbox.sources[0].effects", "maybe", "transactional or external"}},
+		{"inbox concurrency zero", "inbox:\n  sources:\n    - {name: a, kind: webhook, concurrency: 0, handler: {kind: sql, sql: SELECT 1}}\n", nil,
+			[]string{"inbox.sources[0].concurrency=0", "1 to 64"}},
 		{"redis ca file missing", "{}", []string{"APP_LOCK_PROVIDER=redis", "APP_LOCK_REDIS_URL=rediss://cache:6379/0", "APP_LOCK_REDIS_TLS_CA_FILE=/nonexistent/ca.pem"},
 			[]string{"APP_LOCK_REDIS_TLS_CA_FILE", "/nonexistent/ca.pem"}},
 	}

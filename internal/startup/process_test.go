@@ -31,6 +31,9 @@ func TestMain(m *testing.M) {
 		runLivezProber(addr)
 		return
 	}
+	if os.Getenv(goInboxWorkerEnv) != "" {
+		os.Exit(runGoInboxWorker())
+	}
 	dir, err := os.MkdirTemp("", "worker-bin-")
 	if err != nil {
 		panic(err)

@@ -3,7 +3,9 @@ package inboxtest
 import (
 	"context"
 	"fmt"
+	"os"
 	"slices"
+	"strconv"
 	"testing"
 	"time"
 
@@ -36,9 +38,18 @@ type Bench struct {
 	Source func(where, reader string) (inbox.Source, error)
 }
 
+// ConcurrencyEnv names an environment variable that sets the inbox
+// phase's inbox.sources[].concurrency, to compare lane counts: the test
+// database's pool (pgtest.PoolConns) caps what runs at once.
+const ConcurrencyEnv = "WORKER_BENCH_INBOX_CONCURRENCY"
+
 // Run runs the rounds, b.N times.
 func (bn *Bench) Run(b *testing.B) {
 	f, n := bn.Fixture, bn.Messages
+	if c, err := strconv.Atoi(os.Getenv(ConcurrencyEnv)); err == nil && c > 0 {
+		f.Src.Concurrency = c
+	}
+	fmt.Printf("%s: inbox concurrency %d\n", bn.Kind, f.Src.Concurrency)
 	for range b.N {
 		rounds := make([][3]float64, 0, bn.Rounds) // bare, plain work, inbox
 		for round := range bn.Rounds {

@@ -95,7 +95,7 @@ func (hd *handler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	hd.h.Process(ctx, []*inbox.Delivery{d})
 	select {
 	case st := <-settled:
-		s.respond(w, r, st)
+		s.respond(w, r, st, d)
 	default:
 		// The timeout, the sender's disconnect or shutdown ended the work
 		// before it committed.
@@ -103,19 +103,33 @@ func (hd *handler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	}
 }
 
-// respond answers what the inbox committed.
-func (s *Source) respond(w http.ResponseWriter, r *http.Request, st settlement) {
-	switch st.outcome {
-	case inbox.Processed:
+// respond answers what the inbox committed about d (the package's doc
+// lists the answers).
+func (s *Source) respond(w http.ResponseWriter, r *http.Request, st settlement, d *inbox.Delivery) {
+	switch {
+	case d.Invalid != nil && (st.outcome == inbox.Dead || st.outcome == inbox.Duplicate):
+		// Dead-lettered because the database cannot store its text: the
+		// sender must fix the message, and a resend is refused alike.
+		s.refused.refuse(r.RemoteAddr, r.Header.Get("Webhook-Id"), http.StatusBadRequest, reasonUnstorable, d.Invalid.Error())
+		answer(w, http.StatusBadRequest, reply{Outcome: string(inbox.Dead), Error: d.Invalid.Error(), Reason: reasonUnstorable,
+			Detail: "dead-lettered in the receiver's inbox; do not resend"})
+	case st.outcome == inbox.Processed:
 		answer(w, http.StatusOK, reply{Outcome: string(st.outcome)})
-	case inbox.Duplicate:
-		answer(w, s.cfg.DuplicateStatus, reply{Outcome: string(st.outcome), Detail: "already received"})
-	case inbox.Dead:
+	case st.outcome == inbox.Duplicate && d.Found == inbox.StateRecoveryRequired:
+		// Not "already received": its work was cut off and may not have
+		// happened. An operator decides; a resend after that is answered
+		// as a duplicate.
+		const why = "the message's earlier processing was cut off before it committed; an operator decides whether it runs again (worker inbox recovery); resend later"
+		s.refused.refuse(r.RemoteAddr, r.Header.Get("Webhook-Id"), http.StatusConflict, reasonRecovery, why)
+		answer(w, http.StatusConflict, reply{Outcome: "recovery_required", Error: why, Reason: reasonRecovery})
+	case st.outcome == inbox.Dead, st.outcome == inbox.Duplicate && d.Found == inbox.StateDead:
 		// A 2xx, because a resend would only be a duplicate: the dead
 		// letter stays in the inbox for an operator.
-		answer(w, http.StatusOK, reply{Outcome: string(st.outcome), Detail: "dead-lettered in the receiver's inbox; do not resend"})
-	case inbox.Unavailable:
+		answer(w, http.StatusOK, reply{Outcome: string(inbox.Dead), Detail: "dead-lettered in the receiver's inbox; do not resend"})
+	case st.outcome == inbox.Unavailable:
 		s.refuse(w, r, http.StatusServiceUnavailable, reasonUnavailable, "the receiver's database failed; the message was not applied", st.after)
+	case st.outcome == inbox.Duplicate:
+		answer(w, s.cfg.DuplicateStatus, reply{Outcome: string(st.outcome), Detail: "already received"})
 	default:
 		s.refuse(w, r, http.StatusServiceUnavailable, reasonInProgress, "the same message is being processed by another request or replica", st.after)
 	}

@@ -29,11 +29,13 @@ const (
 	reasonUnavailable  = "unavailable"        // 503: the inbox's database failed
 	reasonTimeout      = "timeout"            // 503: the work did not commit within the timeout
 	reasonSlowHeader   = "slow_header"        // no answer: no request head within readHeaderTimeout
+	reasonUnstorable   = "unstorable"         // 400: dead-lettered, its text cannot be stored (a NUL byte, not UTF-8)
+	reasonRecovery     = "recovery_required"  // 409: an earlier delivery's work was cut off; an operator decides
 )
 
 var reasons = []string{
 	reasonBadRequest, reasonBadSignature, reasonNotFound, reasonMethod, reasonSlowBody, reasonTooLarge,
-	reasonBusy, reasonInProgress, reasonUnavailable, reasonTimeout, reasonSlowHeader,
+	reasonBusy, reasonInProgress, reasonUnavailable, reasonTimeout, reasonSlowHeader, reasonUnstorable, reasonRecovery,
 }
 
 // refusedLogRate bounds the log lines about refused requests, per source:
@@ -59,7 +61,7 @@ type refusals struct {
 func newRefusals(source string, reg prometheus.Registerer, log *slog.Logger) (*refusals, error) {
 	counter := prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "inbox_webhook_refused_total",
-		Help: "Requests a webhook source refused, by source and reason: bad_request, bad_signature, not_found, method_not_allowed, slow_body, too_large, busy, in_progress, unavailable, timeout, slow_header.",
+		Help: "Requests a webhook source refused, by source and reason: bad_request, bad_signature, not_found, method_not_allowed, slow_body, too_large, busy, in_progress, unavailable, timeout, slow_header, unstorable, recovery_required.",
 	}, []string{"source", "reason"})
 	if reg == nil {
 		reg = prometheus.NewRegistry()

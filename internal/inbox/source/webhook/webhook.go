@@ -8,10 +8,17 @@
 //	200 processed: the work committed now
 //	200 or 409 (duplicate_status) duplicate: the work had committed before
 //	200 dead: dead-lettered in the inbox (out of attempts, or a permanent
-//	    failure); an operator takes it from there (worker inbox dead),
-//	    and a resend would only be a duplicate
+//	    failure), now or before; an operator takes it from there (worker
+//	    inbox dead), and a resend would only be a duplicate
+//	400 dead: a ce-id, ce-source, ce-subject, ce-type or header the
+//	    database cannot store (a NUL byte, or not UTF-8): dead-lettered
+//	    with its reason, escaped; a resend is answered alike
 //	400 the body could not be read, or the message has no dedupe key:
 //	    nothing was stored
+//	409 recovery_required: an earlier delivery's work was cut off before
+//	    it committed, by a handler with external effects; an operator
+//	    decides (worker inbox recovery), and a resend after that is
+//	    answered as a duplicate
 //	401 a missing, stale or wrong signature: nothing was stored
 //	404 another path; 405 not a POST
 //	408 the body came slower than the minimum rate

@@ -9,6 +9,7 @@ import (
 	"fmt"
 	"net"
 	"net/http"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
@@ -187,14 +188,15 @@ func TestDeadIsAnswered200(t *testing.T) {
 	}
 }
 
-// The same message while its first delivery is being worked on is busy:
-// 503 with a Retry-After, and no second piece of work. A request whose
-// work outlasts the timeout is 503 too.
+// The same message while its first delivery is being worked on waits for
+// it (its claim waits on the row of the key), and is then answered as a
+// duplicate: no second piece of work. A request whose work outlasts the
+// timeout is 503.
 func TestBusyAndTimeout(t *testing.T) {
 	t.Parallel()
 	entered, release := make(chan struct{}, 4), make(chan struct{})
 	f := newFixture(t, func(s *setup) {
-		s.cfg.Timeout = 2 * time.Second
+		s.cfg.Timeout = 10 * time.Second
 		s.handler = inbox.HandlerFunc(func(ctx context.Context, tx pgx.Tx, m inbox.Message) error {
 			entered <- struct{}{}
 			select {
@@ -207,16 +209,19 @@ func TestBusyAndTimeout(t *testing.T) {
 	})
 	f.start(t)
 	body := []byte(`{}`)
-	first := make(chan response, 1)
+	first, second := make(chan response, 1), make(chan response, 1)
 	go func() { first <- post(t, f.url, signed(f.key, "b-1", time.Now(), body), body) }()
 	<-entered
-	a := post(t, f.url, signed(f.key, "b-1", time.Now(), body), body)
-	if a.code != http.StatusServiceUnavailable || a.retryAfter == "" || a.body.Outcome != "busy" {
-		t.Errorf("the same message meanwhile: %+v, want 503 busy with Retry-After", a)
-	}
+	go func() { second <- post(t, f.url, signed(f.key, "b-1", time.Now(), body), body) }()
+	testkit.Eventually(t, 10*time.Second, "the second delivery's claim to wait for the first", func() bool {
+		return f.count(t, `SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'`) == 1
+	})
 	close(release)
-	if a := <-first; a.code != http.StatusOK {
-		t.Errorf("first: %+v, want 200", a)
+	if a := <-first; a.code != http.StatusOK || a.body.Outcome != "processed" {
+		t.Errorf("first: %+v, want 200 processed", a)
+	}
+	if a := <-second; a.code != http.StatusOK || a.body.Outcome != "duplicate" {
+		t.Errorf("the same message meanwhile: %+v, want 200 duplicate once the first committed", a)
 	}
 	if n := f.count(t, `SELECT count(*) FROM work`); n != 1 {
 		t.Errorf("%d pieces of work for one message", n)
@@ -363,5 +368,37 @@ func TestNewRefuses(t *testing.T) {
 	}
 	if _, err := New(good, Options{Name: "hook"}); err != nil {
 		t.Errorf("the default section with a secret: %v", err)
+	}
+}
+
+// A signed request whose ce-id, ce-source or ce-subject decodes to text
+// the database cannot store (%00, or bytes that are not UTF-8) is
+// dead-lettered at once and answered 400, never 503; its resend is
+// answered alike, and nothing else is held back.
+func TestUnstorableIs400(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t)
+	f.start(t)
+	body := []byte(`{}`)
+	for n, set := range []func(h http.Header){
+		func(h http.Header) { h.Set("Ce-Id", "nul%00id") },
+		func(h http.Header) { h.Set("Ce-Source", "shop%00") },
+		func(h http.Header) { h.Set("Ce-Subject", "o-%FF") },
+	} {
+		id := "u-" + strconv.Itoa(n)
+		h := signed(f.key, id, time.Now(), body)
+		set(h)
+		for try := range 2 {
+			a := post(t, f.url, h, body)
+			if a.code != http.StatusBadRequest || a.body.Outcome != "dead" || !strings.Contains(a.body.Error, "unstorable") {
+				t.Errorf("%s, try %d: %+v; want 400 dead, unstorable", id, try+1, a)
+			}
+		}
+	}
+	if n := f.count(t, `SELECT count(*) FROM inbox_message WHERE state = 'DEAD' AND last_error LIKE 'unstorable message:%'`); n != 3 {
+		t.Errorf("%d dead letters; want the 3 unstorable messages", n)
+	}
+	if a := post(t, f.url, signed(f.key, "fine", time.Now(), body), body); a.code != http.StatusOK || a.body.Outcome != "processed" {
+		t.Errorf("a good message after them: %+v, want 200 processed", a)
 	}
 }
