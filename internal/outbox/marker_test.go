@@ -87,7 +87,7 @@ func TestMarkerStatements(t *testing.T) {
 	setDelivery(t, db.Pool, ev["due"], "next_attempt_at = now() - interval '1 second'")
 	want := map[string]string{
 		"named": fmt.Sprintf("relay/0000000000000001@%d", id), "unnamed": "relay/0000000000000004",
-		"due": fmt.Sprintf("relay/0000000000000005@%d", id),
+		"due":       fmt.Sprintf("relay/0000000000000005@%d", id),
 		"other-pid": "", "other-marker": "", // not held as named: left PENDING
 	}
 	for name, token := range want {
