@@ -132,8 +132,12 @@ func (c *claimer) settle() {
 	if c.pending != nil {
 		ctx, cancel := context.WithTimeout(context.Background(), finishTimeout)
 		b := &pgx.Batch{}
-		c.fin.queue(b, c.pending)
-		err := c.conn.Conn().SendBatch(ctx, b).Close()
+		q := c.fin.queue(b, c.pending)
+		res := c.conn.Conn().SendBatch(ctx, b)
+		err := q.read(res, c.pending)
+		if cerr := res.Close(); err == nil {
+			err = cerr
+		}
 		cancel()
 		c.finished(c.conn.Conn(), c.pending, err)
 		c.pending = nil
@@ -148,7 +152,14 @@ func (c *claimer) settle() {
 func (c *claimer) finished(conn *pgx.Conn, out *outcomes, err error) {
 	// Detached events stay claimed until their own outcome is written.
 	c.m.claimed.Sub(float64(out.claimed - len(out.detached)))
-	if err == nil {
+	if err == nil && out.unmarked {
+		// The relay's marker session ended as the batch committed (a
+		// reconnect of its listener): the events were left as they were,
+		// free for any relay while their publishes are still out.
+		c.log.Warn("outbox relay marker gone as detached publishes were recorded; their events are free again and may be published twice",
+			"events", len(out.detached))
+	}
+	if err == nil && !out.unmarked {
 		c.done.track(out) // before settle: a hard stop may hand them back
 	}
 	out.settle(err == nil)

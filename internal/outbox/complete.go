@@ -93,8 +93,8 @@ func (c *completer) untrack(ev *claimedRow) {
 func (c *completer) complete(out *outcomes, ev *claimedRow, o eventOutcome) {
 	defer c.m.claimed.Dec()
 	<-out.settled
-	if !out.committed {
-		return
+	if !out.committed || out.unmarked {
+		return // not IN_FLIGHT: nothing of this claim to complete
 	}
 	defer c.untrack(ev)
 	cp := &completion{ev: ev, token: out.token, o: o, done: make(chan struct{})}

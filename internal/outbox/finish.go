@@ -20,6 +20,7 @@ type outcomes struct {
 	handBack  []*claimedRow
 	detached  []*claimedRow // still being published: written IN_FLIGHT under token
 	token     string
+	unmarked  bool          // the detach changed nothing: the relay's marker was gone (finishSQL.read)
 	started   int           // events whose publish started
 	cutShort  bool          // detach_after ended the batch before all its events were published
 	settled   chan struct{} // closed once the outcomes are committed or rolled back
@@ -50,9 +51,13 @@ type finishSQL struct {
 	marker          *marker // the listener's; its own mutex guards it
 }
 
-// queue queues the writes of a batch's outcomes and its COMMIT, and
-// returns how many statements it queued.
-func (f finishSQL) queue(b *pgx.Batch, out *outcomes) int {
+// queued is what queue put in a batch: n statements, the detach the
+// detachAt-th of them (-1: none).
+type queued struct{ n, detachAt int }
+
+// queue queues the writes of a batch's outcomes and its COMMIT.
+func (f finishSQL) queue(b *pgx.Batch, out *outcomes) queued {
+	q := queued{detachAt: -1}
 	if len(out.published) > 0 {
 		tids := make([]pgtype.TID, len(out.published))
 		for i, ev := range out.published {
@@ -77,6 +82,8 @@ func (f finishSQL) queue(b *pgx.Batch, out *outcomes) int {
 			tids[i] = ev.tid
 		}
 		if id, pid, ok := f.marker.current(); ok {
+			b.Queue(detachLockSQL, int32(id))
+			q.detachAt = b.Len()
 			b.Queue(markInFlightNamedSQL, tids, f.inFlightTimeout.Milliseconds(), out.token, id, int32(pid))
 		} else {
 			b.Queue(markInFlightSQL, tids, f.inFlightTimeout.Milliseconds(), out.token)
@@ -102,5 +109,23 @@ func (f finishSQL) queue(b *pgx.Batch, out *outcomes) int {
 		b.Queue("SET LOCAL synchronous_commit = off")
 	}
 	b.Queue("COMMIT")
-	return b.Len()
+	q.n = b.Len()
+	return q
+}
+
+// read reads the results of what queue queued, up to the first error. A
+// detach that changed fewer rows than it was given found the relay's
+// marker gone (markInFlightNamedSQL): its events are not IN_FLIGHT, and
+// the commit frees them for any relay.
+func (q queued) read(res pgx.BatchResults, out *outcomes) error {
+	for i := range q.n {
+		tag, err := res.Exec()
+		if err != nil {
+			return err
+		}
+		if i == q.detachAt && tag.RowsAffected() < int64(len(out.detached)) {
+			out.unmarked = true
+		}
+	}
+	return nil
 }

@@ -49,14 +49,18 @@ GROUP BY e.status, v.event_type
 UNION ALL
 SELECT 'DEAD', NULL, count(*), NULL FROM outbox_delivery WHERE dead_at IS NOT NULL
 UNION ALL
-SELECT '` + partitionsAhead + `', NULL, count(*), NULL FROM outbox_partition WHERE lo > now()`
+SELECT '` + partitionsAhead + `', NULL, 0, coalesce((SELECT extract(epoch FROM max(hi) - now()) FROM outbox_partition
+                                                  HAVING bool_or(lo <= now() AND hi > now())), 0)::float8`
 
-// partitionsAhead is gaugesSQL's row for the partitions ready ahead of now.
+// partitionsAhead is gaugesSQL's row for how far past now the partitions
+// reach, in seconds: from now to the end of the last one, which the keeper
+// creates each from the end of the one before, if one covers now at all.
 const partitionsAhead = "partitions ahead"
 
 func (g *gauges) update(ctx context.Context) error {
 	counts := map[string]float64{}
 	lag := map[string]float64{}
+	var ahead float64
 	err := pgx.BeginFunc(ctx, g.pool, func(tx pgx.Tx) error {
 		// A background metric must not grab every core for a parallel
 		// scan of a large backlog.
@@ -67,7 +71,7 @@ func (g *gauges) update(ctx context.Context) error {
 		if err != nil {
 			return err
 		}
-		return g.scan(rows, counts, lag)
+		return g.scan(rows, counts, lag, &ahead)
 	})
 	if err != nil {
 		return err
@@ -75,7 +79,7 @@ func (g *gauges) update(ctx context.Context) error {
 	for _, s := range []string{StatusPending, StatusInFlight, StatusFailed, StatusDead} {
 		g.m.pending.WithLabelValues(s).Set(counts[s])
 	}
-	g.m.ahead.Set(counts[partitionsAhead])
+	g.m.ahead.Set(ahead)
 	// Event types seen before and now drained report 0, not their last lag.
 	for _, t := range append(g.m.eventTypes.known(), otherEventType) {
 		g.m.lag.WithLabelValues(t).Set(lag[t])
@@ -83,7 +87,7 @@ func (g *gauges) update(ctx context.Context) error {
 	return nil
 }
 
-func (g *gauges) scan(rows pgx.Rows, counts, lag map[string]float64) error {
+func (g *gauges) scan(rows pgx.Rows, counts, lag map[string]float64, ahead *float64) error {
 	defer rows.Close()
 	for rows.Next() {
 		var status string
@@ -94,6 +98,9 @@ func (g *gauges) scan(rows pgx.Rows, counts, lag map[string]float64) error {
 			return err
 		}
 		counts[status] += float64(n)
+		if status == partitionsAhead && age != nil {
+			*ahead = *age
+		}
 		if eventType != nil && age != nil {
 			t := g.m.eventType(*eventType)
 			lag[t] = max(lag[t], *age)

@@ -52,10 +52,9 @@ import (
 //     statements; the relay then takes no marker, names none and watches
 //     none: its events wait for the timeout, as before.
 //   - A detach names the marker only while the relay's last look, at most
-//     markerFresh ago, found it held by its own session, and only if
-//     pg_locks shows it so in the statement that writes the detach. An
-//     event detached while the marker lapsed (a reconnect) names none and
-//     waits for the timeout if its relay dies.
+//     markerFresh ago, found it held by its own session. An event
+//     detached otherwise names none and waits for the timeout if its
+//     relay dies.
 //   - The relay never lets go of a marker that detached events may still
 //     be named by and published under: it gives up on a connection that
 //     does not answer only after markerBound (in_flight_timeout +
@@ -74,6 +73,32 @@ import (
 //     That is the one case left: a session ended from outside whose relay
 //     cannot reconnect within markerGrace looks dead.
 //
+// A statement can outlive its sender. A relay's claim transaction sends
+// its detach and its COMMIT in one round trip; if the process dies right
+// after, the server still runs them (the bytes are in its socket) and only
+// then reads the end of the connection, tens of milliseconds after the
+// marker's session ended. So the owner's liveness is judged inside the
+// statements, in two steps that no order of death and statement defeats:
+//   - The detach writes IN_FLIGHT only if it sees the marker held by the
+//     relay's marker session in the same statement (markInFlightNamedSQL);
+//     otherwise it changes nothing, and the commit frees the events for
+//     any relay at once. Run after the marker is gone, it cannot hide an
+//     event from the reclaim.
+//   - Before it, the claim transaction takes the marker's detach lock
+//     (detachLockClass, id) shared, until it ends. The reclaim takes that
+//     lock exclusively, without waiting, before it looks for the marker's
+//     events (reclaim), and tries again at the next look while it cannot.
+//     Every transaction that saw the marker held has then committed or
+//     rolled back, so its events are visible to the reclaim, and any
+//     later one changes nothing. Without the lock, a detach that saw the
+//     marker just before the death and committed after the reclaim looked
+//     would name a marker nobody looks for again.
+//
+// The price: a detach that runs in the moment between the server ending a
+// live relay's marker session and the relay noticing leaves its events
+// free while their publishes are out. The relay logs it, and those events
+// may be published twice.
+//
 // in_flight_timeout remains the backstop for an owner that is alive but
 // stuck (it keeps its marker), for events that name no marker, and for a
 // relay whose death no other relay saw. Once another relay has claimed a
@@ -85,6 +110,10 @@ const (
 	// locks (SQL text), apart from the insert trigger's aggregate locks
 	// (7304564) and from single-key locks an application may take.
 	markerLockClass = "7304565"
+	// detachLockClass is the first key of the markers' detach locks: a
+	// claim transaction holds (detachLockClass, id) shared from its detach
+	// to its end, a reclaim of marker id takes it exclusively.
+	detachLockClass = "7304567"
 	// markerPoll is how often the listener looks at the markers.
 	markerPoll = 200 * time.Millisecond
 	// markerGrace is how long a marker must stay missing before its owner
@@ -202,6 +231,11 @@ FROM m`
 	markerPollSQL = `
 SELECT pg_backend_pid(), coalesce(array_agg(DISTINCT l.objid::bigint), '{}'),
        coalesce(bool_or(l.pid = pg_backend_pid() AND l.objid::bigint = $1), false)` + markerHolders
+
+	// reclaimLockSQL tries the detach lock of marker $1 for the reclaim's
+	// transaction: false while a claim transaction that may still commit
+	// events naming the marker is open.
+	reclaimLockSQL = `SELECT pg_try_advisory_xact_lock(` + detachLockClass + `, $1::integer)`
 
 	// reclaimSQL makes the IN_FLIGHT events that name marker $1 due now,
 	// unless the marker is held again by now (its owner came back). Rows
@@ -331,10 +365,13 @@ func (l *listener) markerTick(ctx context.Context, conn *pgx.Conn) error {
 	}
 	l.looks.Add(1)
 	for _, m := range w.observe(held, id, start) {
-		if err := l.reclaim(ctx, conn, m); err != nil {
+		done, err := l.reclaim(ctx, conn, m)
+		if err != nil {
 			return l.lookFailed(w, conn, err) // the marker stays seen: tried again next look
 		}
-		delete(w.seen, m)
+		if done {
+			delete(w.seen, m)
+		}
 	}
 	w.failing = false
 	return nil
@@ -355,26 +392,40 @@ func (l *listener) lookFailed(w *markerWatch, conn *pgx.Conn, err error) error {
 }
 
 // reclaim makes the IN_FLIGHT events of the dead owner of marker m due,
-// wakes the relays and logs one line.
-func (l *listener) reclaim(ctx context.Context, conn *pgx.Conn, m int64) error {
+// wakes the relays and logs one line. It reports false, having changed
+// nothing, while a transaction of the owner's that may still commit
+// events naming m is open: the next look tries again.
+func (l *listener) reclaim(ctx context.Context, conn *pgx.Conn, m int64) (done bool, err error) {
 	qctx, cancel := context.WithTimeout(ctx, l.markerBound())
 	defer cancel()
-	rows, _ := conn.Query(qctx, reclaimSQL, m)
-	tokens, err := pgx.CollectRows(rows, pgx.RowTo[string])
-	if err != nil || len(tokens) == 0 {
+	var tokens []string
+	err = pgx.BeginFunc(qctx, conn, func(tx pgx.Tx) error {
+		if err := tx.QueryRow(qctx, reclaimLockSQL, m).Scan(&done); err != nil || !done {
+			return err
+		}
+		// A statement of its own, so its snapshot is taken after the lock:
+		// it sees whatever the owner's transactions committed.
+		rows, _ := tx.Query(qctx, reclaimSQL, m)
+		tokens, err = pgx.CollectRows(rows, pgx.RowTo[string])
 		return err
+	})
+	if err != nil || !done {
+		return false, err
 	}
-	l.log.InfoContext(ctx, "outbox relay gone; its detached events reclaimed", "events", len(tokens),
-		"owner", ownerOf(tokens[0]), "marker", m)
+	if len(tokens) > 0 {
+		l.log.InfoContext(ctx, "outbox relay gone; its detached events reclaimed", "events", len(tokens),
+			"owner", ownerOf(tokens[0]), "marker", m)
+	}
+	// Also when nothing was reclaimed: the owner's last transactions freed
+	// the events they held, which idle loops would otherwise find only at
+	// their next poll. The other replicas' loops may be idle too, every
+	// head they saw being in flight.
 	l.wake()
-	// The other replicas' loops may be idle, every head they saw being in
-	// flight; without the notification they find the events at their next
-	// poll.
 	_, err = conn.Exec(qctx, "SELECT pg_notify($1, '')", NotifyChannel)
 	if err != nil && !conn.IsClosed() {
 		err = nil
 	}
-	return err
+	return true, err
 }
 
 // ownerOf is the owner part of a detach's token, instance/batch@marker:

@@ -41,7 +41,8 @@ type metrics struct {
 	latency       prometheus.Histogram   // outbox_publish_latency_seconds
 	batchSize     prometheus.Histogram   // outbox_batch_size
 	claimed       prometheus.Gauge       // outbox_claimed_events
-	ahead         prometheus.Gauge       // outbox_partitions_ahead
+	ahead         prometheus.Gauge       // outbox_partitions_ahead_seconds
+	interval      prometheus.Gauge       // outbox_partition_interval_seconds
 	sinkUp        prometheus.Gauge       // outbox_sink_up{sink}
 	breakerOpened prometheus.Counter     // outbox_sink_breaker_opened_total{sink}
 	retry         *prometheus.CounterVec // job_retry_total{job_name,outcome}
@@ -68,8 +69,14 @@ func newMetrics(reg prometheus.Registerer, sink string) (*metrics, error) {
 		return nil, err
 	}
 	if m.ahead, err = register(reg, prometheus.NewGauge(prometheus.GaugeOpts{
-		Name: "outbox_partitions_ahead",
-		Help: "outbox_event partitions ready for times after now, refreshed every outbox.metrics_interval. At 0 the next partition boundary fails every insert.",
+		Name: "outbox_partitions_ahead_seconds",
+		Help: "How far past now the outbox_event partitions reach, in seconds (0 when no partition covers now), refreshed every outbox.metrics_interval. At 0 every insert fails.",
+	})); err != nil {
+		return nil, err
+	}
+	if m.interval, err = register(reg, prometheus.NewGauge(prometheus.GaugeOpts{
+		Name: "outbox_partition_interval_seconds",
+		Help: "The configured outbox.partition_interval, in seconds: the length of a new outbox_event partition. Alerts compare outbox_partitions_ahead_seconds with it.",
 	})); err != nil {
 		return nil, err
 	}

@@ -60,11 +60,85 @@ func (p *Partitions) Maintain(ctx context.Context) (created, dropped []string, e
 	if p.Interval <= 0 || p.Ahead < 1 {
 		return nil, nil, fmt.Errorf("outbox: partitions: interval %s and ahead %d must be positive", p.Interval, p.Ahead)
 	}
-	if created, err = p.create(ctx); err != nil {
+	if created, err = p.relayEmpty(ctx); err != nil {
+		return created, nil, err
+	}
+	more, err := p.create(ctx)
+	if created = append(created, more...); err != nil {
 		return created, nil, err
 	}
 	dropped, err = p.drop(ctx)
 	return created, dropped, err
+}
+
+// relayEmpty lays the partitions anew on Interval while outbox_event holds
+// no event and its partitions are not laid on Interval: on a fresh install,
+// the two day-long partitions the migration made (it cannot know the
+// configured interval), so that the first event already lands in a
+// partition of partition_interval. The check, the drops and the new
+// partitions from now to Ahead intervals past it are one transaction
+// under the table's lock, so a producer waits for it and then finds its
+// partition. A table that holds an event keeps its partitions: the
+// interval applies from their end on. It returns the partitions it
+// created.
+func (p *Partitions) relayEmpty(ctx context.Context) ([]string, error) {
+	rows, _ := p.Pool.Query(ctx, `SELECT lo, hi FROM outbox_partition`)
+	bounds, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) ([2]time.Time, error) {
+		var b [2]time.Time
+		return b, r.Scan(&b[0], &b[1])
+	})
+	if err != nil {
+		return nil, err
+	}
+	laid := true
+	for _, b := range bounds {
+		laid = laid && b[1].Sub(b[0]) == p.Interval && b[0].Equal(b[0].Truncate(p.Interval))
+	}
+	// Only an empty table is laid anew, and the lock below would make
+	// producers wait: look without it first.
+	var empty bool
+	if err := p.Pool.QueryRow(ctx, `SELECT NOT EXISTS (SELECT 1 FROM outbox_event)`).Scan(&empty); laid || err != nil || !empty {
+		return nil, err
+	}
+	var created []string
+	err = pgx.BeginFunc(ctx, p.Pool, func(tx pgx.Tx) error {
+		created = nil
+		if _, err := tx.Exec(ctx, "SET LOCAL lock_timeout = "+partitionLockTimeout); err != nil {
+			return err
+		}
+		if _, err := tx.Exec(ctx, "LOCK TABLE outbox_event IN ACCESS EXCLUSIVE MODE"); err != nil {
+			return err
+		}
+		var empty bool
+		var now time.Time
+		if err := tx.QueryRow(ctx, `SELECT NOT EXISTS (SELECT 1 FROM outbox_event) AND NOT EXISTS (SELECT 1 FROM outbox_delivery)
+			AND NOT EXISTS (SELECT 1 FROM outbox_purged), now()`).Scan(&empty, &now); err != nil || !empty {
+			return err
+		}
+		rows, _ := tx.Query(ctx, `DELETE FROM outbox_partition RETURNING name`)
+		names, err := pgx.CollectRows(rows, pgx.RowTo[string])
+		if err != nil {
+			return err
+		}
+		for _, name := range names {
+			if _, err := tx.Exec(ctx, "DROP TABLE IF EXISTS "+pgx.Identifier{name}.Sanitize()); err != nil {
+				return err
+			}
+		}
+		until := now.Add(time.Duration(p.Ahead) * p.Interval)
+		for lo := now.Truncate(p.Interval); lo.Before(until); lo = lo.Add(p.Interval) {
+			var name string
+			if err := tx.QueryRow(ctx, `SELECT outbox_event_add_partition($1, $2)`, lo, lo.Add(p.Interval)).Scan(&name); err != nil {
+				return err
+			}
+			created = append(created, name)
+		}
+		return nil
+	})
+	if err != nil {
+		return nil, fmt.Errorf("lay the partitions of the empty outbox_event on %s: %w", p.Interval, err)
+	}
+	return created, nil
 }
 
 // create adds partitions from the end of the last one (or the start of the

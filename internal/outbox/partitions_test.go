@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"slices"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -372,5 +373,115 @@ func TestDuplicateEventIDRacingInserts(t *testing.T) {
 	var pgErr *pgconn.PgError
 	if err := <-second; !errors.As(err, &pgErr) || pgErr.Code != "23505" || pgErr.ConstraintName != "outbox_event_event_id_key" {
 		t.Fatalf("the racing duplicate: %v, want 23505 on outbox_event_event_id_key", err)
+	}
+}
+
+// TestPartitionsLayAnEmptyTableOnTheInterval: the migration made two
+// day-long partitions. On a table that holds no event, the keeper with
+// partitions of an hour, three ahead, replaces them by hourly ones from now
+// on, and the first event lands in an hour-long partition. On a table that
+// holds one, the day-long partitions stay.
+func TestPartitionsLayAnEmptyTableOnTheInterval(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	hourly := func(t *testing.T) (*pgtest.DB, *Partitions) {
+		t.Helper()
+		db := pgtest.New(t)
+		if n := partitionNames(t, db.Pool); len(n) != 2 {
+			t.Fatalf("after the migration: %v, want today and tomorrow", n)
+		}
+		return db, &Partitions{Pool: db.Pool, Interval: time.Hour, Ahead: 3, Retention: 24 * time.Hour}
+	}
+	lengths := func(t *testing.T, db *pgtest.DB) (hours []float64, reach time.Duration) {
+		t.Helper()
+		if err := db.Pool.QueryRow(ctx, `SELECT array_agg(extract(epoch FROM hi - lo) / 3600 ORDER BY lo),
+			(extract(epoch FROM max(hi) - now()) * 1e9)::bigint FROM outbox_partition`).Scan(&hours, &reach); err != nil {
+			t.Fatal(err)
+		}
+		return hours, reach
+	}
+
+	t.Run("empty", func(t *testing.T) {
+		t.Parallel()
+		db, p := hourly(t)
+		created, _, err := p.Maintain(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		hours, reach := lengths(t, db)
+		for _, h := range hours {
+			if h != 1 {
+				t.Fatalf("partitions of %v hours after the keeper ran, want all 1", hours)
+			}
+		}
+		if reach < 3*time.Hour || reach > 4*time.Hour || len(created) != len(hours) {
+			t.Errorf("partitions reach %s past now (want 3 to 4 hours); created %v, attached %d", reach, created, len(hours))
+		}
+		var length time.Duration
+		if err := db.Pool.QueryRow(ctx, `WITH e AS (
+				INSERT INTO outbox_event (aggregate_type, aggregate_id, event_type, payload)
+				VALUES ('order', '1', 'order.created', '{}') RETURNING created_at)
+			SELECT (extract(epoch FROM p.hi - p.lo) * 1e9)::bigint FROM e JOIN outbox_partition p ON e.created_at >= p.lo AND e.created_at < p.hi`).
+			Scan(&length); err != nil {
+			t.Fatal(err)
+		}
+		if length != time.Hour {
+			t.Errorf("the first event landed in a partition %s long, want 1h", length)
+		}
+		if again, _, err := p.Maintain(ctx); err != nil || len(again) != 0 {
+			t.Errorf("a second run created %v (%v), want nothing", again, err)
+		}
+	})
+
+	t.Run("holding an event", func(t *testing.T) {
+		t.Parallel()
+		db, p := hourly(t)
+		appendEvent(t, db.Pool, "kept", "e1")
+		before := partitionNames(t, db.Pool)
+		if _, _, err := p.Maintain(ctx); err != nil {
+			t.Fatal(err)
+		}
+		if after := partitionNames(t, db.Pool); !slices.Equal(after[:min(len(after), 2)], before) {
+			t.Errorf("partitions %v after the keeper ran on a table holding an event, want %v kept", after, before)
+		}
+	})
+}
+
+// TestInsertWithoutAPartitionNamesTheKeeper: with no partition for now,
+// an insert is refused with SQLSTATE 23514 under the constraint
+// outbox_event_no_partition_ahead, and the message and hint say which job
+// creates partitions and where the runbook is; not PostgreSQL's bare "no
+// partition of relation". Append returns that error as it is.
+func TestInsertWithoutAPartitionNamesTheKeeper(t *testing.T) {
+	t.Parallel()
+	db := pgtest.New(t)
+	freshPartitions(t, db.Pool)
+	ctx := context.Background()
+	_, err := db.Pool.Exec(ctx, `INSERT INTO outbox_event (aggregate_type, aggregate_id, event_type, payload)
+		VALUES ('order', '1', 'order.created', '{}')`)
+	var pgErr *pgconn.PgError
+	if !errors.As(err, &pgErr) {
+		t.Fatalf("insert without a partition: %v, want a PostgreSQL error", err)
+	}
+	t.Logf("%s (SQLSTATE %s, constraint %s); HINT: %s", pgErr.Message, pgErr.Code, pgErr.ConstraintName, pgErr.Hint)
+	if pgErr.Code != "23514" || pgErr.ConstraintName != "outbox_event_no_partition_ahead" || pgErr.TableName != "outbox_event" {
+		t.Errorf("SQLSTATE %s, constraint %q, table %q; want 23514, outbox_event_no_partition_ahead, outbox_event",
+			pgErr.Code, pgErr.ConstraintName, pgErr.TableName)
+	}
+	if !strings.HasPrefix(pgErr.Message, "no outbox_event partition covers ") || !strings.Contains(pgErr.Message, "outbox-partitions job") ||
+		!strings.Contains(pgErr.Hint, "docs/runbooks/WorkerOutboxPartitionsRunningOut.md") ||
+		!strings.Contains(pgErr.Detail, "WorkerOutboxPartitionsRunningOut") {
+		t.Errorf("message %q, detail %q, hint %q: want the job, the alert and the runbook named", pgErr.Message, pgErr.Detail, pgErr.Hint)
+	}
+
+	tx, err := db.Pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = tx.Rollback(ctx) }()
+	_, err = Append(ctx, tx, NewEvent{AggregateType: "order", AggregateID: "1", EventType: "order.created", Payload: []byte(`{}`)})
+	var rule *RuleError
+	if !errors.As(err, &pgErr) || pgErr.ConstraintName != "outbox_event_no_partition_ahead" || errors.As(err, &rule) {
+		t.Errorf("Append without a partition: %v; want the PostgreSQL error, not a rule's", err)
 	}
 }

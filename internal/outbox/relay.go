@@ -100,6 +100,7 @@ func NewRelay(pool *pgxpool.Pool, sink Sink, cfg Config, instanceID string, log 
 	if err != nil {
 		return nil, fmt.Errorf("outbox: register metrics: %w", err)
 	}
+	m.interval.Set(cfg.PartitionInterval.Seconds())
 	log = log.With("job", RelayJobName, "sink", sink.Name())
 	wake := newWakers(cfg.Relays)
 	r := &Relay{

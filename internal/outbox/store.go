@@ -219,18 +219,27 @@ SET status = 'IN_FLIGHT', attempts = attempts + 1,
     next_attempt_at = clock_timestamp() + $2 * interval '1 millisecond', claimed_by = $3
 WHERE ctid = ANY($1::tid[])`
 
-	// The same, naming the relay's marker $4 after the token (token@id)
-	// only if this statement sees it held by the relay's marker session,
-	// backend $5: an event detached once the marker lapsed names none
-	// (marker.go).
+	// The same, naming the relay's marker $4 after the token (token@id),
+	// and only if this very statement sees the marker held by the relay's
+	// marker session, backend $5. Otherwise it changes nothing: the rows
+	// keep their state and are free again when the batch commits. A dead
+	// relay's pipeline can reach the server after its marker is gone
+	// (marker.go); writing its events IN_FLIGHT then, with or without the
+	// marker, would hide them from the reclaim. detachLockSQL runs first in
+	// the same transaction.
 	markInFlightNamedSQL = `
 UPDATE outbox_delivery
 SET status = 'IN_FLIGHT', attempts = attempts + 1,
     next_attempt_at = clock_timestamp() + $2 * interval '1 millisecond',
-    claimed_by = $3 || CASE WHEN EXISTS (SELECT 1` + markerHolders + `
-                                         AND l.objid::bigint = $4::bigint AND l.pid = $5::integer)
-                            THEN '@' || $4::bigint ELSE '' END
-WHERE ctid = ANY($1::tid[])`
+    claimed_by = $3 || '@' || $4::bigint
+WHERE ctid = ANY($1::tid[])
+  AND EXISTS (SELECT 1` + markerHolders + ` AND l.objid::bigint = $4::bigint AND l.pid = $5::integer)`
+
+	// detachLockSQL takes, for the rest of the claim transaction, the
+	// detach lock of marker $1 in shared mode. A reclaim of that marker
+	// takes it exclusively first, so it waits until no transaction that
+	// may still commit events naming the marker is open (marker.go).
+	detachLockSQL = `SELECT pg_advisory_xact_lock_shared(` + detachLockClass + `, $1::integer)`
 
 	// The outcomes of detached publishes, written outside any batch, many
 	// at once: one row per event with its owner token, the attempt the

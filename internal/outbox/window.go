@@ -125,7 +125,7 @@ func (c *claimer) open(ctx context.Context, keeping, window bool, depth int) (op
 	b := &pgx.Batch{}
 	fin := c.pending
 	c.pending = nil
-	finishing := 0
+	var finishing queued
 	sendCtx := ctx
 	if fin != nil {
 		finishing = c.fin.queue(b, fin)
@@ -153,13 +153,8 @@ func (c *claimer) open(ctx context.Context, keeping, window bool, depth int) (op
 	}
 	res := conn.SendBatch(sendCtx, b)
 	defer res.Close()
-	var err error
-	for range finishing {
-		if _, err = res.Exec(); err != nil {
-			break
-		}
-	}
 	if fin != nil {
+		err := finishing.read(res, fin)
 		if err != nil {
 			_ = res.Close() // the connection must be idle before the rollback
 			c.finished(conn, fin, err)
@@ -183,6 +178,7 @@ func (c *claimer) open(ctx context.Context, keeping, window bool, depth int) (op
 		op.kept = candidates(heads)
 	}
 	if window {
+		var err error
 		if op.win, err = readWindow(res.Query()); err != nil {
 			return op, err
 		}

@@ -28,10 +28,11 @@ type slowReceiver struct {
 	mu      sync.Mutex
 	arrived map[string][]time.Time // ce-id -> arrivals
 	first   map[string][]int       // aggregate -> event numbers, first arrivals in order
+	firstAt map[string][]time.Time // aggregate -> when each of first arrived
 }
 
 func newSlowReceiver(t *testing.T, latency time.Duration) *slowReceiver {
-	r := &slowReceiver{latency: latency, arrived: map[string][]time.Time{}, first: map[string][]int{}}
+	r := &slowReceiver{latency: latency, arrived: map[string][]time.Time{}, first: map[string][]int{}, firstAt: map[string][]time.Time{}}
 	srv := httptest.NewServer(r)
 	t.Cleanup(srv.Close) // registered before the workers start, so it runs after they are killed
 	r.url = srv.URL
@@ -53,6 +54,7 @@ func (r *slowReceiver) ServeHTTP(w http.ResponseWriter, req *http.Request) {
 	r.mu.Lock()
 	if len(r.arrived[id]) == 0 {
 		r.first[ev.A] = append(r.first[ev.A], ev.N)
+		r.firstAt[ev.A] = append(r.firstAt[ev.A], at)
 	}
 	r.arrived[id] = append(r.arrived[id], at)
 	r.mu.Unlock()
