@@ -51,7 +51,11 @@ func TestDurationBoundsAreDocumented(t *testing.T) {
 func sinkFor(key string) []string {
 	for _, sink := range []string{"webhook", "nats", "rabbitmq", "kafka"} {
 		if strings.HasPrefix(key, "outbox."+sink+".") {
-			return []string{"APP_OUTBOX_SINK=" + sink, "APP_OUTBOX_WEBHOOK_URL=http://127.0.0.1:1/hook"}
+			env := []string{"APP_OUTBOX_SINK=" + sink}
+			if sink == "webhook" {
+				env = append(env, "APP_OUTBOX_WEBHOOK_URL=http://127.0.0.1:1/hook")
+			}
+			return env
 		}
 	}
 	return nil

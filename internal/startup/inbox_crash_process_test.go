@@ -343,13 +343,12 @@ inbox:
 		t.Fatalf("the cut-off message is %s, applied %d times; want RECOVERY_REQUIRED and not applied", s, n)
 	}
 	_, out, _ := runCLI(t, []string{"APP_DATABASE_URL=" + db.URL}, "inbox", "recovery", "list", "--output", "json")
-	var entry struct {
+	var entries []struct {
 		ID       string `json:"msg_id"`
 		Attempts int    `json:"attempts"`
 	}
-	line, _, _ := strings.Cut(strings.TrimSpace(out), "\n")
-	if err := json.Unmarshal([]byte(line), &entry); err != nil || entry.ID != "note-1" || entry.Attempts != 1 {
-		t.Fatalf("inbox recovery list: %q (%v); want note-1 with the 1 attempt it had", out, err)
+	if err := json.Unmarshal([]byte(out), &entries); err != nil || len(entries) != 1 || entries[0].ID != "note-1" || entries[0].Attempts != 1 {
+		t.Fatalf("inbox recovery list: %q (%v); want note-1 alone, with the 1 attempt it had", out, err)
 	}
 	_ = p
 }

@@ -20,7 +20,11 @@ const (
 	killRounds     = 30
 	killAggregates = 100
 	killRate       = 300 // events a second
-	killMaxStall   = 2 * time.Second
+	// The aim is 2s (a dead replica's events reclaimed at once, where
+	// the bug this guards against held them for in_flight_timeout, 30s);
+	// the test runs beside others, so it allows 3s and logs each kill's
+	// stall.
+	killMaxStall = 3 * time.Second
 )
 
 // TestKillsUnderLoadStallNoAggregate: two replicas publish to a webhook
