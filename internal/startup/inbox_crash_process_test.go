@@ -1,10 +1,7 @@
 package startup_test
 
 import (
-	"bytes"
 	"context"
-	"crypto/hmac"
-	"crypto/sha256"
 	"encoding/base64"
 	"encoding/json"
 	"fmt"
@@ -279,14 +276,7 @@ inbox:
 	post := func(addr, id string) (int, string) {
 		t.Helper()
 		body := []byte(`{"n":1}`)
-		ts := strconv.FormatInt(time.Now().Unix(), 10)
-		mac := hmac.New(sha256.New, key)
-		mac.Write([]byte(id + "." + ts + "."))
-		mac.Write(body)
-		req, _ := http.NewRequestWithContext(ctx, http.MethodPost, "http://"+addr+"/", bytes.NewReader(body))
-		req.Header.Set("webhook-id", id)
-		req.Header.Set("webhook-timestamp", ts)
-		req.Header.Set("webhook-signature", "v1,"+base64.StdEncoding.EncodeToString(mac.Sum(nil)))
+		req := signedWebhookRequest(ctx, "http://"+addr+"/", id, body, key)
 		resp, err := (&http.Client{Timeout: 20 * time.Second}).Do(req)
 		if err != nil {
 			return 0, err.Error()

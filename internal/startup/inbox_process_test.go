@@ -2,6 +2,7 @@ package startup_test
 
 import (
 	"bytes"
+	"context"
 	"crypto/hmac"
 	"crypto/sha256"
 	"encoding/base64"
@@ -420,14 +421,7 @@ inbox:
 
 	post := func(id string, body []byte, sign []byte) int {
 		t.Helper()
-		ts := strconv.FormatInt(time.Now().Unix(), 10)
-		mac := hmac.New(sha256.New, sign)
-		mac.Write([]byte(id + "." + ts + "."))
-		mac.Write(body)
-		req, _ := http.NewRequestWithContext(ctx, http.MethodPost, "http://"+addr+"/hooks", bytes.NewReader(body))
-		req.Header.Set("webhook-id", id)
-		req.Header.Set("webhook-timestamp", ts)
-		req.Header.Set("webhook-signature", "v1,"+base64.StdEncoding.EncodeToString(mac.Sum(nil)))
+		req := signedWebhookRequest(ctx, "http://"+addr+"/hooks", id, body, sign)
 		req.Header.Set("Content-Type", "application/json")
 		resp, err := http.DefaultClient.Do(req)
 		if err != nil {
@@ -460,4 +454,18 @@ inbox:
 	if err := db.Pool.QueryRow(ctx, `SELECT count(*) FROM inbox_message`).Scan(&rows); err != nil || rows != 1 {
 		t.Fatalf("%d inbox rows, want only msg-1's (%v)", rows, err)
 	}
+}
+
+// signedWebhookRequest is a POST of body to url signed as Standard
+// Webhooks asks: an HMAC-SHA256 of "id.timestamp.body" with secret.
+func signedWebhookRequest(ctx context.Context, url, id string, body, secret []byte) *http.Request {
+	ts := strconv.FormatInt(time.Now().Unix(), 10)
+	mac := hmac.New(sha256.New, secret)
+	mac.Write([]byte(id + "." + ts + "."))
+	mac.Write(body)
+	req, _ := http.NewRequestWithContext(ctx, http.MethodPost, url, bytes.NewReader(body))
+	req.Header.Set("webhook-id", id)
+	req.Header.Set("webhook-timestamp", ts)
+	req.Header.Set("webhook-signature", "v1,"+base64.StdEncoding.EncodeToString(mac.Sum(nil)))
+	return req
 }

@@ -2,12 +2,9 @@ package startup_test
 
 import (
 	"bytes"
-	"crypto/hmac"
-	"crypto/sha256"
 	"encoding/base64"
 	"fmt"
 	"net/http"
-	"strconv"
 	"testing"
 	"time"
 
@@ -43,14 +40,7 @@ inbox:
 
 	post := func(webhookID string, body []byte, secret []byte) int {
 		t.Helper()
-		ts := strconv.FormatInt(time.Now().Unix(), 10)
-		mac := hmac.New(sha256.New, secret)
-		mac.Write([]byte(webhookID + "." + ts + "."))
-		mac.Write(body)
-		req, _ := http.NewRequestWithContext(ctx, http.MethodPost, "http://"+addr+"/", bytes.NewReader(body))
-		req.Header.Set("webhook-id", webhookID)
-		req.Header.Set("webhook-timestamp", ts)
-		req.Header.Set("webhook-signature", "v1,"+base64.StdEncoding.EncodeToString(mac.Sum(nil)))
+		req := signedWebhookRequest(ctx, "http://"+addr+"/", webhookID, body, secret)
 		resp, err := http.DefaultClient.Do(req)
 		if err != nil {
 			t.Fatal(err)

@@ -2,9 +2,6 @@ package startup_test
 
 import (
 	"bufio"
-	"bytes"
-	"crypto/hmac"
-	"crypto/sha256"
 	"encoding/base64"
 	"fmt"
 	"net"
@@ -77,14 +74,7 @@ inbox:
 
 	send := func(id string) (int, time.Duration) {
 		body := fmt.Appendf(nil, `{"id": %q}`, id)
-		ts := strconv.FormatInt(time.Now().Unix(), 10)
-		mac := hmac.New(sha256.New, key)
-		mac.Write([]byte(id + "." + ts + "."))
-		mac.Write(body)
-		req, _ := http.NewRequestWithContext(ctx, http.MethodPost, "http://"+addr+"/hooks", bytes.NewReader(body))
-		req.Header.Set("webhook-id", id)
-		req.Header.Set("webhook-timestamp", ts)
-		req.Header.Set("webhook-signature", "v1,"+base64.StdEncoding.EncodeToString(mac.Sum(nil)))
+		req := signedWebhookRequest(ctx, "http://"+addr+"/hooks", id, body, key)
 		began := time.Now()
 		resp, err := http.DefaultClient.Do(req)
 		if err != nil {
