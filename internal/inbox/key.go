@@ -6,7 +6,22 @@ import (
 	"fmt"
 	"net/textproto"
 	"strings"
+
+	"github.com/worker-dev/worker/internal/broker"
 )
+
+// CloudEvent returns the message a delivery with CloudEvents attributes a
+// makes, before its source adds where it came from: its dedupe key is
+// a's source and id, and its order key a's source and subject (the
+// outbox's aggregate), "" when a has no subject. Every source derives
+// both here, so that one event keys alike whichever broker brought it.
+func CloudEvent(a broker.Attributes) Message {
+	m := Message{Source: a.Source, ID: a.ID, Type: a.Type}
+	if a.Subject != "" {
+		m.OrderKey = a.Source + "/" + a.Subject
+	}
+	return m
+}
 
 // KeySpec says where a foreign message, one without a CloudEvents id,
 // keeps its dedupe key (inbox.sources[].key).

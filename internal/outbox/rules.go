@@ -114,12 +114,12 @@ func inRFC3339Range(t time.Time) bool {
 	return y >= 1 && y <= 9999
 }
 
-// rfc3339 formats t in UTC as RFC 3339 with its fraction of a second. An
+// RFC3339 formats t in UTC as RFC 3339 with its fraction of a second. An
 // instant outside years 0001-9999 has no RFC 3339 form: the sinks refuse
 // such an event (a permanent error) rather than send a malformed or clamped
 // time. The producer rules and the relay keep those events from sinks, so
 // this only guards callers that build events themselves.
-func rfc3339(t time.Time) (string, error) {
+func RFC3339(t time.Time) (string, error) {
 	if !inRFC3339Range(t) {
 		return "", occurredAtRangeError(t.UTC().String())
 	}

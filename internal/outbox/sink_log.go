@@ -36,7 +36,7 @@ const maxPooledLine = 64 << 10
 // error, because writing it again cannot make it valid; a failed write is
 // transient.
 func (s *LogSink) Publish(_ context.Context, e Event) error {
-	occurred, err := rfc3339(e.OccurredAt)
+	occurred, err := RFC3339(e.OccurredAt)
 	if err != nil {
 		return fmt.Errorf("log sink: event %s: %w", e.EventID, err)
 	}

@@ -13,6 +13,7 @@ import (
 
 	"github.com/worker-dev/worker/internal/obs"
 	"github.com/worker-dev/worker/internal/outbox"
+	webhooksink "github.com/worker-dev/worker/internal/outbox/sink/webhook"
 )
 
 // Helpers that make configuration errors name what the operator wrote: the
@@ -159,8 +160,8 @@ func nameEnvSources(err error, fromEnv map[string]string) error {
 
 // newWebhookSink builds the webhook sink. Its errors show the URL as
 // `config print` does: user info and query string (often a token) masked.
-func newWebhookSink(cfg outbox.WebhookConfig) (*outbox.WebhookSink, error) {
-	s, err := outbox.NewWebhookSink(cfg, nil)
+func newWebhookSink(cfg outbox.WebhookConfig) (*webhooksink.Sink, error) {
+	s, err := webhooksink.New(cfg, nil)
 	if err != nil {
 		// The cause is left out on purpose: its text carries the raw URL.
 		return nil, &ConfigError{Msg: obs.MaskDSN(err.Error())}

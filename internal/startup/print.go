@@ -11,9 +11,9 @@ import (
 
 	"go.yaml.in/yaml/v3"
 
+	"github.com/worker-dev/worker/internal/broker"
 	"github.com/worker-dev/worker/internal/jobs"
 	"github.com/worker-dev/worker/internal/obs"
-	"github.com/worker-dev/worker/internal/outbox/sink"
 )
 
 // PrintConfig writes the configuration the worker will use as YAML: with
@@ -114,7 +114,7 @@ func printable(v reflect.Value, secret string) any {
 	case v.Kind() == reflect.String && (secret == "dsn" || secret == "url"):
 		return obs.MaskDSN(v.String()) // user information and query string
 	case v.Kind() == reflect.String && secret == "urls":
-		return sink.RedactURLs(v.String()) // a broker's comma-separated server list
+		return broker.RedactURLs(v.String()) // a broker's comma-separated server list
 	case v.Kind() == reflect.Map && secret == "values":
 		// Header values often carry tokens (Authorization, X-Api-Key):
 		// show the names only.

@@ -9,9 +9,9 @@ import (
 
 	"github.com/redis/go-redis/v9"
 
+	"github.com/worker-dev/worker/internal/broker"
 	"github.com/worker-dev/worker/internal/lock"
 	"github.com/worker-dev/worker/internal/obs"
-	"github.com/worker-dev/worker/internal/outbox/sink"
 )
 
 // RedisLockConfig is lock.redis: the Redis of lock.provider=redis. The TLS
@@ -46,7 +46,7 @@ func (c RedisLockConfig) options(instanceID string) (*redis.Options, error) {
 	case tlsFiles && o.TLSConfig == nil:
 		return nil, fmt.Errorf("lock.redis.tls_* files are set but lock.redis.url=%q is not rediss://; use rediss:// for TLS", obs.MaskDSN(c.URL))
 	case o.TLSConfig != nil:
-		tc, err := sink.TLSConfig("lock.redis", c.TLSCAFile, c.TLSCertFile, c.TLSKeyFile)
+		tc, err := broker.TLSConfig("lock.redis", c.TLSCAFile, c.TLSCertFile, c.TLSKeyFile)
 		if err != nil {
 			return nil, err
 		}
@@ -125,8 +125,8 @@ func permanentRedisError(err error, shown string) error {
 		return &ConfigError{Err: err, Msg: fmt.Sprintf("redis %s (APP_LOCK_REDIS_URL): the server has no such database number: %s",
 			shown, obs.MaskDSN(err.Error()))}
 	}
-	if tlsErr := sink.TLSVerdict("lock.redis", err); tlsErr != nil {
-		if errors.Is(tlsErr, sink.ErrRefused) {
+	if tlsErr := broker.TLSVerdict("lock.redis", err); tlsErr != nil {
+		if errors.Is(tlsErr, broker.ErrRefused) {
 			return &exitError{code: ExitNoPerm, err: tlsErr, msg: fmt.Sprintf("redis %s: %s", shown, obs.MaskDSN(tlsErr.Error()))}
 		}
 		return &ConfigError{Err: tlsErr, Msg: fmt.Sprintf("redis %s: %s", shown, obs.MaskDSN(tlsErr.Error()))}

@@ -12,8 +12,8 @@ import (
 	"strings"
 	"time"
 
+	"github.com/worker-dev/worker/internal/broker"
 	"github.com/worker-dev/worker/internal/outbox"
-	"github.com/worker-dev/worker/internal/outbox/sink"
 	kafkasink "github.com/worker-dev/worker/internal/outbox/sink/kafka"
 	natssink "github.com/worker-dev/worker/internal/outbox/sink/nats"
 	rabbitsink "github.com/worker-dev/worker/internal/outbox/sink/rabbitmq"
@@ -252,9 +252,9 @@ func connectBroker(ctx context.Context, s brokerSink, key string, timeout time.D
 // when the configuration does not fit it.
 func brokerError(err error, timeoutKey string, timeout time.Duration) error {
 	switch {
-	case errors.Is(err, sink.ErrRefused):
+	case errors.Is(err, broker.ErrRefused):
 		return &exitError{code: ExitNoPerm, msg: err.Error(), err: err}
-	case errors.Is(err, sink.ErrSetup):
+	case errors.Is(err, broker.ErrSetup):
 		return &ConfigError{Msg: err.Error(), Err: err}
 	default:
 		return &exitError{code: ExitUnavailable, msg: fmt.Sprintf("%v (waited %s=%s, %s)", err, timeoutKey, timeout, setting{Key: timeoutKey}.Env()), err: err}

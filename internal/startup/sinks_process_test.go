@@ -12,7 +12,7 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/twmb/franz-go/pkg/kfake"
 
-	"github.com/worker-dev/worker/internal/outbox/sink"
+	"github.com/worker-dev/worker/internal/broker"
 	"github.com/worker-dev/worker/internal/outbox/sinktest"
 	"github.com/worker-dev/worker/internal/pgtest"
 	"github.com/worker-dev/worker/internal/testkit"
@@ -215,7 +215,7 @@ func TestRabbitMQSinkStartFailures(t *testing.T) {
 		p := startWorker(t, []string{"APP_DATABASE_URL=" + db.URL, "APP_OUTBOX_SINK=rabbitmq",
 			"APP_OUTBOX_RABBITMQ_URL=" + url, "APP_OUTBOX_RABBITMQ_EXCHANGE=no-such-exchange-for-worker-tests"})
 		if code := p.exitCode(t, 20*time.Second); code != 78 {
-			t.Fatalf("exit %d, want 78 (is RabbitMQ running at %s? %s names another)", code, sink.RedactURLs(url), testkit.RabbitMQURLEnv)
+			t.Fatalf("exit %d, want 78 (is RabbitMQ running at %s? %s names another)", code, broker.RedactURLs(url), testkit.RabbitMQURLEnv)
 		}
 		if !strings.Contains(p.out.String(), "outbox.rabbitmq.exchange") {
 			t.Errorf("the key is not named:\n%s", p.out.String())

@@ -1,6 +1,7 @@
 // Package sink holds what the broker sinks (sink/nats, ...) share: the
 // CloudEvents attributes of an event and the templates that name a
-// subject, routing key or topic after it.
+// subject, routing key or topic after it. Each broker's wire convention
+// is in internal/broker/<name>, shared with the inbox's sources.
 package sink
 
 import (
@@ -8,48 +9,19 @@ import (
 	"strings"
 	"time"
 
+	"github.com/worker-dev/worker/internal/broker"
 	"github.com/worker-dev/worker/internal/outbox"
 )
 
-// ContentType is the datacontenttype of every event: the payload is jsonb.
-const ContentType = "application/json"
-
-// Attribute is one CloudEvents context attribute.
-type Attribute struct{ Name, Value string }
-
-// CloudEvent returns e's CloudEvents context attributes other than
-// datacontenttype, which each binding carries in its own content-type
-// field: id = event_id, source = aggregate_type, subject = aggregate_id,
-// type = event_type, time = occurred_at.
-func CloudEvent(e outbox.Event) []Attribute {
-	attrs := make([]Attribute, 0, 6)
-	attrs = append(attrs,
-		Attribute{"specversion", "1.0"},
-		Attribute{"id", e.EventID},
-		Attribute{"source", e.AggregateType},
-		Attribute{"type", e.EventType},
-	)
-	if e.AggregateID != "" {
-		attrs = append(attrs, Attribute{"subject", e.AggregateID})
-	}
+// CloudEvent returns e's CloudEvents attributes: id = event_id, source =
+// aggregate_type, subject = aggregate_id, type = event_type, time =
+// occurred_at.
+func CloudEvent(e outbox.Event) broker.Attributes {
+	a := broker.Attributes{ID: e.EventID, Source: e.AggregateType, Type: e.EventType, Subject: e.AggregateID}
 	if !e.OccurredAt.IsZero() {
-		attrs = append(attrs, Attribute{"time", e.OccurredAt.UTC().Format(time.RFC3339Nano)})
+		a.Time = e.OccurredAt.UTC().Format(time.RFC3339Nano)
 	}
-	return attrs
-}
-
-// attributeNames are the names of every attribute CloudEvent returns.
-var attributeNames = []string{"specversion", "id", "source", "type", "subject", "time"}
-
-// AttributeKeys maps each attribute name CloudEvent returns to prefix +
-// name, the binding's header or property name, so that a sink builds those
-// names once instead of for every event.
-func AttributeKeys(prefix string) map[string]string {
-	keys := make(map[string]string, len(attributeNames))
-	for _, n := range attributeNames {
-		keys[n] = prefix + n
-	}
-	return keys
+	return a
 }
 
 // Template names a subject, routing key or topic after an event. It is

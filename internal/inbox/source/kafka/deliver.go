@@ -8,6 +8,7 @@ import (
 
 	"github.com/twmb/franz-go/pkg/kgo"
 
+	kafkabroker "github.com/worker-dev/worker/internal/broker/kafka"
 	"github.com/worker-dev/worker/internal/inbox"
 	"github.com/worker-dev/worker/internal/obs"
 )
@@ -122,36 +123,22 @@ func committable(recs []*kgo.Record, fates []settled) []*kgo.Record {
 	return out
 }
 
-// delivery maps a record as the outbox's Kafka sink produces it: the
-// dedupe key from ce_source and ce_id, the order key from ce_source and
-// ce_subject (the aggregate), or the record key when it has no subject. A
-// record without ce_id keeps ID "": the inbox applies the source's
-// configured key or dead-letters it, under its topic, partition and
-// offset.
+// delivery maps a record as the outbox's Kafka sink produces it: its
+// keys from the CloudEvents attributes (inbox.CloudEvent), or, for a
+// record without ce_subject, the record key as its order key. A record
+// without ce_id keeps ID "": the inbox applies the source's configured
+// key or dead-letters it, under its topic, partition and offset.
 func delivery(r *kgo.Record) *inbox.Delivery {
-	msg := inbox.Message{Origin: r.Topic, Headers: make(map[string]string, len(r.Headers)), Body: r.Value}
-	var subject string
+	msg := inbox.CloudEvent(kafkabroker.Decode(r.Headers))
+	msg.Origin, msg.Headers, msg.Body = r.Topic, make(map[string]string, len(r.Headers)), r.Value
 	for _, h := range r.Headers {
 		v := string(h.Value)
-		switch h.Key {
-		case "ce_source":
-			msg.Source = v
-		case "ce_id":
-			msg.ID = v
-		case "ce_type":
-			msg.Type = v
-		case "ce_subject":
-			subject = v
-		}
 		if prev, ok := msg.Headers[h.Key]; ok {
 			v = prev + ", " + v
 		}
 		msg.Headers[h.Key] = v
 	}
-	switch {
-	case subject != "":
-		msg.OrderKey = msg.Source + "/" + subject
-	case len(r.Key) > 0:
+	if msg.OrderKey == "" && len(r.Key) > 0 {
 		msg.OrderKey = string(r.Key)
 	}
 	return &inbox.Delivery{Message: msg, Ref: fmt.Sprintf("%s/%d/%d", r.Topic, r.Partition, r.Offset)}

@@ -13,10 +13,10 @@ import (
 	"github.com/twmb/franz-go/pkg/kgo"
 	"github.com/twmb/franz-go/pkg/kmsg"
 
+	"github.com/worker-dev/worker/internal/broker"
+	kafkabroker "github.com/worker-dev/worker/internal/broker/kafka"
 	"github.com/worker-dev/worker/internal/inbox"
 	"github.com/worker-dev/worker/internal/obs"
-	"github.com/worker-dev/worker/internal/outbox/sink"
-	kafkasink "github.com/worker-dev/worker/internal/outbox/sink/kafka"
 )
 
 const (
@@ -82,7 +82,7 @@ func New(src inbox.SourceConfig, cfg inbox.Config, log *slog.Logger) (*Source, e
 }
 
 // options are the client's options: brokers, SASL and TLS from
-// kafkasink.AuthOptions, as the outbox's Kafka sink builds them, and a
+// kafkabroker.AuthOptions, as the outbox's Kafka sink builds them, and a
 // group whose offsets only Run commits.
 func (s *Source) options() ([]kgo.Opt, error) {
 	c := s.cfg
@@ -103,7 +103,7 @@ func (s *Source) options() ([]kgo.Opt, error) {
 		// A transactional producer's aborted records are never work.
 		kgo.FetchIsolationLevel(kgo.ReadCommitted()),
 	}
-	auth, err := kafkasink.AuthOptions(s.section, kafkasink.Auth{
+	auth, err := kafkabroker.AuthOptions(s.section, kafkabroker.Auth{
 		SASLMechanism: c.SASLMechanism, SASLUser: c.SASLUser, SASLPassword: c.SASLPassword,
 		TLS: c.TLS, TLSCAFile: c.TLSCAFile, TLSCertFile: c.TLSCertFile, TLSKeyFile: c.TLSKeyFile,
 	})
@@ -120,11 +120,11 @@ func (s *Source) options() ([]kgo.Opt, error) {
 func (s *Source) Run(ctx context.Context, h inbox.Handoff) error {
 	opts, err := s.options()
 	if err != nil {
-		return fmt.Errorf("%w: %w", sink.ErrSetup, err)
+		return fmt.Errorf("%w: %w", broker.ErrSetup, err)
 	}
 	cl, err := kgo.NewClient(opts...)
 	if err != nil {
-		return fmt.Errorf("%w: %s: %w", sink.ErrSetup, s.section, err)
+		return fmt.Errorf("%w: %s: %w", broker.ErrSetup, s.section, err)
 	}
 	defer cl.Close()
 	if err := s.probe(ctx, cl, h, s.check(ctx, cl)); err != nil || ctx.Err() != nil {
@@ -137,7 +137,7 @@ func (s *Source) Run(ctx context.Context, h inbox.Handoff) error {
 			return nil
 		}
 		trouble := s.pollError(fetches)
-		if fatal(trouble) {
+		if broker.Fatal(trouble) {
 			cl.AllowRebalance()
 			return trouble
 		}
@@ -172,7 +172,7 @@ func (s *Source) Run(ctx context.Context, h inbox.Handoff) error {
 // or ctx ends (nil).
 func (s *Source) probe(ctx context.Context, cl *kgo.Client, h inbox.Handoff, trouble error) error {
 	for failures := 0; trouble != nil; {
-		if fatal(trouble) {
+		if broker.Fatal(trouble) {
 			return trouble
 		}
 		h.Down(trouble)
@@ -185,8 +185,6 @@ func (s *Source) probe(ctx context.Context, cl *kgo.Client, h inbox.Handoff, tro
 	h.Up()
 	return nil
 }
-
-func fatal(err error) bool { return errors.Is(err, sink.ErrSetup) || errors.Is(err, sink.ErrRefused) }
 
 // check asks a broker for the topics' metadata: it answers, it accepts the
 // credentials, and the topics exist.
@@ -209,7 +207,7 @@ func (s *Source) check(ctx context.Context, cl *kgo.Client) error {
 		switch {
 		case err == nil:
 		case errors.Is(err, kerr.UnknownTopicOrPartition):
-			return fmt.Errorf("%w: %s.topics: topic %q does not exist on %s", sink.ErrSetup, s.section, *t.Topic, s.cfg.Brokers)
+			return fmt.Errorf("%w: %s.topics: topic %q does not exist on %s", broker.ErrSetup, s.section, *t.Topic, s.cfg.Brokers)
 		default:
 			return s.classify(fmt.Errorf("topic %q: %w", *t.Topic, err))
 		}
@@ -217,26 +215,16 @@ func (s *Source) check(ctx context.Context, cl *kgo.Client) error {
 	return nil
 }
 
-// classify tells what retrying cannot fix from an outage: a TLS verdict,
-// refused credentials or authorisation, a SASL mechanism the brokers do
-// not offer. Any other error is the brokers' trouble.
+// classify tells what retrying cannot fix from an outage: what
+// kafkabroker.ConnectVerdict sorts out, or a session timeout outside the
+// brokers' bounds. Any other error is the brokers' trouble.
 func (s *Source) classify(err error) error {
-	if verdict := sink.TLSVerdict(s.section, err); verdict != nil {
-		return fmt.Errorf("kafka %s: %w", s.cfg.Brokers, verdict)
-	}
-	for _, refused := range []error{kerr.SaslAuthenticationFailed, kerr.ClusterAuthorizationFailed,
-		kerr.GroupAuthorizationFailed, kerr.TopicAuthorizationFailed} {
-		if errors.Is(err, refused) {
-			return fmt.Errorf("%w: kafka %s: %w", sink.ErrRefused, s.cfg.Brokers, err)
-		}
+	if verdict := kafkabroker.ConnectVerdict(s.section, s.cfg.Brokers, s.cfg.SASLMechanism, err); verdict != nil {
+		return verdict
 	}
 	if errors.Is(err, kerr.InvalidSessionTimeout) {
 		return fmt.Errorf("%w: kafka %s: %s.session_timeout=%s is outside the brokers' group.min.session.timeout.ms and group.max.session.timeout.ms: %w",
-			sink.ErrSetup, s.cfg.Brokers, s.section, s.cfg.SessionTimeout, err)
-	}
-	if errors.Is(err, kerr.UnsupportedSaslMechanism) {
-		return fmt.Errorf("%w: kafka %s: %s.sasl_mechanism=%s is not enabled on the broker: %w",
-			sink.ErrSetup, s.cfg.Brokers, s.section, s.cfg.SASLMechanism, err)
+			broker.ErrSetup, s.cfg.Brokers, s.section, s.cfg.SessionTimeout, err)
 	}
 	return fmt.Errorf("kafka %s: %w", s.cfg.Brokers, err)
 }
@@ -249,7 +237,7 @@ func (s *Source) pollError(fetches kgo.Fetches) error {
 			continue
 		}
 		if errors.Is(fe.Err, kerr.UnknownTopicOrPartition) {
-			return fmt.Errorf("%w: %s.topics: topic %q: %w", sink.ErrSetup, s.section, fe.Topic, fe.Err)
+			return fmt.Errorf("%w: %s.topics: topic %q: %w", broker.ErrSetup, s.section, fe.Topic, fe.Err)
 		}
 		return s.classify(fe.Err)
 	}

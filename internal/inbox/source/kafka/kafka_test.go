@@ -13,9 +13,9 @@ import (
 	"github.com/twmb/franz-go/pkg/kfake"
 	"github.com/twmb/franz-go/pkg/kmsg"
 
+	"github.com/worker-dev/worker/internal/broker"
 	"github.com/worker-dev/worker/internal/inbox"
 	"github.com/worker-dev/worker/internal/inbox/inboxtest"
-	"github.com/worker-dev/worker/internal/outbox/sink"
 	"github.com/worker-dev/worker/internal/testkit"
 )
 
@@ -217,8 +217,8 @@ func TestOutage(t *testing.T) {
 	}
 }
 
-// TestSetupErrors: what no retry can fix ends Run with sink.ErrSetup or
-// sink.ErrRefused, naming the key to change and never the password.
+// TestSetupErrors: what no retry can fix ends Run with broker.ErrSetup or
+// broker.ErrRefused, naming the key to change and never the password.
 func TestSetupErrors(t *testing.T) {
 	t.Parallel()
 	const password = "pw-secret-5e0b"
@@ -231,13 +231,13 @@ func TestSetupErrors(t *testing.T) {
 		want   error
 		key    string
 	}{
-		"missing topic":   {func(c *inbox.KafkaSource) { c.Topics = testTopic + ",nope" }, sink.ErrSetup, "inbox.sources[orders].kafka.topics"},
-		"missing CA file": {func(c *inbox.KafkaSource) { c.TLSCAFile = "/nonexistent/ca.pem" }, sink.ErrSetup, "inbox.sources[orders].kafka.tls_ca_file"},
+		"missing topic":   {func(c *inbox.KafkaSource) { c.Topics = testTopic + ",nope" }, broker.ErrSetup, "inbox.sources[orders].kafka.topics"},
+		"missing CA file": {func(c *inbox.KafkaSource) { c.TLSCAFile = "/nonexistent/ca.pem" }, broker.ErrSetup, "inbox.sources[orders].kafka.tls_ca_file"},
 		// kfake, like Kafka, refuses sessions under 6s.
-		"session timeout under the brokers' minimum": {func(c *inbox.KafkaSource) { c.SessionTimeout = 2 * time.Second }, sink.ErrSetup, "inbox.sources[orders].kafka.session_timeout"},
+		"session timeout under the brokers' minimum": {func(c *inbox.KafkaSource) { c.SessionTimeout = 2 * time.Second }, broker.ErrSetup, "inbox.sources[orders].kafka.session_timeout"},
 		"refused password": {func(c *inbox.KafkaSource) {
 			c.Brokers, c.SASLMechanism, c.SASLUser, c.SASLPassword = secured.brokers(), "PLAIN", "inbox", password
-		}, sink.ErrRefused, ""},
+		}, broker.ErrRefused, ""},
 	} {
 		t.Run(name, func(t *testing.T) {
 			src := f.Src

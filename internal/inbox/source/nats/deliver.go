@@ -4,14 +4,13 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"net/url"
 	"strings"
 	"sync"
 	"time"
 
-	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
+	natsbroker "github.com/worker-dev/worker/internal/broker/nats"
 	"github.com/worker-dev/worker/internal/inbox"
 )
 
@@ -65,24 +64,14 @@ func keepAlive(msgs []jetstream.Msg, interval time.Duration) (stop func()) {
 	}
 }
 
-// delivery maps a message as the outbox's NATS sink publishes it: the
-// dedupe key from ce-source and ce-id, the order key from ce-source and
-// ce-subject (the aggregate). A message without ce-id keeps ID "": the
-// inbox applies the source's configured key or dead-letters it, under its
-// stream position.
+// delivery maps a message as the outbox's NATS sink publishes it: its
+// keys from the CloudEvents attributes (inbox.CloudEvent). A message
+// without ce-id keeps ID "": the inbox applies the source's configured
+// key or dead-letters it, under its stream position.
 func delivery(m jetstream.Msg, acks *ackLog) *inbox.Delivery {
 	hdr := m.Headers()
-	msg := inbox.Message{
-		Source:  ceValue(hdr, "ce-source"),
-		ID:      ceValue(hdr, "ce-id"),
-		Type:    ceValue(hdr, "ce-type"),
-		Origin:  m.Subject(),
-		Headers: make(map[string]string, len(hdr)),
-		Body:    m.Data(),
-	}
-	if subject := ceValue(hdr, "ce-subject"); subject != "" {
-		msg.OrderKey = msg.Source + "/" + subject
-	}
+	msg := inbox.CloudEvent(natsbroker.Decode(hdr))
+	msg.Origin, msg.Headers, msg.Body = m.Subject(), make(map[string]string, len(hdr)), m.Data()
 	for k, v := range hdr {
 		msg.Headers[k] = strings.Join(v, ", ")
 	}
@@ -91,16 +80,6 @@ func delivery(m jetstream.Msg, acks *ackLog) *inbox.Delivery {
 		d.Ref = fmt.Sprintf("%s/%d", md.Stream, md.Sequence.Stream)
 	}
 	return d
-}
-
-// ceValue reads a CloudEvents attribute header; the sink percent-encodes
-// the values, as the HTTP binding does.
-func ceValue(h nats.Header, name string) string {
-	v := h.Get(name)
-	if u, err := url.PathUnescape(v); err == nil {
-		return u
-	}
-	return v
 }
 
 // settle acks what the inbox has decided (processed, duplicate, dead) and

@@ -11,10 +11,10 @@ import (
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
+	"github.com/worker-dev/worker/internal/broker"
+	natsbroker "github.com/worker-dev/worker/internal/broker/nats"
 	"github.com/worker-dev/worker/internal/inbox"
 	"github.com/worker-dev/worker/internal/obs"
-	"github.com/worker-dev/worker/internal/outbox/sink"
-	natssink "github.com/worker-dev/worker/internal/outbox/sink/nats"
 )
 
 const (
@@ -62,7 +62,7 @@ func New(src inbox.SourceConfig, cfg inbox.Config, log *slog.Logger) (*Source, e
 		name:     src.Name,
 		batch:    max(cfg.BatchSize, 1),
 		probeMax: max(cfg.ProbeBackoffMax, probeBase),
-		shownURL: sink.RedactURLs(src.NATS.URL),
+		shownURL: broker.RedactURLs(src.NATS.URL),
 		log:      log.With("inbox_source", src.Name, "source_kind", inbox.KindNATS),
 	}, nil
 }
@@ -107,14 +107,14 @@ func validate(section string, c inbox.NATSSource) error {
 func (s *Source) Run(ctx context.Context, h inbox.Handoff) error {
 	opts, err := s.options()
 	if err != nil {
-		return fmt.Errorf("%w: %w", sink.ErrSetup, err)
+		return fmt.Errorf("%w: %w", broker.ErrSetup, err)
 	}
 	for failures := 0; ; {
 		err := s.session(ctx, h, opts, &failures)
 		switch {
 		case ctx.Err() != nil:
 			return nil
-		case errors.Is(err, sink.ErrSetup), errors.Is(err, sink.ErrRefused):
+		case broker.Fatal(err):
 			return err
 		}
 		h.Down(err)
@@ -134,11 +134,8 @@ func (s *Source) session(ctx context.Context, h inbox.Handoff, opts []nats.Optio
 	defer closed()
 	conn, err := nats.Connect(s.cfg.URL, append(opts, nats.ClosedHandler(func(*nats.Conn) { closed() }))...)
 	if err != nil {
-		if verdict := sink.TLSVerdict(s.section, err); verdict != nil {
-			return fmt.Errorf("nats %s: %w", s.shownURL, verdict)
-		}
-		if natssink.Refused(err) {
-			return fmt.Errorf("%w: nats %s: %w", sink.ErrRefused, s.shownURL, err)
+		if verdict := natsbroker.ConnectVerdict(s.section, s.shownURL, err); verdict != nil {
+			return verdict
 		}
 		return fmt.Errorf("nats %s: %w", s.shownURL, err)
 	}
@@ -189,7 +186,7 @@ func (s *Source) closedError(conn *nats.Conn) error {
 }
 
 // options are the connection's options: credentials and TLS from
-// natssink.AuthOptions, as the outbox's NATS sink builds them. The client
+// natsbroker.AuthOptions, as the outbox's NATS sink builds them. The client
 // does not reconnect by itself: a lost connection ends the session, and
 // Run reconnects with the inbox's backoff and reports the outage.
 func (s *Source) options() ([]nats.Option, error) {
@@ -203,7 +200,7 @@ func (s *Source) options() ([]nats.Option, error) {
 		nats.ErrorHandler(func(_ *nats.Conn, _ *nats.Subscription, err error) { log.Warn("nats error", "error", err.Error()) }),
 	}
 	c := s.cfg
-	auth, err := natssink.AuthOptions(s.section, natssink.Auth{
+	auth, err := natsbroker.AuthOptions(s.section, natsbroker.Auth{
 		User: c.User, Password: c.Password, Token: c.Token, CredsFile: c.CredsFile, NKeySeedFile: c.NKeySeedFile,
 		TLSCAFile: c.TLSCAFile, TLSCertFile: c.TLSCertFile, TLSKeyFile: c.TLSKeyFile,
 	})
@@ -221,9 +218,9 @@ func (s *Source) consumer(ctx context.Context, js jetstream.JetStream) (jetstrea
 	stream, err := js.Stream(ctx, s.cfg.Stream)
 	switch {
 	case errors.Is(err, jetstream.ErrStreamNotFound):
-		return nil, fmt.Errorf("%w: %s.stream=%q does not exist on %s", sink.ErrSetup, s.section, s.cfg.Stream, s.shownURL)
+		return nil, fmt.Errorf("%w: %s.stream=%q does not exist on %s", broker.ErrSetup, s.section, s.cfg.Stream, s.shownURL)
 	case errors.Is(err, jetstream.ErrJetStreamNotEnabled), errors.Is(err, jetstream.ErrJetStreamNotEnabledForAccount):
-		return nil, fmt.Errorf("%w: %s.url=%s: JetStream is not enabled for this account", sink.ErrSetup, s.section, s.shownURL)
+		return nil, fmt.Errorf("%w: %s.url=%s: JetStream is not enabled for this account", broker.ErrSetup, s.section, s.shownURL)
 	case err != nil:
 		return nil, fmt.Errorf("nats %s: stream %s: %w", s.shownURL, s.cfg.Stream, err)
 	}
@@ -241,13 +238,13 @@ func (s *Source) consumer(ctx context.Context, js jetstream.JetStream) (jetstrea
 		})
 		if refusedConfig(err) {
 			return nil, fmt.Errorf("%w: %s.create_consumer: the server refused consumer %q on stream %q: %w",
-				sink.ErrSetup, s.section, s.cfg.Consumer, s.cfg.Stream, err)
+				broker.ErrSetup, s.section, s.cfg.Consumer, s.cfg.Stream, err)
 		}
 	} else {
 		cons, err = stream.Consumer(ctx, s.cfg.Consumer)
 		if errors.Is(err, jetstream.ErrConsumerNotFound) {
 			return nil, fmt.Errorf("%w: %s.consumer=%q does not exist on stream %q; create it (a durable pull consumer with explicit ack) or set %s.create_consumer=true",
-				sink.ErrSetup, s.section, s.cfg.Consumer, s.cfg.Stream, s.section)
+				broker.ErrSetup, s.section, s.cfg.Consumer, s.cfg.Stream, s.section)
 		}
 	}
 	if err != nil {
@@ -256,10 +253,10 @@ func (s *Source) consumer(ctx context.Context, js jetstream.JetStream) (jetstrea
 	info := cons.CachedInfo().Config
 	switch {
 	case info.DeliverSubject != "":
-		return nil, fmt.Errorf("%w: %s.consumer=%q is a push consumer (deliver subject %q); want a pull consumer", sink.ErrSetup, s.section, s.cfg.Consumer, info.DeliverSubject)
+		return nil, fmt.Errorf("%w: %s.consumer=%q is a push consumer (deliver subject %q); want a pull consumer", broker.ErrSetup, s.section, s.cfg.Consumer, info.DeliverSubject)
 	case info.AckPolicy != jetstream.AckExplicitPolicy:
 		return nil, fmt.Errorf("%w: %s.consumer=%q has ack policy %s; want explicit, so that a message is acknowledged only after the inbox commit",
-			sink.ErrSetup, s.section, s.cfg.Consumer, info.AckPolicy)
+			broker.ErrSetup, s.section, s.cfg.Consumer, info.AckPolicy)
 	}
 	return cons, nil
 }

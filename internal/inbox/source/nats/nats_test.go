@@ -10,9 +10,9 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/nats-io/nats-server/v2/server"
 
+	"github.com/worker-dev/worker/internal/broker"
 	"github.com/worker-dev/worker/internal/inbox"
 	"github.com/worker-dev/worker/internal/inbox/inboxtest"
-	"github.com/worker-dev/worker/internal/outbox/sink"
 	"github.com/worker-dev/worker/internal/testkit"
 )
 
@@ -187,8 +187,8 @@ func TestOutage(t *testing.T) {
 	}
 }
 
-// TestSetupErrors: what no retry can fix ends Run with sink.ErrSetup or
-// sink.ErrRefused, naming the key to change and never the password.
+// TestSetupErrors: what no retry can fix ends Run with broker.ErrSetup or
+// broker.ErrRefused, naming the key to change and never the password.
 func TestSetupErrors(t *testing.T) {
 	t.Parallel()
 	srv := startServer(t)
@@ -200,10 +200,10 @@ func TestSetupErrors(t *testing.T) {
 		want   error
 		key    string
 	}{
-		"missing stream":   {func(c *inbox.NATSSource) { c.Stream = "NOPE" }, sink.ErrSetup, "inbox.sources[orders].nats.stream"},
-		"missing consumer": {func(c *inbox.NATSSource) { c.CreateConsumer, c.Consumer = false, "nope" }, sink.ErrSetup, "inbox.sources[orders].nats.consumer"},
-		"missing CA file":  {func(c *inbox.NATSSource) { c.TLSCAFile = "/nonexistent/ca.pem" }, sink.ErrSetup, "inbox.sources[orders].nats.tls_ca_file"},
-		"refused password": {func(c *inbox.NATSSource) { c.URL, c.User, c.Password = secured.url(), "inbox", "pw-secret-9d1e" }, sink.ErrRefused, ""},
+		"missing stream":   {func(c *inbox.NATSSource) { c.Stream = "NOPE" }, broker.ErrSetup, "inbox.sources[orders].nats.stream"},
+		"missing consumer": {func(c *inbox.NATSSource) { c.CreateConsumer, c.Consumer = false, "nope" }, broker.ErrSetup, "inbox.sources[orders].nats.consumer"},
+		"missing CA file":  {func(c *inbox.NATSSource) { c.TLSCAFile = "/nonexistent/ca.pem" }, broker.ErrSetup, "inbox.sources[orders].nats.tls_ca_file"},
+		"refused password": {func(c *inbox.NATSSource) { c.URL, c.User, c.Password = secured.url(), "inbox", "pw-secret-9d1e" }, broker.ErrRefused, ""},
 	} {
 		t.Run(name, func(t *testing.T) {
 			src := f.Src

@@ -12,9 +12,9 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	amqp "github.com/rabbitmq/amqp091-go"
 
+	"github.com/worker-dev/worker/internal/broker"
 	"github.com/worker-dev/worker/internal/inbox"
 	"github.com/worker-dev/worker/internal/inbox/inboxtest"
-	"github.com/worker-dev/worker/internal/outbox/sink"
 	"github.com/worker-dev/worker/internal/pgtest"
 	"github.com/worker-dev/worker/internal/testkit"
 )
@@ -26,7 +26,7 @@ func requireBroker(t testing.TB) *amqp.Connection {
 	conn, err := amqp.Dial(testkit.RabbitMQURL())
 	if err != nil {
 		t.Fatalf("RabbitMQ is not reachable at %s: %v\nStart one (`rabbitmq-server -detached`; .ci/run does it), or point %s at one.",
-			sink.RedactURLs(testkit.RabbitMQURL()), err, testkit.RabbitMQURLEnv)
+			broker.RedactURLs(testkit.RabbitMQURL()), err, testkit.RabbitMQURLEnv)
 	}
 	t.Cleanup(func() { _ = conn.Close() })
 	return conn

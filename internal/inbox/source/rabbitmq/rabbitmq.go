@@ -19,9 +19,10 @@ import (
 
 	amqp "github.com/rabbitmq/amqp091-go"
 
+	"github.com/worker-dev/worker/internal/broker"
+	rabbitmqbroker "github.com/worker-dev/worker/internal/broker/rabbitmq"
 	"github.com/worker-dev/worker/internal/inbox"
 	"github.com/worker-dev/worker/internal/obs"
-	"github.com/worker-dev/worker/internal/outbox/sink"
 )
 
 const (
@@ -67,7 +68,7 @@ func New(cfg inbox.RabbitMQSource, opts Options) (*Source, error) {
 		cfg:      cfg,
 		probeMax: cmp.Or(opts.ProbeBackoffMax, def.ProbeBackoffMax),
 		section:  fmt.Sprintf("inbox.sources[%s].rabbitmq", opts.Name),
-		shownURL: sink.RedactURLs(cfg.URL),
+		shownURL: broker.RedactURLs(cfg.URL),
 	}
 	switch {
 	case cfg.Queue == "":
@@ -91,15 +92,8 @@ func New(cfg inbox.RabbitMQSource, opts Options) (*Source, error) {
 		Heartbeat:  10 * time.Second,
 		Properties: amqp.Table{"connection_name": "inbox " + opts.Name},
 	}
-	if uri.Scheme != "amqps" && (cfg.TLSCAFile != "" || cfg.TLSCertFile != "") {
-		// The client speaks TLS only to an amqps:// URL: the files would be
-		// ignored, and the connection left in plain text.
-		return nil, fmt.Errorf("%s.tls_ca_file and tls_cert_file need an amqps:// %s.url, not %q", s.section, s.section, s.shownURL)
-	}
-	if uri.Scheme == "amqps" {
-		if s.amqpCfg.TLSClientConfig, err = sink.TLSConfig(s.section, cfg.TLSCAFile, cfg.TLSCertFile, cfg.TLSKeyFile); err != nil {
-			return nil, err
-		}
+	if s.amqpCfg.TLSClientConfig, err = rabbitmqbroker.TLS(s.section, uri, s.shownURL, cfg.TLSCAFile, cfg.TLSCertFile, cfg.TLSKeyFile); err != nil {
+		return nil, err
 	}
 	return s, nil
 }
@@ -121,7 +115,7 @@ func (s *Source) Run(ctx context.Context, h inbox.Handoff) error {
 		if up {
 			consumed, failures = true, 0
 		}
-		if !consumed && (errors.Is(err, sink.ErrRefused) || errors.Is(err, sink.ErrSetup)) {
+		if !consumed && broker.Fatal(err) {
 			return err
 		}
 		h.Down(err)
@@ -193,14 +187,7 @@ func (s *Source) dial(ctx context.Context) (*amqp.Connection, error) {
 		stop()
 	}
 	if err != nil {
-		var ae *amqp.Error
-		if errors.As(err, &ae) && (ae.Code == amqp.AccessRefused || ae.Code == amqp.NotAllowed) {
-			return nil, fmt.Errorf("%w: rabbitmq %s: %s", sink.ErrRefused, s.shownURL, ae.Reason)
-		}
-		if verdict := sink.TLSVerdict(s.section, err); verdict != nil {
-			return nil, fmt.Errorf("rabbitmq %s: %w", s.shownURL, verdict)
-		}
-		return nil, fmt.Errorf("rabbitmq %s: %w", s.shownURL, err)
+		return nil, rabbitmqbroker.DialError(s.section, s.shownURL, err)
 	}
 	return conn, nil
 }
@@ -236,18 +223,18 @@ func (s *Source) consume(ch *amqp.Channel) (<-chan amqp.Delivery, error) {
 
 // refusal classifies a channel error on the queue: a queue that is missing
 // or was declared with other arguments is the configuration's fault
-// (sink.ErrSetup), a permission the user lacks is sink.ErrRefused.
+// (broker.ErrSetup), a permission the user lacks is broker.ErrRefused.
 func (s *Source) refusal(what string, err error) error {
 	var ae *amqp.Error
 	if errors.As(err, &ae) {
 		switch ae.Code {
 		case amqp.NotFound:
-			return fmt.Errorf("%w: %s.queue=%q: %s; declare it, or set %s.declare_queue=true", sink.ErrSetup, s.section, s.cfg.Queue, ae.Reason, s.section)
+			return fmt.Errorf("%w: %s.queue=%q: %s; declare it, or set %s.declare_queue=true", broker.ErrSetup, s.section, s.cfg.Queue, ae.Reason, s.section)
 		case amqp.PreconditionFailed:
 			return fmt.Errorf("%w: %s.queue=%q: %s; it exists with other arguments than a durable quorum queue with single active consumer: "+
-				"declare it yourself and set %s.declare_queue=false", sink.ErrSetup, s.section, s.cfg.Queue, ae.Reason, s.section)
+				"declare it yourself and set %s.declare_queue=false", broker.ErrSetup, s.section, s.cfg.Queue, ae.Reason, s.section)
 		case amqp.AccessRefused:
-			return fmt.Errorf("%w: rabbitmq %s: %s %q: %s", sink.ErrRefused, s.shownURL, what, s.cfg.Queue, ae.Reason)
+			return fmt.Errorf("%w: rabbitmq %s: %s %q: %s", broker.ErrRefused, s.shownURL, what, s.cfg.Queue, ae.Reason)
 		}
 	}
 	return fmt.Errorf("rabbitmq %s: %s %q: %w", s.shownURL, what, s.cfg.Queue, err)

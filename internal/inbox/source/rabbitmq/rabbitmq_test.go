@@ -15,9 +15,9 @@ import (
 	"github.com/jackc/pgx/v5"
 	amqp "github.com/rabbitmq/amqp091-go"
 
+	"github.com/worker-dev/worker/internal/broker"
 	"github.com/worker-dev/worker/internal/inbox"
 	"github.com/worker-dev/worker/internal/outbox"
-	"github.com/worker-dev/worker/internal/outbox/sink"
 	rmqsink "github.com/worker-dev/worker/internal/outbox/sink/rabbitmq"
 	"github.com/worker-dev/worker/internal/outbox/sinktest"
 	"github.com/worker-dev/worker/internal/testkit"
@@ -247,7 +247,7 @@ func TestSetupErrors(t *testing.T) {
 		t.Parallel()
 		src := newSource(t, "inboxtest-none", "", func(c *inbox.RabbitMQSource) { c.URL = withUser(t, "guest", "wrong-password") })
 		err := runErr(t, src, 20*time.Second)
-		if !errors.Is(err, sink.ErrRefused) {
+		if !errors.Is(err, broker.ErrRefused) {
 			t.Errorf("err = %v, want ErrRefused", err)
 		}
 		if err != nil && strings.Contains(err.Error(), "wrong-password") {
@@ -258,7 +258,7 @@ func TestSetupErrors(t *testing.T) {
 		t.Parallel()
 		requireBroker(t)
 		src := newSource(t, "inboxtest-missing-"+uuid.NewString()[:8], "", func(c *inbox.RabbitMQSource) { c.DeclareQueue = false })
-		if err := runErr(t, src, 20*time.Second); !errors.Is(err, sink.ErrSetup) {
+		if err := runErr(t, src, 20*time.Second); !errors.Is(err, broker.ErrSetup) {
 			t.Errorf("err = %v, want ErrSetup", err)
 		}
 	})
@@ -273,7 +273,7 @@ func TestSetupErrors(t *testing.T) {
 			t.Fatal(err)
 		}
 		t.Cleanup(func() { _, _ = ch.QueueDelete(name, false, false, false) })
-		if err := runErr(t, newSource(t, name, ""), 20*time.Second); !errors.Is(err, sink.ErrSetup) {
+		if err := runErr(t, newSource(t, name, ""), 20*time.Second); !errors.Is(err, broker.ErrSetup) {
 			t.Errorf("err = %v, want ErrSetup", err)
 		}
 	})

@@ -10,6 +10,7 @@ import (
 
 	amqp "github.com/rabbitmq/amqp091-go"
 
+	rabbitmqbroker "github.com/worker-dev/worker/internal/broker/rabbitmq"
 	"github.com/worker-dev/worker/internal/inbox"
 	"github.com/worker-dev/worker/internal/obs"
 )
@@ -74,15 +75,14 @@ func (b *busy) requeue(ctx context.Context) {
 }
 
 // message maps a delivery the way the outbox's rabbitmq sink publishes:
-// the CloudEvents attributes as cloudEvents: application properties (the
-// AMQP binding, which also allows cloudEvents_ for JMS), message_id = the
-// event id. The key is the CloudEvents id; message_id is the delivery's
-// NativeID, which the inbox takes when the source configures no key of
-// its own.
+// its keys from the CloudEvents attributes (inbox.CloudEvent), which are
+// application properties, message_id = the event id. The key is the
+// CloudEvents id; message_id is the delivery's NativeID, which the inbox
+// takes when the source configures no key of its own.
 func message(d *amqp.Delivery, queue string) inbox.Message {
 	h := make(map[string]string, len(d.Headers)+2)
 	for k, v := range d.Headers {
-		h[k] = text(v)
+		h[k] = rabbitmqbroker.Text(v)
 	}
 	// The message's own properties win over application properties that
 	// borrow their names.
@@ -92,32 +92,8 @@ func message(d *amqp.Delivery, queue string) inbox.Message {
 	if d.RoutingKey != "" {
 		h["routing_key"] = d.RoutingKey
 	}
-	ce := func(name string) string { return cmp.Or(h["cloudEvents:"+name], h["cloudEvents_"+name]) }
-	m := inbox.Message{
-		Source:  ce("source"),
-		ID:      ce("id"),
-		Type:    cmp.Or(ce("type"), d.Type),
-		Origin:  queue,
-		Headers: h,
-		Body:    d.Body,
-	}
-	if subject := ce("subject"); m.Source != "" || subject != "" {
-		m.OrderKey = m.Source + "/" + subject
-	}
+	m := inbox.CloudEvent(rabbitmqbroker.Decode(d.Headers))
+	m.Type = cmp.Or(m.Type, d.Type)
+	m.Origin, m.Headers, m.Body = queue, h, d.Body
 	return m
-}
-
-// text is an AMQP field value as a string.
-func text(v any) string {
-	switch v := v.(type) {
-	case string:
-		return v
-	case []byte:
-		return string(v)
-	case time.Time:
-		return v.UTC().Format(time.RFC3339Nano)
-	case nil:
-		return ""
-	}
-	return fmt.Sprint(v)
 }

@@ -2,18 +2,15 @@ package webhook
 
 import (
 	"context"
-	"crypto/hmac"
-	"crypto/sha256"
-	"encoding/base64"
 	"encoding/json"
 	"errors"
 	"math"
 	"net/http"
-	"net/url"
 	"strconv"
 	"strings"
 	"time"
 
+	webhookbroker "github.com/worker-dev/worker/internal/broker/webhook"
 	"github.com/worker-dev/worker/internal/inbox"
 )
 
@@ -181,55 +178,20 @@ func (s *Source) verify(h http.Header, body []byte) error {
 	if age := s.now().Sub(time.Unix(secs, 0)); age > s.cfg.Tolerance || age < -s.cfg.Tolerance {
 		return errors.New("webhook-timestamp is too far from the receiver's clock")
 	}
-	var given [][]byte
-	for _, sig := range strings.Fields(sigs) {
-		version, b64, _ := strings.Cut(sig, ",")
-		if got, err := base64.StdEncoding.DecodeString(b64); version == "v1" && err == nil {
-			given = append(given, got)
-		}
-	}
-	for _, key := range s.keys {
-		mac := hmac.New(sha256.New, key)
-		mac.Write([]byte(id))
-		mac.Write([]byte{'.'})
-		mac.Write([]byte(ts))
-		mac.Write([]byte{'.'})
-		mac.Write(body)
-		want := mac.Sum(nil)
-		for _, got := range given {
-			if hmac.Equal(got, want) {
-				return nil
-			}
-		}
+	if webhookbroker.Verify(s.keys, id, ts, sigs, body) {
+		return nil
 	}
 	return errors.New("no webhook-signature matches")
 }
 
 // delivery maps a request the way the outbox's webhook sink sends:
-// binary CloudEvents (ce-id, ce-source, ce-type, ce-subject,
-// percent-encoded), keyed by ce-source and ce-id. A request without ce-id
-// is keyed by the source's configured key, and without one by its
-// webhook-id (the inbox's native id). Invalid is set when the configured
-// key is missing from the request.
+// binary CloudEvents, keyed by their attributes (inbox.CloudEvent). A
+// request without ce-id is keyed by the source's configured key, and
+// without one by its webhook-id (the inbox's native id). Invalid is set
+// when the configured key is missing from the request.
 func (s *Source) delivery(r *http.Request, body []byte) *inbox.Delivery {
-	ce := func(name string) string {
-		v := r.Header.Get("Ce-" + name)
-		if d, err := url.PathUnescape(v); err == nil {
-			return d
-		}
-		return v
-	}
-	m := inbox.Message{
-		Source:  ce("Source"),
-		ID:      ce("Id"),
-		Type:    ce("Type"),
-		Origin:  r.URL.Path,
-		Headers: headers(r.Header),
-		Body:    body,
-	}
-	if subject := ce("Subject"); m.Source != "" || subject != "" {
-		m.OrderKey = m.Source + "/" + subject
-	}
+	m := inbox.CloudEvent(webhookbroker.Decode(r.Header))
+	m.Origin, m.Headers, m.Body = r.URL.Path, headers(r.Header), body
 	d := &inbox.Delivery{Message: m, NativeID: r.Header.Get("Webhook-Id")}
 	if m.ID == "" && s.dedupe != (inbox.KeySpec{}) {
 		d.Invalid = s.dedupe.Apply(&d.Message)

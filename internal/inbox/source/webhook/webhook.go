@@ -49,7 +49,6 @@ package webhook
 import (
 	"cmp"
 	"context"
-	"encoding/base64"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -62,8 +61,9 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"golang.org/x/net/netutil"
 
+	"github.com/worker-dev/worker/internal/broker"
+	webhookbroker "github.com/worker-dev/worker/internal/broker/webhook"
 	"github.com/worker-dev/worker/internal/inbox"
-	"github.com/worker-dev/worker/internal/outbox/sink"
 )
 
 // Server limits. A request is a small head and a body of at most
@@ -87,9 +87,6 @@ const (
 	// before their work is cancelled (they answer 503, and the sender
 	// retries).
 	shutdownGrace = 10 * time.Second
-	// secretPrefix marks a Standard Webhooks secret: the HMAC key is the
-	// base64-decoded rest.
-	secretPrefix = "whsec_"
 )
 
 // Options are what the source needs beside its configuration section.
@@ -183,14 +180,9 @@ func New(cfg inbox.WebhookSource, opts Options) (*Source, error) {
 func parseSecrets(list string) ([][]byte, error) {
 	var keys [][]byte
 	for _, secret := range strings.Fields(list) {
-		b64, ok := strings.CutPrefix(secret, secretPrefix)
-		if !ok {
-			keys = append(keys, []byte(secret))
-			continue
-		}
-		key, err := base64.StdEncoding.DecodeString(b64)
-		if err != nil || len(key) == 0 {
-			return nil, errors.New("a secret starting with whsec_ must continue with standard base64 of the key bytes")
+		key, err := webhookbroker.Key(secret)
+		if err != nil {
+			return nil, err
 		}
 		keys = append(keys, key)
 	}
@@ -212,11 +204,11 @@ func (s *Source) Addr() string {
 // Run implements inbox.Source: it listens, reports h.Up, and serves until
 // ctx ends, then shuts the server down, giving requests in flight
 // shutdownGrace to finish. A listen error (an address in use, a port
-// refused) wraps sink.ErrSetup.
+// refused) wraps broker.ErrSetup.
 func (s *Source) Run(ctx context.Context, h inbox.Handoff) error {
 	ln, err := net.Listen("tcp", s.cfg.Addr)
 	if err != nil {
-		return fmt.Errorf("%w: %s.addr=%q: %w", sink.ErrSetup, s.section, s.cfg.Addr, err)
+		return fmt.Errorf("%w: %s.addr=%q: %w", broker.ErrSetup, s.section, s.cfg.Addr, err)
 	}
 	s.mu.Lock()
 	s.addr = ln.Addr().String()

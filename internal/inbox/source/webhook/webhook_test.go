@@ -18,9 +18,10 @@ import (
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
 
+	"github.com/worker-dev/worker/internal/broker"
 	"github.com/worker-dev/worker/internal/inbox"
 	"github.com/worker-dev/worker/internal/outbox"
-	"github.com/worker-dev/worker/internal/outbox/sink"
+	webhooksink "github.com/worker-dev/worker/internal/outbox/sink/webhook"
 	"github.com/worker-dev/worker/internal/testkit"
 )
 
@@ -33,7 +34,7 @@ func TestOutboxWebhookSinkEventProcessedOnce(t *testing.T) {
 	old := "whsec_" + base64.StdEncoding.EncodeToString([]byte("the secret before the rotation"))
 	f := newFixture(t, func(s *setup) { s.cfg.Secret = old + " " + s.cfg.Secret })
 	f.start(t)
-	s, err := outbox.NewWebhookSink(outbox.WebhookConfig{URL: f.url, Secret: f.secret, Timeout: 10 * time.Second}, nil)
+	s, err := webhooksink.New(outbox.WebhookConfig{URL: f.url, Secret: f.secret, Timeout: 10 * time.Second}, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -338,7 +339,7 @@ func TestListenError(t *testing.T) {
 	f := newFixture(t, func(s *setup) { s.cfg.Addr = ln.Addr().String() })
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	if err := f.src.Run(ctx, f.c); !errors.Is(err, sink.ErrSetup) {
+	if err := f.src.Run(ctx, f.c); !errors.Is(err, broker.ErrSetup) {
 		t.Errorf("Run on a taken address: %v, want ErrSetup", err)
 	}
 }

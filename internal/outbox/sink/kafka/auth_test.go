@@ -16,8 +16,9 @@ import (
 	"github.com/twmb/franz-go/pkg/kgo"
 	"github.com/twmb/franz-go/pkg/kmsg"
 
+	"github.com/worker-dev/worker/internal/broker"
+	kafkabroker "github.com/worker-dev/worker/internal/broker/kafka"
 	"github.com/worker-dev/worker/internal/outbox"
-	"github.com/worker-dev/worker/internal/outbox/sink"
 	"github.com/worker-dev/worker/internal/outbox/sinktest"
 	"github.com/worker-dev/worker/internal/testkit"
 )
@@ -152,7 +153,7 @@ func TestSASL(t *testing.T) {
 				if err := s.Connect(ctx); err != nil {
 					t.Fatal(err)
 				}
-				publishAndRead(t, s, brokers, kgo.SASL(Mechanism(cfg.SASLMechanism, cfg.SASLUser, cfg.SASLPassword)))
+				publishAndRead(t, s, brokers, kgo.SASL(kafkabroker.Mechanism(cfg.SASLMechanism, cfg.SASLUser, cfg.SASLPassword)))
 				noPassword(t, "the log", logs.String())
 			})
 
@@ -163,8 +164,8 @@ func TestSASL(t *testing.T) {
 				_, brokers := secureCluster(t, requireSASL...)
 				s, logs := loggedSink(t, saslConfig(brokers, mech, wrongPassword))
 				err := connectUntilRetry(t, s, logs)
-				if !errors.Is(err, sink.ErrUnreachable) || !strings.Contains(err.Error(), "EOF") {
-					t.Fatalf("got %v, want %v with the closed connection", err, sink.ErrUnreachable)
+				if !errors.Is(err, broker.ErrUnreachable) || !strings.Contains(err.Error(), "EOF") {
+					t.Fatalf("got %v, want %v with the closed connection", err, broker.ErrUnreachable)
 				}
 				noPassword(t, "the error", err.Error())
 				noPassword(t, "the log", logs.String())
@@ -179,8 +180,8 @@ func TestSASL(t *testing.T) {
 				ctx, cancel := context.WithTimeout(t.Context(), cfg.ConnectTimeout)
 				defer cancel()
 				err := s.Connect(ctx)
-				if !errors.Is(err, sink.ErrRefused) {
-					t.Fatalf("got %v, want %v", err, sink.ErrRefused)
+				if !errors.Is(err, broker.ErrRefused) {
+					t.Fatalf("got %v, want %v", err, broker.ErrRefused)
 				}
 				if strings.Contains(logs.String(), "kafka not ready yet") {
 					t.Errorf("a refusal was retried:\n%s", logs)
@@ -215,8 +216,8 @@ func TestSASLMechanismNotEnabled(t *testing.T) {
 	ctx, cancel := context.WithTimeout(t.Context(), cfg.ConnectTimeout)
 	defer cancel()
 	err := s.Connect(ctx)
-	if !errors.Is(err, sink.ErrSetup) || !strings.Contains(err.Error(), "outbox.kafka.sasl_mechanism=SCRAM-SHA-512") {
-		t.Fatalf("got %v, want %v naming outbox.kafka.sasl_mechanism", err, sink.ErrSetup)
+	if !errors.Is(err, broker.ErrSetup) || !strings.Contains(err.Error(), "outbox.kafka.sasl_mechanism=SCRAM-SHA-512") {
+		t.Fatalf("got %v, want %v naming outbox.kafka.sasl_mechanism", err, broker.ErrSetup)
 	}
 	if strings.Contains(logs.String(), "kafka not ready yet") {
 		t.Errorf("a setup error was retried:\n%s", logs)
@@ -230,12 +231,12 @@ func TestTLS(t *testing.T) {
 	t.Parallel()
 	dir := t.TempDir()
 	ca, otherCA := testkit.NewCA(t, dir, "ca"), testkit.NewCA(t, dir, "other-ca")
-	broker := ca.Issue(t, "broker", x509.ExtKeyUsageServerAuth)
+	serverCert := ca.Issue(t, "broker", x509.ExtKeyUsageServerAuth)
 	client := ca.Issue(t, "client", x509.ExtKeyUsageClientAuth)
 	consumerTLS := kgo.DialTLSConfig(&tls.Config{RootCAs: ca.Pool(), Certificates: []tls.Certificate{client.TLS}})
 	listen := func(clientAuth tls.ClientAuthType) kfake.Opt {
 		return kfake.TLS(&tls.Config{
-			Certificates: []tls.Certificate{broker.TLS}, ClientAuth: clientAuth, ClientCAs: ca.Pool(),
+			Certificates: []tls.Certificate{serverCert.TLS}, ClientAuth: clientAuth, ClientCAs: ca.Pool(),
 			MinVersion: tls.VersionTLS12,
 		})
 	}
@@ -261,9 +262,9 @@ func TestTLS(t *testing.T) {
 			trust(&cfg)
 			s, logs := loggedSink(t, cfg)
 			err := connectUntilRetry(t, s, logs)
-			if !errors.Is(err, sink.ErrSetup) || !strings.Contains(err.Error(), "certificate signed by unknown authority") ||
+			if !errors.Is(err, broker.ErrSetup) || !strings.Contains(err.Error(), "certificate signed by unknown authority") ||
 				!strings.Contains(err.Error(), "outbox.kafka.tls_ca_file") {
-				t.Errorf("%s: got %v, want %v naming the unknown authority and outbox.kafka.tls_ca_file", name, err, sink.ErrSetup)
+				t.Errorf("%s: got %v, want %v naming the unknown authority and outbox.kafka.tls_ca_file", name, err, broker.ErrSetup)
 			}
 			if strings.Contains(logs.String(), "kafka not ready yet") {
 				t.Errorf("%s: retried:\n%s", name, logs)
@@ -277,8 +278,8 @@ func TestTLS(t *testing.T) {
 		cfg := config(brokers, "{aggregate_type}")
 		cfg.TLSCAFile = ca.File
 		s, logs := loggedSink(t, cfg)
-		if err := connectUntilRetry(t, s, logs); !errors.Is(err, sink.ErrRefused) || !strings.Contains(err.Error(), "certificate required") {
-			t.Errorf("without a client certificate: got %v, want %v naming the missing certificate", err, sink.ErrRefused)
+		if err := connectUntilRetry(t, s, logs); !errors.Is(err, broker.ErrRefused) || !strings.Contains(err.Error(), "certificate required") {
+			t.Errorf("without a client certificate: got %v, want %v naming the missing certificate", err, broker.ErrRefused)
 		}
 		cfg.TLSCertFile, cfg.TLSKeyFile = client.CertFile, client.KeyFile
 		publishAndRead(t, connect(t, cfg), brokers, consumerTLS)

@@ -17,6 +17,8 @@ import (
 	"github.com/twmb/franz-go/pkg/kerr"
 	"github.com/twmb/franz-go/pkg/kgo"
 
+	"github.com/worker-dev/worker/internal/broker"
+	kafkabroker "github.com/worker-dev/worker/internal/broker/kafka"
 	"github.com/worker-dev/worker/internal/outbox"
 	"github.com/worker-dev/worker/internal/outbox/sink"
 )
@@ -53,7 +55,7 @@ func New(cfg outbox.KafkaConfig, opts Options) (*Sink, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
-	topic, err := sink.ParseTemplate("outbox.kafka.topic", cfg.Topic, nil, TopicPart)
+	topic, err := sink.ParseTemplate("outbox.kafka.topic", cfg.Topic, nil, kafkabroker.TopicPart)
 	if err != nil {
 		return nil, err
 	}
@@ -100,7 +102,7 @@ func New(cfg outbox.KafkaConfig, opts Options) (*Sink, error) {
 		// produce request is on the wire.
 		kgo.ProducerLinger(0),
 	}
-	auth, err := AuthOptions("outbox.kafka", Auth{
+	auth, err := kafkabroker.AuthOptions("outbox.kafka", kafkabroker.Auth{
 		SASLMechanism: cfg.SASLMechanism, SASLUser: cfg.SASLUser, SASLPassword: cfg.SASLPassword,
 		TLS: cfg.TLS, TLSCAFile: cfg.TLSCAFile, TLSCertFile: cfg.TLSCertFile, TLSKeyFile: cfg.TLSKeyFile,
 	})
@@ -109,25 +111,6 @@ func New(cfg outbox.KafkaConfig, opts Options) (*Sink, error) {
 	}
 	s.opts = append(s.opts, auth...)
 	return s, nil
-}
-
-// TopicPart escapes one value into legal topic characters: letters,
-// digits, '.' and '-' stay, every other byte (including '_', the escape
-// character) becomes _XY (its hex), and so does a leading '.'; an empty
-// value becomes "_". So a value never renders as "." or ".." (names Kafka
-// refuses), and never starts with "__", "_." or "._": Kafka reads '.' as
-// '_' when it compares names, and "__" starts its own topics.
-func TopicPart(v string) string {
-	if v == "" {
-		return "_"
-	}
-	part := strings.ReplaceAll(outbox.PercentEncode(v, func(c byte) bool {
-		return c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z' || c >= '0' && c <= '9' || c == '.' || c == '-'
-	}), "%", "_")
-	if part[0] == '.' {
-		return "_2E" + part[1:]
-	}
-	return part
 }
 
 // reservedTopic reports whether Kafka keeps topic for itself or refuses
@@ -156,17 +139,17 @@ func (s *Sink) Name() string { return outbox.SinkKafka }
 func (s *Sink) Topic(e outbox.Event) string { return s.topic.Render(e) }
 
 // Connect creates the client and waits until a broker answers, retrying
-// until ctx ends. Its errors wrap sink.ErrUnreachable, sink.ErrRefused or
-// sink.ErrSetup.
+// until ctx ends. Its errors wrap broker.ErrUnreachable, broker.ErrRefused or
+// broker.ErrSetup.
 func (s *Sink) Connect(ctx context.Context) error {
 	client, err := kgo.NewClient(s.opts...)
 	if err != nil {
-		return fmt.Errorf("%w: %w", sink.ErrSetup, err)
+		return fmt.Errorf("%w: %w", broker.ErrSetup, err)
 	}
 	var last error
 	for {
 		err := client.Ping(ctx)
-		verdict := sink.TLSVerdict("outbox.kafka", err)
+		verdict := kafkabroker.ConnectVerdict("outbox.kafka", s.cfg.Brokers, s.cfg.SASLMechanism, err)
 		switch {
 		case err == nil:
 			s.mu.Lock()
@@ -175,14 +158,7 @@ func (s *Sink) Connect(ctx context.Context) error {
 			return nil
 		case verdict != nil:
 			client.Close()
-			return fmt.Errorf("kafka %s: %w", s.cfg.Brokers, verdict)
-		case errors.Is(err, kerr.SaslAuthenticationFailed), errors.Is(err, kerr.ClusterAuthorizationFailed):
-			client.Close()
-			return fmt.Errorf("%w: kafka %s: %w", sink.ErrRefused, s.cfg.Brokers, err)
-		case errors.Is(err, kerr.UnsupportedSaslMechanism):
-			client.Close()
-			return fmt.Errorf("%w: kafka %s: outbox.kafka.sasl_mechanism=%s is not enabled on the broker: %w",
-				sink.ErrSetup, s.cfg.Brokers, s.cfg.SASLMechanism, err)
+			return verdict
 		case ctx.Err() != nil:
 			client.Close()
 			// The attempt the deadline cut short says only that; the one
@@ -190,7 +166,7 @@ func (s *Sink) Connect(ctx context.Context) error {
 			if last == nil || !errors.Is(err, ctx.Err()) {
 				last = err
 			}
-			return fmt.Errorf("%w: kafka %s: %w", sink.ErrUnreachable, s.cfg.Brokers, last)
+			return fmt.Errorf("%w: kafka %s: %w", broker.ErrUnreachable, s.cfg.Brokers, last)
 		}
 		last = err
 		s.log.Warn("kafka not ready yet", "error", err.Error())
@@ -327,19 +303,13 @@ func classify(err error) error {
 	return err
 }
 
-// ceHeaders are the ce_ header names of the CloudEvents attributes.
-var ceHeaders = sink.AttributeKeys("ce_")
-
 // headers are the CloudEvents attributes in the Kafka binding's binary
 // mode (ce_ headers, content-type) after the stored headers.
 func headers(e outbox.Event) []kgo.RecordHeader {
 	attrs := sink.CloudEvent(e)
-	size := len(sink.ContentType)
+	size := len(broker.ContentType) + len(broker.SpecVersion) + len(attrs.ID) + len(attrs.Source) + len(attrs.Type) + len(attrs.Subject) + len(attrs.Time)
 	for _, v := range e.Headers {
 		size += len(v)
-	}
-	for _, a := range attrs {
-		size += len(a.Value)
 	}
 	// The values share one buffer instead of one allocation each.
 	buf := make([]byte, 0, size)
@@ -347,16 +317,14 @@ func headers(e outbox.Event) []kgo.RecordHeader {
 		buf = append(buf, v...)
 		return buf[len(buf)-len(v) : len(buf) : len(buf)]
 	}
-	h := make([]kgo.RecordHeader, 0, len(e.Headers)+1+len(attrs))
+	h := make([]kgo.RecordHeader, 0, len(e.Headers)+1+len(broker.Names))
 	for k, v := range e.Headers {
 		if n := strings.ToLower(k); !strings.HasPrefix(n, "ce_") && n != "content-type" {
 			h = append(h, kgo.RecordHeader{Key: k, Value: value(v)})
 		}
 	}
-	h = append(h, kgo.RecordHeader{Key: "content-type", Value: value(sink.ContentType)})
-	for _, a := range attrs {
-		h = append(h, kgo.RecordHeader{Key: ceHeaders[a.Name], Value: value(a.Value)})
-	}
+	h = append(h, kgo.RecordHeader{Key: "content-type", Value: value(broker.ContentType)})
+	kafkabroker.Encode(attrs, func(k, v string) { h = append(h, kgo.RecordHeader{Key: k, Value: value(v)}) })
 	return h
 }
 

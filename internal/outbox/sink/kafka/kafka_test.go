@@ -17,8 +17,9 @@ import (
 	"github.com/twmb/franz-go/pkg/kgo"
 	"github.com/twmb/franz-go/pkg/kmsg"
 
+	"github.com/worker-dev/worker/internal/broker"
+	kafkabroker "github.com/worker-dev/worker/internal/broker/kafka"
 	"github.com/worker-dev/worker/internal/outbox"
-	"github.com/worker-dev/worker/internal/outbox/sink"
 	"github.com/worker-dev/worker/internal/outbox/sinktest"
 )
 
@@ -278,10 +279,10 @@ func TestTopicPart(t *testing.T) {
 		"._x":                "_2E_5Fx",
 		"a.":                 "a.",
 	} {
-		if got := TopicPart(in); got != want {
+		if got := kafkabroker.TopicPart(in); got != want {
 			t.Errorf("TopicPart(%q) = %q, want %q", in, got, want)
 		}
-		if got := TopicPart(in); reservedTopic(got) || got == ".." {
+		if got := kafkabroker.TopicPart(in); reservedTopic(got) || got == ".." {
 			t.Errorf("TopicPart(%q) = %q, a name Kafka keeps or refuses", in, got)
 		}
 	}
@@ -352,7 +353,7 @@ func TestConnect(t *testing.T) {
 		}
 		ctx, cancel := context.WithTimeout(t.Context(), 500*time.Millisecond)
 		defer cancel()
-		if err := s.Connect(ctx); !errors.Is(err, sink.ErrUnreachable) {
+		if err := s.Connect(ctx); !errors.Is(err, broker.ErrUnreachable) {
 			t.Errorf("got %v", err)
 		}
 	})

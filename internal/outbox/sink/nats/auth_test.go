@@ -18,8 +18,8 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/nats-io/nkeys"
 
+	"github.com/worker-dev/worker/internal/broker"
 	"github.com/worker-dev/worker/internal/outbox"
-	"github.com/worker-dev/worker/internal/outbox/sink"
 	"github.com/worker-dev/worker/internal/outbox/sinktest"
 	"github.com/worker-dev/worker/internal/testkit"
 )
@@ -43,8 +43,8 @@ type badFile struct {
 // TestAuthentication: every authentication method of outbox.nats against
 // a server that requires it. The right credential connects and publishes
 // an event the stream holds; a wrong one is refused on the first attempt
-// (sink.ErrRefused, exit 77), and a file the sink cannot use, or a server
-// certificate it does not trust, stops it (sink.ErrSetup naming the key,
+// (broker.ErrRefused, exit 77), and a file the sink cannot use, or a server
+// certificate it does not trust, stops it (broker.ErrSetup naming the key,
 // exit 78). No secret
 // reaches the log or the error.
 func TestAuthentication(t *testing.T) {
@@ -92,8 +92,8 @@ func TestAuthentication(t *testing.T) {
 					ctx, cancel := context.WithTimeout(t.Context(), cfg.ConnectTimeout)
 					defer cancel()
 					err = s.Connect(ctx)
-					if !errors.Is(err, sink.ErrRefused) {
-						t.Fatalf("got %v, want %v", err, sink.ErrRefused)
+					if !errors.Is(err, broker.ErrRefused) {
+						t.Fatalf("got %v, want %v", err, broker.ErrRefused)
 					}
 					if retries := logs.Lines(t, "nats not ready yet"); len(retries) > 0 {
 						t.Errorf("retried a refusal: %v", retries)
@@ -111,8 +111,8 @@ func TestAuthentication(t *testing.T) {
 					ctx, cancel := context.WithTimeout(t.Context(), f.cfg.ConnectTimeout)
 					defer cancel()
 					err = s.Connect(ctx)
-					if !errors.Is(err, sink.ErrSetup) || !strings.Contains(err.Error(), f.key) {
-						t.Fatalf("got %v, want %v naming %s", err, sink.ErrSetup, f.key)
+					if !errors.Is(err, broker.ErrSetup) || !strings.Contains(err.Error(), f.key) {
+						t.Fatalf("got %v, want %v naming %s", err, broker.ErrSetup, f.key)
 					}
 					noSecrets(t, srv.secrets, err.Error())
 				})

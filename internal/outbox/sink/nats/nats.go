@@ -15,6 +15,8 @@ import (
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
+	"github.com/worker-dev/worker/internal/broker"
+	natsbroker "github.com/worker-dev/worker/internal/broker/nats"
 	"github.com/worker-dev/worker/internal/outbox"
 	"github.com/worker-dev/worker/internal/outbox/sink"
 )
@@ -56,14 +58,14 @@ func New(cfg outbox.NATSConfig, opts Options) (*Sink, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
-	if err := validSubjectText("outbox.nats.subject_prefix", cfg.SubjectPrefix); err != nil {
+	if err := natsbroker.ValidSubject("outbox.nats.subject_prefix", cfg.SubjectPrefix); err != nil {
 		return nil, err
 	}
-	tmpl, err := sink.ParseTemplate("outbox.nats.subject", cfg.Subject, map[string]string{"prefix": cfg.SubjectPrefix}, SubjectToken)
+	tmpl, err := sink.ParseTemplate("outbox.nats.subject", cfg.Subject, map[string]string{"prefix": cfg.SubjectPrefix}, natsbroker.SubjectToken)
 	if err != nil {
 		return nil, err
 	}
-	if err := validSubjectText("outbox.nats.subject", tmpl.Pattern("x")); err != nil {
+	if err := natsbroker.ValidSubject("outbox.nats.subject", tmpl.Pattern("x")); err != nil {
 		return nil, err
 	}
 	if err := checkFirstToken(cfg, tmpl); err != nil {
@@ -78,7 +80,7 @@ func New(cfg outbox.NATSConfig, opts Options) (*Sink, error) {
 		subject:  tmpl,
 		log:      log.With("sink", outbox.SinkNATS),
 		name:     opts.Name,
-		shownURL: sink.RedactURLs(cfg.URL),
+		shownURL: broker.RedactURLs(cfg.URL),
 		minDedup: opts.RedeliveryGap,
 		pubOpts: []jetstream.PublishOpt{
 			jetstream.WithExpectStream(cfg.Stream),
@@ -89,20 +91,6 @@ func New(cfg outbox.NATSConfig, opts Options) (*Sink, error) {
 			jetstream.WithRetryAttempts(0),
 		},
 	}, nil
-}
-
-// validSubjectText rejects a subject (or a fixed part of one) that would
-// not name exactly one subject: empty tokens, wildcards, whitespace.
-func validSubjectText(key, s string) error {
-	if s == "" {
-		return fmt.Errorf("%s is empty", key)
-	}
-	for tok := range strings.SplitSeq(s, ".") {
-		if tok == "" || tok == "*" || tok == ">" || strings.ContainsFunc(tok, func(r rune) bool { return r <= ' ' || r == 0x7f }) {
-			return fmt.Errorf("%s=%q: want dot-separated tokens without wildcards or whitespace", key, s)
-		}
-	}
-	return nil
 }
 
 // checkFirstToken refuses a subject template whose first token an event
@@ -140,46 +128,23 @@ func (s *Sink) Name() string { return outbox.SinkNATS }
 // Subject returns the subject e is published on.
 func (s *Sink) Subject(e outbox.Event) string { return s.subject.Render(e) }
 
-// SubjectToken escapes one value so that it stays one subject token and
-// reads the same for every consumer: '%', '.', '*', '>', whitespace,
-// control characters and non-ASCII bytes become %XY (their hex), and so do
-// a leading '$' and '_', so that no value makes a token of the server's
-// namespaces ($JS, _INBOX) wherever it lands. An empty value becomes "_"
-// (the producer rules refuse empty keys anyway), which no other value
-// renders.
-func SubjectToken(v string) string {
-	if v == "" {
-		return "_"
-	}
-	tok := outbox.PercentEncode(v, func(c byte) bool {
-		return c > ' ' && c < 0x7f && c != '.' && c != '*' && c != '>'
-	})
-	switch tok[0] {
-	case '$':
-		return "%24" + tok[1:]
-	case '_':
-		return "%5F" + tok[1:]
-	}
-	return tok
-}
-
 // Connect connects and checks the stream, retrying until ctx ends. Its
-// errors wrap sink.ErrUnreachable, sink.ErrRefused or sink.ErrSetup.
+// errors wrap broker.ErrUnreachable, broker.ErrRefused or broker.ErrSetup.
 func (s *Sink) Connect(ctx context.Context) error {
 	opts, err := s.options()
 	if err != nil {
-		return fmt.Errorf("%w: %w", sink.ErrSetup, err)
+		return fmt.Errorf("%w: %w", broker.ErrSetup, err)
 	}
 	var last error
 	for wait := 100 * time.Millisecond; ; wait = min(2*wait, 2*time.Second) {
 		last = s.connectOnce(ctx, opts)
-		if last == nil || errors.Is(last, sink.ErrRefused) || errors.Is(last, sink.ErrSetup) {
+		if last == nil || broker.Fatal(last) {
 			return last
 		}
 		s.log.Warn("nats not ready yet", "error", last.Error(), "retry_in", wait.String())
 		select {
 		case <-ctx.Done():
-			return fmt.Errorf("%w: nats %s: %w", sink.ErrUnreachable, s.shownURL, last)
+			return fmt.Errorf("%w: nats %s: %w", broker.ErrUnreachable, s.shownURL, last)
 		case <-time.After(wait):
 		}
 	}
@@ -192,11 +157,8 @@ func (s *Sink) connectOnce(ctx context.Context, opts []nats.Option) error {
 	}
 	conn, err := nats.Connect(s.cfg.URL, append(opts, nats.Timeout(dial))...)
 	if err != nil {
-		if verdict := sink.TLSVerdict("outbox.nats", err); verdict != nil {
-			return fmt.Errorf("nats %s: %w", s.shownURL, verdict)
-		}
-		if Refused(err) {
-			return fmt.Errorf("%w: nats %s: %w", sink.ErrRefused, s.shownURL, err)
+		if verdict := natsbroker.ConnectVerdict("outbox.nats", s.shownURL, err); verdict != nil {
+			return verdict
 		}
 		return err
 	}
@@ -233,7 +195,7 @@ func (s *Sink) options() ([]nats.Option, error) {
 		nats.ErrorHandler(func(_ *nats.Conn, _ *nats.Subscription, err error) { log.Warn("nats error", "error", err.Error()) }),
 	}
 	c := s.cfg
-	auth, err := AuthOptions("outbox.nats", Auth{
+	auth, err := natsbroker.AuthOptions("outbox.nats", natsbroker.Auth{
 		User: c.User, Password: c.Password, Token: c.Token, CredsFile: c.CredsFile, NKeySeedFile: c.NKeySeedFile,
 		TLSCAFile: c.TLSCAFile, TLSCertFile: c.TLSCertFile, TLSKeyFile: c.TLSKeyFile,
 	})
@@ -256,14 +218,14 @@ func (s *Sink) checkStream(ctx context.Context, js jetstream.JetStream) error {
 			Duplicates: max(2*time.Minute, s.minDedup),
 		})
 		if err != nil {
-			return fmt.Errorf("%w: outbox.nats.create_stream: creating stream %q: %w", sink.ErrSetup, s.cfg.Stream, err)
+			return fmt.Errorf("%w: outbox.nats.create_stream: creating stream %q: %w", broker.ErrSetup, s.cfg.Stream, err)
 		}
 		s.log.Info("nats stream created", "stream", s.cfg.Stream, "subjects", s.streamSubjects())
 	case errors.Is(err, jetstream.ErrStreamNotFound):
 		return fmt.Errorf("%w: outbox.nats.stream=%q does not exist; create it for subjects %q or set outbox.nats.create_stream=true",
-			sink.ErrSetup, s.cfg.Stream, s.streamSubjects())
+			broker.ErrSetup, s.cfg.Stream, s.streamSubjects())
 	case errors.Is(err, jetstream.ErrJetStreamNotEnabled), errors.Is(err, jetstream.ErrJetStreamNotEnabledForAccount):
-		return fmt.Errorf("%w: outbox.nats.url=%s: JetStream is not enabled for this account", sink.ErrSetup, s.shownURL)
+		return fmt.Errorf("%w: outbox.nats.url=%s: JetStream is not enabled for this account", broker.ErrSetup, s.shownURL)
 	case err != nil:
 		return err
 	}
@@ -369,16 +331,12 @@ var unavailableCodes = map[jetstream.ErrorCode]bool{
 	10028: true, // insufficient memory resources available
 }
 
-// ceHeaders are the ce- header names of the CloudEvents attributes.
-var ceHeaders = sink.AttributeKeys("ce-")
-
 // headers carries the message id (Nats-Msg-Id = event_id, which the stream
 // deduplicates on), the CloudEvents attributes (binary mode, ce- headers,
 // values percent-encoded as in the HTTP binding) and the stored headers.
 // Stored headers go first, so the ones the protocol owns win.
 func headers(e outbox.Event) nats.Header {
-	attrs := sink.CloudEvent(e)
-	n := len(e.Headers) + len(attrs) + 2
+	n := len(e.Headers) + len(broker.Names) + 2
 	h := make(nats.Header, n)
 	// Every header has one value: they share one backing array instead of
 	// one allocation each.
@@ -393,10 +351,8 @@ func headers(e outbox.Event) nats.Header {
 		}
 	}
 	set(jetstream.MsgIDHeader, e.EventID)
-	set("content-type", sink.ContentType)
-	for _, a := range attrs {
-		set(ceHeaders[a.Name], outbox.PercentEncode(a.Value, outbox.HeaderSafe))
-	}
+	set("content-type", broker.ContentType)
+	natsbroker.Encode(sink.CloudEvent(e), set)
 	return h
 }
 

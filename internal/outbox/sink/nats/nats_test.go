@@ -15,8 +15,9 @@ import (
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
+	"github.com/worker-dev/worker/internal/broker"
+	natsbroker "github.com/worker-dev/worker/internal/broker/nats"
 	"github.com/worker-dev/worker/internal/outbox"
-	"github.com/worker-dev/worker/internal/outbox/sink"
 	"github.com/worker-dev/worker/internal/outbox/sinktest"
 	"github.com/worker-dev/worker/internal/testkit"
 )
@@ -298,7 +299,7 @@ func TestSubjectToken(t *testing.T) {
 		"a$b_c":         "a$b_c",
 		"%24":           "%2524",
 	} {
-		if got := SubjectToken(in); got != want {
+		if got := natsbroker.SubjectToken(in); got != want {
 			t.Errorf("SubjectToken(%q) = %q, want %q", in, got, want)
 		}
 	}
@@ -336,7 +337,7 @@ func TestConnect(t *testing.T) {
 	t.Run("missing stream names the key", func(t *testing.T) {
 		s, _ := New(tg.config(), Options{})
 		err := s.Connect(ctx)
-		if !errors.Is(err, sink.ErrSetup) || !strings.Contains(err.Error(), "outbox.nats.stream") || !strings.Contains(err.Error(), "create_stream") {
+		if !errors.Is(err, broker.ErrSetup) || !strings.Contains(err.Error(), "outbox.nats.stream") || !strings.Contains(err.Error(), "create_stream") {
 			t.Errorf("got %v", err)
 		}
 	})
@@ -345,7 +346,7 @@ func TestConnect(t *testing.T) {
 		cfg.Password = "wrong-" + testPassword
 		s, _ := New(cfg, Options{})
 		err := s.Connect(ctx)
-		if !errors.Is(err, sink.ErrRefused) || strings.Contains(err.Error(), cfg.Password) {
+		if !errors.Is(err, broker.ErrRefused) || strings.Contains(err.Error(), cfg.Password) {
 			t.Errorf("got %v", err)
 		}
 	})
@@ -363,7 +364,7 @@ func TestConnect(t *testing.T) {
 		cctx, cancel := context.WithTimeout(ctx, 500*time.Millisecond)
 		defer cancel()
 		err = s.Connect(cctx)
-		if !errors.Is(err, sink.ErrUnreachable) || strings.Contains(err.Error(), testPassword) {
+		if !errors.Is(err, broker.ErrUnreachable) || strings.Contains(err.Error(), testPassword) {
 			t.Errorf("got %v", err)
 		}
 	})

@@ -20,6 +20,8 @@ import (
 
 	amqp "github.com/rabbitmq/amqp091-go"
 
+	"github.com/worker-dev/worker/internal/broker"
+	rabbitmqbroker "github.com/worker-dev/worker/internal/broker/rabbitmq"
 	"github.com/worker-dev/worker/internal/outbox"
 	"github.com/worker-dev/worker/internal/outbox/sink"
 )
@@ -96,9 +98,9 @@ func New(cfg outbox.RabbitMQConfig, opts Options) (*Sink, error) {
 	}
 	uri, err := amqp.ParseURI(cfg.URL)
 	if err != nil {
-		return nil, fmt.Errorf("outbox.rabbitmq.url=%q: %v", sink.RedactURLs(cfg.URL), err)
+		return nil, fmt.Errorf("outbox.rabbitmq.url=%q: %v", broker.RedactURLs(cfg.URL), err)
 	}
-	key, err := sink.ParseTemplate("outbox.rabbitmq.routing_key", cfg.RoutingKey, nil, RoutingWord)
+	key, err := sink.ParseTemplate("outbox.rabbitmq.routing_key", cfg.RoutingKey, nil, rabbitmqbroker.RoutingWord)
 	if err != nil {
 		return nil, err
 	}
@@ -116,22 +118,15 @@ func New(cfg outbox.RabbitMQConfig, opts Options) (*Sink, error) {
 		key:      key,
 		log:      log.With("sink", outbox.SinkRabbitMQ),
 		name:     opts.Name,
-		shownURL: sink.RedactURLs(cfg.URL),
+		shownURL: broker.RedactURLs(cfg.URL),
 		slots:    make(chan struct{}, cfg.MaxPending),
 	}
 	s.amqpCfg = amqp.Config{
 		Heartbeat:  10 * time.Second,
 		Properties: amqp.Table{"connection_name": opts.Name},
 	}
-	if uri.Scheme != "amqps" && (cfg.TLSCAFile != "" || cfg.TLSCertFile != "") {
-		// The client speaks TLS only to an amqps:// URL: the files would be
-		// ignored, and the connection left in plain text.
-		return nil, fmt.Errorf("outbox.rabbitmq.tls_ca_file and tls_cert_file need an amqps:// outbox.rabbitmq.url, not %q", s.shownURL)
-	}
-	if uri.Scheme == "amqps" {
-		if s.amqpCfg.TLSClientConfig, err = sink.TLSConfig("outbox.rabbitmq", cfg.TLSCAFile, cfg.TLSCertFile, cfg.TLSKeyFile); err != nil {
-			return nil, err
-		}
+	if s.amqpCfg.TLSClientConfig, err = rabbitmqbroker.TLS("outbox.rabbitmq", uri, s.shownURL, cfg.TLSCAFile, cfg.TLSCertFile, cfg.TLSKeyFile); err != nil {
+		return nil, err
 	}
 	return s, nil
 }
@@ -159,18 +154,6 @@ func checkQueueName(text string, key *sink.Template) error {
 	return nil
 }
 
-// RoutingWord escapes one value so that it stays one word of a topic
-// routing key: '%', '.', '*', '#', whitespace, control characters and
-// non-ASCII bytes become %XY, and an empty value becomes "_".
-func RoutingWord(v string) string {
-	if v == "" {
-		return "_"
-	}
-	return outbox.PercentEncode(v, func(c byte) bool {
-		return c > ' ' && c < 0x7f && c != '.' && c != '*' && c != '#'
-	})
-}
-
 // Name implements outbox.Sink.
 func (s *Sink) Name() string { return outbox.SinkRabbitMQ }
 
@@ -178,19 +161,19 @@ func (s *Sink) Name() string { return outbox.SinkRabbitMQ }
 func (s *Sink) RoutingKey(e outbox.Event) string { return s.key.Render(e) }
 
 // Connect connects and checks (or declares) the exchange, retrying until
-// ctx ends. Its errors wrap sink.ErrUnreachable, sink.ErrRefused or
-// sink.ErrSetup.
+// ctx ends. Its errors wrap broker.ErrUnreachable, broker.ErrRefused or
+// broker.ErrSetup.
 func (s *Sink) Connect(ctx context.Context) error {
 	var last error
 	for wait := 100 * time.Millisecond; ; wait = min(2*wait, 2*time.Second) {
 		_, last = s.channel(ctx)
-		if last == nil || errors.Is(last, sink.ErrRefused) || errors.Is(last, sink.ErrSetup) {
+		if last == nil || broker.Fatal(last) {
 			return last
 		}
 		s.log.Warn("rabbitmq not ready yet", "error", last.Error(), "retry_in", wait.String())
 		select {
 		case <-ctx.Done():
-			return fmt.Errorf("%w: rabbitmq %s: %w", sink.ErrUnreachable, s.shownURL, last)
+			return fmt.Errorf("%w: rabbitmq %s: %w", broker.ErrUnreachable, s.shownURL, last)
 		case <-time.After(wait):
 		}
 	}
@@ -225,14 +208,7 @@ func (s *Sink) channel(ctx context.Context) (*amqp.Channel, error) {
 	}
 	conn, err := amqp.DialConfig(s.cfg.URL, cfg)
 	if err != nil {
-		var ae *amqp.Error
-		if errors.As(err, &ae) && (ae.Code == amqp.AccessRefused || ae.Code == amqp.NotAllowed) {
-			return nil, fmt.Errorf("%w: rabbitmq %s: %s", sink.ErrRefused, s.shownURL, ae.Reason)
-		}
-		if verdict := sink.TLSVerdict("outbox.rabbitmq", err); verdict != nil {
-			return nil, fmt.Errorf("rabbitmq %s: %w", s.shownURL, verdict)
-		}
-		return nil, fmt.Errorf("rabbitmq %s: %w", s.shownURL, err)
+		return nil, rabbitmqbroker.DialError("outbox.rabbitmq", s.shownURL, err)
 	}
 	ch, err := s.setup(conn)
 	if err != nil {
@@ -265,7 +241,7 @@ func (s *Sink) setup(conn *amqp.Connection) (*amqp.Channel, error) {
 			var ae *amqp.Error
 			if errors.As(err, &ae) && (ae.Code == amqp.NotFound || ae.Code == amqp.PreconditionFailed) {
 				return nil, fmt.Errorf("%w: outbox.rabbitmq.exchange=%q: %s; declare it or set outbox.rabbitmq.declare_exchange=true (with the right outbox.rabbitmq.exchange_type)",
-					sink.ErrSetup, s.cfg.Exchange, ae.Reason)
+					broker.ErrSetup, s.cfg.Exchange, ae.Reason)
 			}
 			return nil, fmt.Errorf("rabbitmq: exchange %q: %w", s.cfg.Exchange, err)
 		}
@@ -458,27 +434,20 @@ func (l *link) blockedNow() (string, bool) {
 	return l.blockCause, l.isBlocked
 }
 
-// ceProperties are the application property names of the CloudEvents
-// attributes.
-var ceProperties = sink.AttributeKeys("cloudEvents:")
-
 // message is the AMQP message of e: CloudEvents attributes as
 // "cloudEvents:" headers (the AMQP binding's application properties),
 // datacontenttype as content_type, stored headers passed through.
 func (s *Sink) message(e outbox.Event) amqp.Publishing {
-	attrs := sink.CloudEvent(e)
-	h := make(amqp.Table, len(e.Headers)+len(attrs))
+	h := make(amqp.Table, len(e.Headers)+len(broker.Names))
 	for k, v := range e.Headers {
 		if !strings.HasPrefix(strings.ToLower(k), "cloudevents") {
 			h[k] = v
 		}
 	}
-	for _, a := range attrs {
-		h[ceProperties[a.Name]] = a.Value
-	}
+	rabbitmqbroker.Encode(sink.CloudEvent(e), h)
 	return amqp.Publishing{
 		Headers:      h,
-		ContentType:  sink.ContentType,
+		ContentType:  broker.ContentType,
 		DeliveryMode: amqp.Persistent,
 		MessageId:    e.EventID,
 		Type:         e.EventType,

@@ -15,8 +15,9 @@ import (
 	"github.com/google/uuid"
 	amqp "github.com/rabbitmq/amqp091-go"
 
+	"github.com/worker-dev/worker/internal/broker"
+	rabbitmqbroker "github.com/worker-dev/worker/internal/broker/rabbitmq"
 	"github.com/worker-dev/worker/internal/outbox"
-	"github.com/worker-dev/worker/internal/outbox/sink"
 	"github.com/worker-dev/worker/internal/outbox/sinktest"
 	"github.com/worker-dev/worker/internal/testkit"
 )
@@ -35,7 +36,7 @@ func requireBroker(t testing.TB) *amqp.Connection {
 	conn, err := amqp.Dial(testkit.RabbitMQURL())
 	if err != nil {
 		t.Fatalf("RabbitMQ is not reachable at %s: %v\nStart one (`rabbitmq-server -detached`; .ci/run does it), point %s at one, or set %s=1 to skip these tests.",
-			sink.RedactURLs(testkit.RabbitMQURL()), err, testkit.RabbitMQURLEnv, testkit.RabbitMQSkipEnv)
+			broker.RedactURLs(testkit.RabbitMQURL()), err, testkit.RabbitMQURLEnv, testkit.RabbitMQSkipEnv)
 	}
 	t.Cleanup(func() { _ = conn.Close() })
 	return conn
@@ -240,7 +241,7 @@ func TestRoutingWord(t *testing.T) {
 		"50%":           "50%25",
 		"":              "_",
 	} {
-		if got := RoutingWord(in); got != want {
+		if got := rabbitmqbroker.RoutingWord(in); got != want {
 			t.Errorf("RoutingWord(%q) = %q, want %q", in, got, want)
 		}
 	}
@@ -292,7 +293,7 @@ func TestConnect(t *testing.T) {
 			t.Fatal(err)
 		}
 		err = s.Connect(ctx)
-		if !errors.Is(err, sink.ErrSetup) || !strings.Contains(err.Error(), "outbox.rabbitmq.exchange") {
+		if !errors.Is(err, broker.ErrSetup) || !strings.Contains(err.Error(), "outbox.rabbitmq.exchange") {
 			t.Errorf("got %v", err)
 		}
 	})
@@ -317,7 +318,7 @@ func TestConnect(t *testing.T) {
 		cfg.URL = u.String()
 		s, _ := New(cfg, Options{})
 		err := s.Connect(ctx)
-		if !errors.Is(err, sink.ErrRefused) || strings.Contains(err.Error(), "wrong-secret-9") {
+		if !errors.Is(err, broker.ErrRefused) || strings.Contains(err.Error(), "wrong-secret-9") {
 			t.Errorf("got %v", err)
 		}
 	})
@@ -328,7 +329,7 @@ func TestConnect(t *testing.T) {
 		cctx, cancel := context.WithTimeout(ctx, 500*time.Millisecond)
 		defer cancel()
 		err := s.Connect(cctx)
-		if !errors.Is(err, sink.ErrUnreachable) || strings.Contains(err.Error(), "hidden-7") {
+		if !errors.Is(err, broker.ErrUnreachable) || strings.Contains(err.Error(), "hidden-7") {
 			t.Errorf("got %v", err)
 		}
 	})

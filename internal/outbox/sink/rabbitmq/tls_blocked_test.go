@@ -13,8 +13,8 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	amqp "github.com/rabbitmq/amqp091-go"
 
+	"github.com/worker-dev/worker/internal/broker"
 	"github.com/worker-dev/worker/internal/outbox"
-	"github.com/worker-dev/worker/internal/outbox/sink"
 	"github.com/worker-dev/worker/internal/outbox/sinktest"
 	"github.com/worker-dev/worker/internal/pgtest"
 	"github.com/worker-dev/worker/internal/testkit"
@@ -58,13 +58,13 @@ func TestTLS(t *testing.T) {
 		sinktest.CheckMessage(t, msgs[0], e)
 	})
 
-	// Startup exits 78 on sink.ErrSetup: retrying for connect_timeout
+	// Startup exits 78 on broker.ErrSetup: retrying for connect_timeout
 	// would not make the certificate trusted.
 	t.Run("a broker certificate the CA did not sign fails Connect at once", func(t *testing.T) {
 		c := tlsConfig()
 		c.TLSCAFile = n.certs.otherCA
 		err := connectErr(t, c, time.Minute)
-		if !errors.Is(err, sink.ErrSetup) || !strings.Contains(err.Error(), "outbox.rabbitmq.tls_ca_file") ||
+		if !errors.Is(err, broker.ErrSetup) || !strings.Contains(err.Error(), "outbox.rabbitmq.tls_ca_file") ||
 			!strings.Contains(err.Error(), "certificate signed by unknown authority") {
 			t.Errorf("got %v, want a setup error naming outbox.rabbitmq.tls_ca_file", err)
 		}
@@ -78,7 +78,7 @@ func TestTLS(t *testing.T) {
 	t.Run("without a client certificate the broker refuses the connection", func(t *testing.T) {
 		c := tlsConfig()
 		c.TLSCertFile, c.TLSKeyFile = "", ""
-		if err := connectErr(t, c, time.Second); !errors.Is(err, sink.ErrUnreachable) {
+		if err := connectErr(t, c, time.Second); !errors.Is(err, broker.ErrUnreachable) {
 			t.Errorf("got %v, want unreachable", err)
 		}
 	})

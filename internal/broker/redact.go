@@ -1,4 +1,4 @@
-package sink
+package broker
 
 import (
 	"net/url"

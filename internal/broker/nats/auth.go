@@ -9,7 +9,7 @@ import (
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nkeys"
 
-	"github.com/worker-dev/worker/internal/outbox/sink"
+	"github.com/worker-dev/worker/internal/broker"
 )
 
 // Auth is how a connection authenticates: at most one of user (with
@@ -48,7 +48,7 @@ func AuthOptions(section string, a Auth) ([]nats.Option, error) {
 		}
 		opts = append(opts, o)
 	}
-	if _, err := sink.TLSConfig(section, a.TLSCAFile, a.TLSCertFile, a.TLSKeyFile); err != nil {
+	if _, err := broker.TLSConfig(section, a.TLSCAFile, a.TLSCertFile, a.TLSKeyFile); err != nil {
 		return nil, err
 	}
 	if a.TLSCAFile != "" {
@@ -76,10 +76,25 @@ func checkCreds(path string) error {
 	return nil
 }
 
-// Refused reports whether a failed connect is the server refusing the
+// ConnectVerdict sorts a failed connect: a TLS verdict (see
+// broker.TLSVerdict), or the server refusing the credentials or the
+// handshake (broker.ErrRefused), both naming the server as shownURL; nil
+// for anything else, which may pass with a retry. section is the
+// configuration key, for errors.
+func ConnectVerdict(section, shownURL string, err error) error {
+	if verdict := broker.TLSVerdict(section, err); verdict != nil {
+		return fmt.Errorf("nats %s: %w", shownURL, verdict)
+	}
+	if refused(err) {
+		return fmt.Errorf("%w: nats %s: %w", broker.ErrRefused, shownURL, err)
+	}
+	return nil
+}
+
+// refused reports whether a failed connect is the server refusing the
 // credentials, or a TLS handshake that one side rejects: no retry changes
 // either.
-func Refused(err error) bool {
+func refused(err error) bool {
 	// Under TLS 1.3 the server checks the client certificate after the
 	// client's side of the handshake is done, and may close the connection
 	// before its alert is read; nats.go words that case so.

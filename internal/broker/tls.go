@@ -1,4 +1,4 @@
-package sink
+package broker
 
 import (
 	"crypto/tls"
@@ -10,8 +10,8 @@ import (
 )
 
 // TLSConfig builds a client TLS configuration from the files of a sink's
-// section: a CA bundle to trust (else the system's) and an optional client
-// certificate. prefix is the section's key, for errors.
+// or a source's section: a CA bundle to trust (else the system's) and an
+// optional client certificate. prefix is the section's key, for errors.
 func TLSConfig(prefix, caFile, certFile, keyFile string) (*tls.Config, error) {
 	c := &tls.Config{MinVersion: tls.VersionTLS12}
 	if caFile != "" {

@@ -1,4 +1,4 @@
-package outbox
+package webhook
 
 import (
 	"context"
@@ -21,6 +21,8 @@ import (
 	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/worker-dev/worker/internal/outbox"
 )
 
 // whRequest is what the test receiver saw.
@@ -75,17 +77,17 @@ func (r *whReceiver) only(t *testing.T) whRequest {
 	return reqs[0]
 }
 
-func newTestWebhookSink(t *testing.T, url, secret string) *WebhookSink {
+func newTestWebhookSink(t *testing.T, url, secret string) *Sink {
 	t.Helper()
-	s, err := NewWebhookSink(WebhookConfig{URL: url, Secret: secret, Timeout: 5 * time.Second}, nil)
+	s, err := New(outbox.WebhookConfig{URL: url, Secret: secret, Timeout: 5 * time.Second}, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
 	return s
 }
 
-func whEvent() Event {
-	return Event{
+func whEvent() outbox.Event {
+	return outbox.Event{
 		Seq:           42,
 		EventID:       "0b6a3c5e-2f4d-4e61-9d9a-7c1c2f0e8b11",
 		AggregateType: "order",
@@ -326,34 +328,34 @@ func TestWebhookSinkStatusClassification(t *testing.T) {
 			s.now = func() time.Time { return now }
 			err := s.Publish(context.Background(), whEvent())
 
-			var ra *RetryAfterError
+			var ra *outbox.RetryAfterError
 			switch tc.want {
 			case "ok":
 				if err != nil {
 					t.Fatalf("err = %v, want success", err)
 				}
 			case "permanent":
-				if !IsPermanent(err) || IsUnavailable(err) {
+				if !outbox.IsPermanent(err) || outbox.IsUnavailable(err) {
 					t.Fatalf("err = %v, want permanent", err)
 				}
 				if errors.As(err, &ra) {
 					t.Fatalf("permanent error must not carry Retry-After: %v", err)
 				}
 			case "transient", "unavailable":
-				if err == nil || IsPermanent(err) {
+				if err == nil || outbox.IsPermanent(err) {
 					t.Fatalf("err = %v, want transient", err)
 				}
-				// Unavailable: the receiver is down, the event keeps its
+				// outbox.Unavailable: the receiver is down, the event keeps its
 				// attempts; transient: this event failed, it spends one.
-				if got := IsUnavailable(err); got != (tc.want == "unavailable") {
-					t.Fatalf("IsUnavailable(%v) = %v, want %v", err, got, !got)
+				if got := outbox.IsUnavailable(err); got != (tc.want == "unavailable") {
+					t.Fatalf("outbox.IsUnavailable(%v) = %v, want %v", err, got, !got)
 				}
 				if tc.after < 0 {
 					if errors.As(err, &ra) {
 						t.Fatalf("err = %v carries After=%s; want none", err, ra.After)
 					}
 				} else if !errors.As(err, &ra) || ra.After != tc.after {
-					t.Fatalf("err = %#v, want *RetryAfterError with After=%s", err, tc.after)
+					t.Fatalf("err = %#v, want *outbox.RetryAfterError with After=%s", err, tc.after)
 				}
 			}
 			if err != nil {
@@ -377,14 +379,14 @@ func TestWebhookSinkConnectionRefusedIsTransient(t *testing.T) {
 	ln.Close() // nothing listens there now
 	s := newTestWebhookSink(t, "http://"+addr+"/hook", "")
 	err = s.Publish(context.Background(), whEvent())
-	if !IsUnavailable(err) {
+	if !outbox.IsUnavailable(err) {
 		t.Fatalf("err = %v, want the receiver unavailable", err)
 	}
-	var u *UnavailableError
+	var u *outbox.UnavailableError
 	if !errors.As(err, &u) {
 		t.Errorf("err = %v, want it wrapped as an UnavailableError", err)
 	}
-	var ra *RetryAfterError
+	var ra *outbox.RetryAfterError
 	if errors.As(err, &ra) {
 		t.Errorf("a network error has no Retry-After: %v", err)
 	}
@@ -399,12 +401,12 @@ func TestWebhookSinkTimeoutIsTransient(t *testing.T) {
 		}
 	})
 	t.Cleanup(func() { close(release) }) // runs before rcv.Close
-	s, err := NewWebhookSink(WebhookConfig{URL: rcv.URL, Timeout: 100 * time.Millisecond}, nil)
+	s, err := New(outbox.WebhookConfig{URL: rcv.URL, Timeout: 100 * time.Millisecond}, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
 	err = s.Publish(context.Background(), whEvent())
-	if !IsUnavailable(err) {
+	if !outbox.IsUnavailable(err) {
 		t.Fatalf("err = %v, want the receiver unavailable", err)
 	}
 	if !errors.Is(err, context.DeadlineExceeded) {
@@ -418,7 +420,7 @@ func TestWebhookSinkCallerCancelIsTransient(t *testing.T) {
 	ctx, cancel := context.WithCancel(context.Background())
 	cancel() // shutdown: the relay hands the claim back, it must not go DEAD
 	err := s.Publish(ctx, whEvent())
-	if err == nil || IsPermanent(err) || !errors.Is(err, context.Canceled) {
+	if err == nil || outbox.IsPermanent(err) || !errors.Is(err, context.Canceled) {
 		t.Fatalf("err = %v, want transient context.Canceled", err)
 	}
 }
@@ -467,7 +469,7 @@ func TestWebhookSinkErrorsNeverContainSecret(t *testing.T) {
 
 	// A malformed whsec_ secret is a config error that must not quote it.
 	bad := "whsec_not*base64*" + rawKey
-	_, err := NewWebhookSink(WebhookConfig{URL: "https://hooks.example.com", Secret: bad, Timeout: time.Second}, nil)
+	_, err := New(outbox.WebhookConfig{URL: "https://hooks.example.com", Secret: bad, Timeout: time.Second}, nil)
 	if err == nil || strings.Contains(err.Error(), rawKey) || strings.Contains(err.Error(), "not*base64") {
 		t.Fatalf("err = %v, want an error that does not quote the secret", err)
 	}
@@ -480,7 +482,7 @@ func TestWebhookSinkErrorsHideURLCredentials(t *testing.T) {
 	rcv := newWHReceiver(t, func(w http.ResponseWriter, _ *http.Request) { w.WriteHeader(http.StatusForbidden) })
 	u := strings.Replace(rcv.URL, "http://", "http://hookuser:pw-in-url@", 1) + "/in?token=tok-in-query"
 	err := newTestWebhookSink(t, u, "").Publish(context.Background(), whEvent())
-	if !IsPermanent(err) {
+	if !outbox.IsPermanent(err) {
 		t.Fatalf("err = %v, want permanent", err)
 	}
 
@@ -510,7 +512,7 @@ func TestWebhookSinkErrorBodySnippetIsShort(t *testing.T) {
 		_, _ = io.WriteString(w, strings.Repeat("A", maxErrorBody)+strings.Repeat("Z", 50_000))
 	})
 	err := newTestWebhookSink(t, rcv.URL, "").Publish(context.Background(), whEvent())
-	if !IsPermanent(err) {
+	if !outbox.IsPermanent(err) {
 		t.Fatalf("err = %v, want permanent", err)
 	}
 	if !strings.Contains(err.Error(), strings.Repeat("A", maxErrorBody)) || strings.Contains(err.Error(), "Z") {
@@ -519,7 +521,7 @@ func TestWebhookSinkErrorBodySnippetIsShort(t *testing.T) {
 }
 
 func TestNewWebhookSinkValidatesConfig(t *testing.T) {
-	bad := []WebhookConfig{
+	bad := []outbox.WebhookConfig{
 		{URL: "", Timeout: time.Second},
 		{URL: "hooks.example.com/outbox", Timeout: time.Second},
 		{URL: "/outbox", Timeout: time.Second},
@@ -535,7 +537,7 @@ func TestNewWebhookSinkValidatesConfig(t *testing.T) {
 		{URL: "http://[::1]:123456/outbox", Timeout: time.Second},
 	}
 	for _, cfg := range bad {
-		_, err := NewWebhookSink(cfg, nil)
+		_, err := New(cfg, nil)
 		if err == nil {
 			t.Errorf("URL %q accepted", cfg.URL)
 			continue
@@ -549,7 +551,7 @@ func TestNewWebhookSinkValidatesConfig(t *testing.T) {
 	}
 
 	for _, d := range []time.Duration{0, -time.Second} {
-		_, err := NewWebhookSink(WebhookConfig{URL: "https://hooks.example.com", Timeout: d}, nil)
+		_, err := New(outbox.WebhookConfig{URL: "https://hooks.example.com", Timeout: d}, nil)
 		if err == nil || !strings.Contains(err.Error(), "outbox.webhook.timeout") {
 			t.Errorf("timeout %s: err = %v, want one naming outbox.webhook.timeout", d, err)
 		}
@@ -557,7 +559,7 @@ func TestNewWebhookSinkValidatesConfig(t *testing.T) {
 
 	for _, u := range []string{"http://127.0.0.1:8080/hook", "https://hooks.example.com/a/b?tenant=7",
 		"http://hooks.example.com:1/x", "https://hooks.example.com:65535/x", "http://[::1]:8080/x", "http://hooks.example.com:/x"} {
-		if _, err := NewWebhookSink(WebhookConfig{URL: u, Timeout: time.Second}, nil); err != nil {
+		if _, err := New(outbox.WebhookConfig{URL: u, Timeout: time.Second}, nil); err != nil {
 			t.Errorf("URL %q rejected: %v", u, err)
 		}
 	}
@@ -602,14 +604,14 @@ func TestWebhookSinkHTTPS(t *testing.T) {
 	t.Cleanup(srv.Close)
 
 	err := newTestWebhookSink(t, srv.URL, "").Publish(context.Background(), whEvent())
-	if err == nil || IsPermanent(err) || !strings.Contains(err.Error(), "certificate") {
+	if err == nil || outbox.IsPermanent(err) || !strings.Contains(err.Error(), "certificate") {
 		t.Fatalf("err = %v, want a transient certificate error", err)
 	}
 	if got.Load() != nil {
 		t.Fatal("the receiver got a request over an unverified connection")
 	}
 
-	s, err := NewWebhookSink(WebhookConfig{URL: srv.URL, Timeout: 5 * time.Second}, srv.Client().Transport) // trusts the test certificate
+	s, err := New(outbox.WebhookConfig{URL: srv.URL, Timeout: 5 * time.Second}, srv.Client().Transport) // trusts the test certificate
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -676,7 +678,7 @@ func BenchmarkWebhook(b *testing.B) {
 		w.WriteHeader(http.StatusNoContent)
 	}))
 	defer srv.Close()
-	s, err := NewWebhookSink(WebhookConfig{URL: srv.URL, Secret: "whsec_" + base64.StdEncoding.EncodeToString(make([]byte, 32)), Timeout: 5 * time.Second}, nil)
+	s, err := New(outbox.WebhookConfig{URL: srv.URL, Secret: "whsec_" + base64.StdEncoding.EncodeToString(make([]byte, 32)), Timeout: 5 * time.Second}, nil)
 	if err != nil {
 		b.Fatal(err)
 	}
@@ -875,7 +877,7 @@ func TestWebhookSinkMasksCredentialsInErrorAnswers(t *testing.T) {
 			_, _ = io.WriteString(w, answer)
 		})
 		err := newTestWebhookSink(t, rcv.URL, "").Publish(context.Background(), whEvent())
-		if !IsPermanent(err) {
+		if !outbox.IsPermanent(err) {
 			t.Fatalf("err = %v, want permanent", err)
 		}
 		for _, l := range leaks {
@@ -895,5 +897,49 @@ func TestWebhookSinkMasksCredentialsInErrorAnswers(t *testing.T) {
 	err := newTestWebhookSink(t, rcv.URL, "").Publish(context.Background(), whEvent())
 	if err == nil || !strings.Contains(err.Error(), "field order_id missing") {
 		t.Errorf("err = %v, want the answer quoted", err)
+	}
+}
+
+// TestSinksWriteRFC3339: the webhook's ce-time is RFC 3339 for years
+// 0001-9999; an event outside them is a permanent error and nothing is
+// sent (the log sink's occurred_at: outbox's test of the same name).
+func TestSinksWriteRFC3339(t *testing.T) {
+	t.Parallel()
+	rcv := newWHReceiver(t, nil)
+	wh := newTestWebhookSink(t, rcv.URL, "")
+	for _, c := range []struct {
+		at   time.Time
+		want string // "" = refused
+	}{
+		{time.Date(1, 1, 1, 12, 0, 0, 0, time.UTC), "0001-01-01T12:00:00Z"},
+		{time.Date(9999, 12, 31, 23, 59, 59, 999999000, time.UTC), "9999-12-31T23:59:59.999999Z"},
+		{time.Date(2024, 5, 6, 9, 8, 9, 0, time.FixedZone("+02", 7200)), "2024-05-06T07:08:09Z"},
+		{time.Date(10000, 1, 1, 0, 0, 0, 0, time.UTC), ""},
+		{time.Date(-3999, 1, 1, 0, 0, 0, 0, time.UTC), ""},
+		{time.Date(0, 12, 31, 23, 0, 0, 0, time.UTC), ""},
+	} {
+		e := whEvent()
+		e.OccurredAt = c.at
+		before := len(rcv.requests())
+		werr := wh.Publish(context.Background(), e)
+		if c.want == "" {
+			if !outbox.IsPermanent(werr) || !strings.Contains(werr.Error(), "outbox_event_occurred_at_range") {
+				t.Errorf("%s: webhook %v; want a permanent error naming the rule", c.at, werr)
+			}
+			if len(rcv.requests()) != before {
+				t.Errorf("%s: an event without an RFC 3339 time was sent", c.at)
+			}
+			continue
+		}
+		if werr != nil {
+			t.Fatalf("%s: webhook %v", c.at, werr)
+		}
+		reqs := rcv.requests()
+		if got := reqs[len(reqs)-1].Header.Get("Ce-Time"); got != c.want {
+			t.Errorf("ce-time %q, want %q", got, c.want)
+		}
+		if _, err := time.Parse(time.RFC3339Nano, reqs[len(reqs)-1].Header.Get("Ce-Time")); err != nil {
+			t.Error(err)
+		}
 	}
 }

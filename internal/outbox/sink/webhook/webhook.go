@@ -1,12 +1,13 @@
-package outbox
+// Package webhook is the webhook sink (outbox.sink: webhook): each event is
+// one POST of a CloudEvent in HTTP binary mode, signed per Standard
+// Webhooks when a secret is configured. The wire convention is
+// internal/broker/webhook's, which the inbox's webhook source reads.
+package webhook
 
 import (
 	"bytes"
 	"context"
-	"crypto/hmac"
-	"crypto/sha256"
 	"encoding/base64"
-	"errors"
 	"fmt"
 	"io"
 	"net/http"
@@ -16,13 +17,13 @@ import (
 	"strings"
 	"time"
 
+	"github.com/worker-dev/worker/internal/broker"
+	webhookbroker "github.com/worker-dev/worker/internal/broker/webhook"
 	"github.com/worker-dev/worker/internal/obs"
+	"github.com/worker-dev/worker/internal/outbox"
 )
 
 const (
-	// webhookSecretPrefix marks a Standard Webhooks secret: the HMAC key is
-	// the base64-decoded rest, not the text itself.
-	webhookSecretPrefix = "whsec_"
 	// maxErrorBody bounds the response snippet quoted in errors, which end
 	// up in logs and in outbox_event.last_error.
 	maxErrorBody = 200
@@ -34,9 +35,9 @@ const (
 	maxRetryAfter = time.Hour
 )
 
-// WebhookSink POSTs each event to one URL as a CloudEvent in HTTP binary
+// Sink POSTs each event to one URL as a CloudEvent in HTTP binary
 // mode, signed per Standard Webhooks when a secret is configured.
-type WebhookSink struct {
+type Sink struct {
 	template  *http.Request // POST to the URL, parsed once; each request is a copy
 	auth      []string      // Authorization value from the URL's user info; nil if none
 	shown     string        // url without password or query, for error messages
@@ -47,23 +48,23 @@ type WebhookSink struct {
 	now       func() time.Time // replaced in tests to pin webhook-timestamp and Retry-After dates
 }
 
-// NewWebhookSink validates cfg and returns the sink; a nil transport means
-// newWebhookTransport. The sink hands each request to the transport
+// New validates cfg and returns the sink; a nil transport means
+// newTransport. The sink hands each request to the transport
 // directly, not through an http.Client: a transport never follows
 // redirects (a redirected POST either loses its body or is sent somewhere
 // nobody configured), and the client's per-request work (copying the
 // headers for a redirect) would be wasted.
-func NewWebhookSink(cfg WebhookConfig, transport http.RoundTripper) (*WebhookSink, error) {
-	u, err := parseWebhookURL(cfg.URL)
+func New(cfg outbox.WebhookConfig, transport http.RoundTripper) (*Sink, error) {
+	u, err := parseURL(cfg.URL)
 	if err != nil {
 		return nil, err
 	}
 	if cfg.Timeout <= 0 {
 		return nil, fmt.Errorf("outbox.webhook.timeout (APP_OUTBOX_WEBHOOK_TIMEOUT) %s: want a positive duration such as 10s", cfg.Timeout)
 	}
-	key, err := webhookKey(cfg.Secret)
+	key, err := webhookbroker.Key(cfg.Secret)
 	if err != nil {
-		return nil, err
+		return nil, fmt.Errorf("outbox.webhook.secret (APP_OUTBOX_WEBHOOK_SECRET): %w; drop the prefix to use the text itself as the key", err)
 	}
 	template, err := http.NewRequest(http.MethodPost, u.String(), nil)
 	if err != nil {
@@ -71,9 +72,9 @@ func NewWebhookSink(cfg WebhookConfig, transport http.RoundTripper) (*WebhookSin
 		return nil, fmt.Errorf("outbox.webhook.url (APP_OUTBOX_WEBHOOK_URL) %q: not usable for a request", shownURL(u))
 	}
 	if transport == nil {
-		transport = newWebhookTransport()
+		transport = newTransport()
 	}
-	s := &WebhookSink{
+	s := &Sink{
 		template:  template,
 		shown:     shownURL(u),
 		key:       key,
@@ -89,33 +90,33 @@ func NewWebhookSink(cfg WebhookConfig, transport http.RoundTripper) (*WebhookSin
 	if key != nil {
 		// Every form a receiver could echo back: as configured, its base64
 		// part, and the key bytes themselves.
-		s.secrets = []string{cfg.Secret, strings.TrimPrefix(cfg.Secret, webhookSecretPrefix), string(key)}
+		s.secrets = []string{cfg.Secret, strings.TrimPrefix(cfg.Secret, webhookbroker.SecretPrefix), string(key)}
 	}
 	return s, nil
 }
 
-// webhookIdleConns is how many keep-alive connections the sink keeps to
+// idleConns is how many keep-alive connections the sink keeps to
 // its receiver. It must cover the publishes in flight at once
 // (outbox.max_in_flight, 64 by default): net/http keeps only 2 per host by
 // default, so every request beyond that would open a new connection and
 // leave one in TIME_WAIT. Connections are only opened when that many
 // publishes overlap, and idle ones close after the transport's idle
 // timeout.
-const webhookIdleConns = 1024
+const idleConns = 1024
 
-// newWebhookTransport is http.DefaultTransport's configuration (proxy from
+// newTransport is http.DefaultTransport's configuration (proxy from
 // the environment, dial and TLS timeouts, HTTP/2 over TLS) with enough idle
 // connections. Compression is off: answers are not read beyond an error
 // snippet, so asking for gzip would only add a header to every request.
-func newWebhookTransport() *http.Transport {
+func newTransport() *http.Transport {
 	t := http.DefaultTransport.(*http.Transport).Clone()
-	t.MaxIdleConns = webhookIdleConns
-	t.MaxIdleConnsPerHost = webhookIdleConns
+	t.MaxIdleConns = idleConns
+	t.MaxIdleConnsPerHost = idleConns
 	t.DisableCompression = true
 	return t
 }
 
-func parseWebhookURL(raw string) (*url.URL, error) {
+func parseURL(raw string) (*url.URL, error) {
 	const key = "outbox.webhook.url (APP_OUTBOX_WEBHOOK_URL)"
 	if raw == "" {
 		return nil, fmt.Errorf("%s is empty: the webhook sink needs an absolute http:// or https:// URL", key)
@@ -147,45 +148,27 @@ func shownURL(u *url.URL) string {
 	return c.String()
 }
 
-// webhookKey returns the HMAC key for secret. A "whsec_" secret is base64,
-// as Standard Webhooks issues them; any other secret is used as raw bytes.
-func webhookKey(secret string) ([]byte, error) {
-	if secret == "" {
-		return nil, nil
-	}
-	b64, ok := strings.CutPrefix(secret, webhookSecretPrefix)
-	if !ok {
-		return []byte(secret), nil
-	}
-	key, err := base64.StdEncoding.DecodeString(b64)
-	if err != nil || len(key) == 0 {
-		// Never quote the value: it is the secret.
-		return nil, errors.New("outbox.webhook.secret (APP_OUTBOX_WEBHOOK_SECRET): a secret starting with whsec_ must continue with standard base64 of the key bytes; drop the prefix to use the text itself as the key")
-	}
-	return key, nil
-}
-
-// Name implements Sink.
-func (s *WebhookSink) Name() string { return "webhook" }
+// Name implements outbox.Sink.
+func (s *Sink) Name() string { return outbox.SinkWebhook }
 
 // String keeps the key out of anything that formats the sink.
-func (s *WebhookSink) String() string { return "webhook(" + s.shown + ")" }
+func (s *Sink) String() string { return "webhook(" + s.shown + ")" }
 
-// Publish implements Sink: one POST per event. A 2xx answer is success.
+// Publish implements outbox.Sink: one POST per event. A 2xx answer is success.
 // A network error, a timeout and 408, 429, 502, 503 and 504 say the
 // receiver is down or overloaded: Unavailable, so the event keeps its
 // attempts while the relay waits for the receiver. A 500 or another 5xx is
 // this event's failure (it counts toward max_attempts): the receiver
 // answered and may take other events. Both carry the receiver's
 // Retry-After when it gives one. Any other answer is permanent.
-func (s *WebhookSink) Publish(ctx context.Context, e Event) error {
+func (s *Sink) Publish(ctx context.Context, e outbox.Event) error {
 	if e.EventID == "" || e.EventType == "" || e.AggregateType == "" {
 		// ce-id, ce-type and ce-source are required CloudEvents attributes.
-		return Permanent(fmt.Errorf("webhook: event seq %d lacks event_id, event_type or aggregate_type", e.Seq))
+		return outbox.Permanent(fmt.Errorf("webhook: event seq %d lacks event_id, event_type or aggregate_type", e.Seq))
 	}
 	var ceTime string
 	if !e.OccurredAt.IsZero() {
-		t, err := rfc3339(e.OccurredAt)
+		t, err := outbox.RFC3339(e.OccurredAt)
 		if err != nil {
 			return fmt.Errorf("webhook: event %s: %w", e.EventID, err)
 		}
@@ -201,7 +184,7 @@ func (s *WebhookSink) Publish(ctx context.Context, e Event) error {
 	resp, err := s.transport.RoundTrip(s.request(ctx, s.headers(e, ceTime, body), body))
 	if err != nil {
 		// Refused, reset, DNS, TLS, timeout: the receiver may be back later.
-		return Unavailable(fmt.Errorf("webhook: event %s: %w", e.EventID, &url.Error{Op: "Post", URL: s.shown, Err: err}))
+		return outbox.Unavailable(fmt.Errorf("webhook: event %s: %w", e.EventID, &url.Error{Op: "Post", URL: s.shown, Err: err}))
 	}
 	defer func() {
 		// Drain a little so the keep-alive connection can be reused. An
@@ -218,18 +201,18 @@ func (s *WebhookSink) Publish(ctx context.Context, e Event) error {
 	}
 	snippet, _ := io.ReadAll(io.LimitReader(resp.Body, maxErrorBody))
 	err = fmt.Errorf("webhook: event %s: POST %s: %s: %s", e.EventID, s.shown, resp.Status, s.mask(snippet))
-	if d, ok := retryAfter(resp.Header.Get("Retry-After"), s.now()); ok && (UnavailableStatus(code) || code >= 500) {
-		err = &RetryAfterError{Err: err, After: d}
+	if d, ok := retryAfter(resp.Header.Get("Retry-After"), s.now()); ok && (outbox.UnavailableStatus(code) || code >= 500) {
+		err = &outbox.RetryAfterError{Err: err, After: d}
 	}
 	switch {
-	case UnavailableStatus(code):
-		return Unavailable(err)
+	case outbox.UnavailableStatus(code):
+		return outbox.Unavailable(err)
 	case code >= 500:
 		return err
 	case code >= 300 && code < 400:
-		return Permanent(fmt.Errorf("%w (redirect to %q is not followed; configure the final URL)", err, resp.Header.Get("Location")))
+		return outbox.Permanent(fmt.Errorf("%w (redirect to %q is not followed; configure the final URL)", err, resp.Header.Get("Location")))
 	default:
-		return Permanent(err)
+		return outbox.Permanent(err)
 	}
 }
 
@@ -237,7 +220,7 @@ func (s *WebhookSink) Publish(ctx context.Context, e Event) error {
 // the template, so the URL is not parsed again. The body is an
 // io.NopCloser over a bytes.Reader, which net/http recognises as in
 // memory and writes with the headers in one system call.
-func (s *WebhookSink) request(ctx context.Context, h http.Header, body []byte) *http.Request {
+func (s *Sink) request(ctx context.Context, h http.Header, body []byte) *http.Request {
 	req := s.template.WithContext(ctx)
 	req.Header = h
 	req.Body = io.NopCloser(bytes.NewReader(body))
@@ -251,7 +234,6 @@ func (s *WebhookSink) request(ctx context.Context, h http.Header, body []byte) *
 var (
 	jsonContentType = []string{"application/json"}
 	webhookAgent    = []string{"worker-outbox"}
-	ceSpecVersion   = []string{"1.0"}
 )
 
 // headers builds the request headers for e; ceTime is its occurred_at in
@@ -260,11 +242,11 @@ var (
 // always overwrite them. Keys are written in canonical form directly, the
 // constant values are shared and the others share one backing array: this
 // runs once per event.
-func (s *WebhookSink) headers(e Event, ceTime string, body []byte) http.Header {
-	// At most: the stored headers, Authorization, 3 constant, 5 ce-* and 3
+func (s *Sink) headers(e outbox.Event, ceTime string, body []byte) http.Header {
+	// At most: the stored headers, Authorization, 2 constant, 6 ce-* and 3
 	// webhook-* headers.
 	h := make(http.Header, len(e.Headers)+12)
-	vals := make([]string, 0, len(e.Headers)+8)
+	vals := make([]string, 0, len(e.Headers)+9)
 	set := func(k, v string) {
 		vals = append(vals, v)
 		h[k] = vals[len(vals)-1 : len(vals) : len(vals)]
@@ -279,35 +261,14 @@ func (s *WebhookSink) headers(e Event, ceTime string, body []byte) http.Header {
 	}
 	h["Content-Type"] = jsonContentType
 	h["User-Agent"] = webhookAgent
-	h["Ce-Specversion"] = ceSpecVersion
-	set("Ce-Id", ceEncode(e.EventID))
-	set("Ce-Type", ceEncode(e.EventType))
-	set("Ce-Source", ceEncode(e.AggregateType))
-	if e.AggregateID != "" {
-		set("Ce-Subject", ceEncode(e.AggregateID))
-	}
-	if ceTime != "" {
-		set("Ce-Time", ceTime)
-	}
+	webhookbroker.Encode(broker.Attributes{ID: e.EventID, Source: e.AggregateType, Type: e.EventType, Subject: e.AggregateID, Time: ceTime}, set)
 	if s.key != nil {
 		id, ts := e.EventID, strconv.FormatInt(s.now().Unix(), 10)
 		set("Webhook-Id", id)
 		set("Webhook-Timestamp", ts)
-		set("Webhook-Signature", "v1,"+sign(s.key, id, ts, body))
+		set("Webhook-Signature", "v1,"+webhookbroker.Sign(s.key, id, ts, body))
 	}
 	return h
-}
-
-// sign is the Standard Webhooks v1 signature: HMAC-SHA256 over
-// "id.timestamp.body", base64.
-func sign(key []byte, id, ts string, body []byte) string {
-	m := hmac.New(sha256.New, key)
-	m.Write([]byte(id))
-	m.Write([]byte{'.'})
-	m.Write([]byte(ts))
-	m.Write([]byte{'.'})
-	m.Write(body)
-	return base64.StdEncoding.EncodeToString(m.Sum(nil))
 }
 
 // passThrough reports whether a stored event header may be sent. It is
@@ -372,43 +333,6 @@ func validHeaderValue(s string) bool {
 	return true
 }
 
-// ceEncode percent-encodes a CloudEvents attribute for an HTTP header
-// (HTTP binding 3.1.3.2): space, '"', '%' and every byte outside printable
-// ASCII become %XY, so any UTF-8 aggregate id survives the trip.
-func ceEncode(s string) string { return PercentEncode(s, HeaderSafe) }
-
-// HeaderSafe keeps printable ASCII other than '"' (CloudEvents HTTP
-// binding 3.1.3.2, which the NATS binding follows for ce- headers).
-func HeaderSafe(c byte) bool { return c > ' ' && c < 0x7f && c != '"' }
-
-// PercentEncode replaces each byte of s for which keep is false with %XY
-// (upper-case hex), as CloudEvents' HTTP binding does for header values.
-// '%' itself is always encoded, so the result decodes back unambiguously.
-// The broker sinks use it for their header and name escaping too.
-func PercentEncode(s string, keep func(c byte) bool) string {
-	i := 0
-	for i < len(s) && s[i] != '%' && keep(s[i]) {
-		i++
-	}
-	if i == len(s) {
-		return s // the common case: nothing to encode, no allocation
-	}
-	const hex = "0123456789ABCDEF"
-	var b strings.Builder
-	b.Grow(len(s) + 16)
-	b.WriteString(s[:i])
-	for ; i < len(s); i++ {
-		if c := s[i]; c != '%' && keep(c) {
-			b.WriteByte(c)
-		} else {
-			b.WriteByte('%')
-			b.WriteByte(hex[c>>4])
-			b.WriteByte(hex[c&0xf])
-		}
-	}
-	return b.String()
-}
-
 // retryAfter parses a Retry-After value: delay-seconds or an HTTP date.
 func retryAfter(v string, now time.Time) (time.Duration, bool) {
 	v = strings.TrimSpace(v)
@@ -436,7 +360,7 @@ func retryAfter(v string, now time.Time) (time.Duration, bool) {
 // (a receiver that knows it could echo it back) and without credentials a
 // receiver echoes from the request or its own configuration: the snippet
 // reaches last_error, the log and `outbox dead list`.
-func (s *WebhookSink) mask(b []byte) string {
+func (s *Sink) mask(b []byte) string {
 	t := string(b)
 	for _, sec := range s.secrets {
 		if sec != "" {

@@ -1,12 +1,16 @@
 package kafka
 
 import (
+	"errors"
+	"fmt"
+
+	"github.com/twmb/franz-go/pkg/kerr"
 	"github.com/twmb/franz-go/pkg/kgo"
 	"github.com/twmb/franz-go/pkg/sasl"
 	"github.com/twmb/franz-go/pkg/sasl/plain"
 	"github.com/twmb/franz-go/pkg/sasl/scram"
 
-	"github.com/worker-dev/worker/internal/outbox/sink"
+	"github.com/worker-dev/worker/internal/broker"
 )
 
 // Auth is how a client authenticates: a SASL mechanism (PLAIN,
@@ -31,7 +35,7 @@ func AuthOptions(section string, a Auth) ([]kgo.Opt, error) {
 		opts = append(opts, kgo.SASL(m))
 	}
 	if a.TLS || a.TLSCAFile != "" || a.TLSCertFile != "" {
-		tc, err := sink.TLSConfig(section, a.TLSCAFile, a.TLSCertFile, a.TLSKeyFile)
+		tc, err := broker.TLSConfig(section, a.TLSCAFile, a.TLSCertFile, a.TLSKeyFile)
 		if err != nil {
 			return nil, err
 		}
@@ -50,6 +54,29 @@ func Mechanism(name, user, password string) sasl.Mechanism {
 		return scram.Auth{User: user, Pass: password}.AsSha256Mechanism()
 	case "SCRAM-SHA-512":
 		return scram.Auth{User: user, Pass: password}.AsSha512Mechanism()
+	}
+	return nil
+}
+
+// ConnectVerdict sorts an error of a client that asked the brokers
+// something: a TLS verdict (see broker.TLSVerdict), credentials or
+// authorisation refused (broker.ErrRefused), a SASL mechanism the brokers
+// do not offer (broker.ErrSetup naming section.sasl_mechanism); nil for
+// anything else, the brokers' trouble, which may pass with a retry.
+// brokers names them in errors.
+func ConnectVerdict(section, brokers, mechanism string, err error) error {
+	if verdict := broker.TLSVerdict(section, err); verdict != nil {
+		return fmt.Errorf("kafka %s: %w", brokers, verdict)
+	}
+	for _, refused := range []error{kerr.SaslAuthenticationFailed, kerr.ClusterAuthorizationFailed,
+		kerr.GroupAuthorizationFailed, kerr.TopicAuthorizationFailed} {
+		if errors.Is(err, refused) {
+			return fmt.Errorf("%w: kafka %s: %w", broker.ErrRefused, brokers, err)
+		}
+	}
+	if errors.Is(err, kerr.UnsupportedSaslMechanism) {
+		return fmt.Errorf("%w: kafka %s: %s.sasl_mechanism=%s is not enabled on the broker: %w",
+			broker.ErrSetup, brokers, section, mechanism, err)
 	}
 	return nil
 }
