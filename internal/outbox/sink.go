@@ -2,14 +2,11 @@ package outbox
 
 import (
 	"context"
-	"crypto/tls"
 	"encoding/json"
 	"errors"
-	"io"
-	"net"
-	"net/http"
-	"syscall"
 	"time"
+
+	"github.com/worker-dev/worker/internal/broker"
 )
 
 // Event is one outbox row as a sink sees it.
@@ -86,38 +83,5 @@ func IsUnavailable(err error) bool {
 	if errors.As(err, &u) {
 		return true
 	}
-	var (
-		netErr  net.Error
-		dnsErr  *net.DNSError
-		opErr   *net.OpError
-		tlsErr  *tls.RecordHeaderError
-		certErr *tls.CertificateVerificationError
-	)
-	switch {
-	case errors.Is(err, context.DeadlineExceeded), errors.Is(err, context.Canceled),
-		errors.Is(err, io.EOF), errors.Is(err, io.ErrUnexpectedEOF),
-		errors.Is(err, syscall.ECONNREFUSED), errors.Is(err, syscall.ECONNRESET),
-		errors.Is(err, syscall.ECONNABORTED), errors.Is(err, syscall.EPIPE),
-		errors.Is(err, syscall.EHOSTUNREACH), errors.Is(err, syscall.ENETUNREACH),
-		errors.Is(err, net.ErrClosed):
-		return true
-	case errors.As(err, &dnsErr), errors.As(err, &opErr), errors.As(err, &tlsErr), errors.As(err, &certErr):
-		return true
-	case errors.As(err, &netErr) && netErr.Timeout():
-		return true
-	}
-	return false
-}
-
-// UnavailableStatus reports whether an HTTP answer with this status says
-// the receiver, not the request, failed: 408, 429, 502, 503 and 504. A
-// 500 is about the request: the receiver answered, and may answer
-// other events.
-func UnavailableStatus(code int) bool {
-	switch code {
-	case http.StatusRequestTimeout, http.StatusTooManyRequests, http.StatusBadGateway,
-		http.StatusServiceUnavailable, http.StatusGatewayTimeout:
-		return true
-	}
-	return false
+	return broker.Unreachable(err)
 }

@@ -27,6 +27,7 @@ import (
 	"github.com/worker-dev/worker/internal/lock"
 	"github.com/worker-dev/worker/internal/obs"
 	"github.com/worker-dev/worker/internal/outbox"
+	riversink "github.com/worker-dev/worker/internal/outbox/sink/river"
 	"github.com/worker-dev/worker/internal/tasks"
 )
 
@@ -508,7 +509,7 @@ func (c *Config) validate(source func(string) string, level checks) error {
 		return err
 	}
 	if c.Outbox.Sink == outbox.SinkRiver {
-		if _, err := tasks.NewOutboxSink(c.Tasks, c.Outbox.River.Routes); err != nil {
+		if _, err := riversink.New(c.Tasks, c.Outbox.River.Routes); err != nil {
 			return configErrorf("%v", err)
 		}
 	}

@@ -17,6 +17,7 @@ import (
 	kafkasink "github.com/worker-dev/worker/internal/outbox/sink/kafka"
 	natssink "github.com/worker-dev/worker/internal/outbox/sink/nats"
 	rabbitsink "github.com/worker-dev/worker/internal/outbox/sink/rabbitmq"
+	riversink "github.com/worker-dev/worker/internal/outbox/sink/river"
 	"github.com/worker-dev/worker/internal/tasks"
 )
 
@@ -117,7 +118,7 @@ var sinkKinds = map[string]sinkKind{
 			return nil
 		},
 		new: func(_ context.Context, env sinkEnv) (outbox.Sink, error) {
-			return tasks.NewOutboxSink(env.cfg.Tasks, env.cfg.Outbox.River.Routes)
+			return riversink.New(env.cfg.Tasks, env.cfg.Outbox.River.Routes)
 		},
 		publishTimeout: func(outbox.Config) time.Duration { return 0 },
 	},

@@ -21,8 +21,8 @@ const probeBackoffBase = 100 * time.Millisecond
 const unavailableAtKey = "endpoint_unavailable_at"
 
 // endpointBreaker is one http kind's view of its endpoint on this replica.
-// When the endpoint is unavailable (outbox.IsUnavailable,
-// outbox.UnavailableStatus), the breaker opens: tasks of the kind snooze
+// When the endpoint is unavailable (broker.Unreachable,
+// broker.UnavailableStatus), the breaker opens: tasks of the kind snooze
 // without calling it and without spending an attempt, except one probe at
 // a time, under capped exponential backoff; the first success closes it.
 // A failure is the task's own, and spends an attempt, when the endpoint

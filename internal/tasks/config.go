@@ -265,7 +265,8 @@ func (c *Config) longestTimeout() time.Duration {
 	return longest
 }
 
-func (c *Config) kind(name string) (Kind, bool) {
+// KindNamed returns the kind called name under tasks.kinds.
+func (c *Config) KindNamed(name string) (Kind, bool) {
 	i := slices.IndexFunc(c.Kinds, func(k Kind) bool { return k.Name == name })
 	if i < 0 {
 		return Kind{}, false

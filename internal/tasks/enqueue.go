@@ -9,6 +9,7 @@ import (
 	"log/slog"
 	"regexp"
 	"sync"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
@@ -120,4 +121,43 @@ func KnownKind(ctx context.Context, db interface {
 	var known bool
 	err := db.QueryRow(ctx, "SELECT EXISTS (SELECT 1 FROM worker_task_kind WHERE kind = $1 AND kind <> '*')", kind).Scan(&known)
 	return known, err
+}
+
+// EventArgs are the args of a task made from an outbox event. A Go task
+// kind reads them by embedding EventArgs in its args type.
+type EventArgs struct {
+	EventID       string            `json:"event_id"`
+	EventType     string            `json:"event_type"`
+	AggregateType string            `json:"aggregate_type"`
+	AggregateID   string            `json:"aggregate_id"`
+	Payload       json.RawMessage   `json:"payload"`
+	Headers       map[string]string `json:"headers,omitempty"`
+	OccurredAt    time.Time         `json:"occurred_at"`
+}
+
+// RoutesKey is the configuration key of the routes, for error messages.
+const RoutesKey = "outbox.river.routes"
+
+// InsertParams is the River insert of a task of kind k with args (a JSON
+// object) and the propagated context m, for a caller that inserts many
+// tasks at once: the outbox's river sink.
+func InsertParams(k Kind, args json.RawMessage, m Meta) (river.InsertManyParams, error) {
+	meta, err := m.mergeInto(nil)
+	if err != nil {
+		return river.InsertManyParams{}, err
+	}
+	return river.InsertManyParams{
+		Args:       rawArgs{kind: k.Name, raw: args},
+		InsertOpts: &river.InsertOpts{Queue: k.Queue, MaxAttempts: k.MaxAttempts, Metadata: meta},
+	}, nil
+}
+
+// InsertManyTx inserts params in tx through River's InsertManyTx.
+func InsertManyTx(ctx context.Context, tx pgx.Tx, params []river.InsertManyParams) error {
+	client, err := inserter()
+	if err != nil {
+		return err
+	}
+	_, err = client.InsertManyTx(ctx, tx, params)
+	return err
 }

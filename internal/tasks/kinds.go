@@ -21,8 +21,8 @@ import (
 	"github.com/riverqueue/river/riverdriver/riverpgxv5"
 	"github.com/riverqueue/river/rivertype"
 
+	"github.com/worker-dev/worker/internal/broker"
 	"github.com/worker-dev/worker/internal/obs"
-	"github.com/worker-dev/worker/internal/outbox"
 )
 
 // Registry collects the task kinds written in Go. A Go kind is a
@@ -75,7 +75,7 @@ func (p retryPolicy) NextRetry(job *rivertype.JobRow) time.Time {
 
 // httpWorker runs an http kind: POST the args as JSON to the kind's URL.
 // 2xx is success. An unavailable endpoint (a network error, a timeout,
-// 408, 429, 502, 503, 504: outbox.IsUnavailable, outbox.UnavailableStatus)
+// 408, 429, 502, 503, 504: broker.Unreachable, broker.UnavailableStatus)
 // opens the kind's breaker and the task snoozes without spending an
 // attempt, unless the failure is its own (endpointBreaker.ownFailure).
 // 500 and the other 5xx are the task's failure (retried, honouring
@@ -110,14 +110,14 @@ func (w *httpWorker) Work(ctx context.Context, job *river.Job[rawArgs]) error {
 		// about the endpoint.
 		w.endpoint.release(probe)
 		return err
-	case err == nil && code >= 300 && !outbox.UnavailableStatus(code) && code < 500:
+	case err == nil && code >= 300 && !broker.UnavailableStatus(code) && code < 500:
 		w.endpoint.release(probe)
 		return river.JobCancel(fmt.Errorf("POST %s: status %d %s (permanent)", redact(w.kind.URL), code, http.StatusText(code)))
 	}
 	if err == nil {
 		err = fmt.Errorf("POST %s: status %d %s", redact(w.kind.URL), code, http.StatusText(code))
 	}
-	if (err != nil && outbox.IsUnavailable(err)) || outbox.UnavailableStatus(code) {
+	if broker.Unreachable(err) || broker.UnavailableStatus(code) {
 		if !w.endpoint.ownFailure(lastWait) {
 			w.endpoint.unavailable(probe, err, retryAt)
 			w.endpoint.waiting(lastWait)

@@ -35,7 +35,7 @@ func (o *observer) Work(ctx context.Context, job *rivertype.JobRow, doInner func
 		o.m.wait.WithLabelValues(job.Queue).Observe(max(job.AttemptedAt.Sub(job.ScheduledAt), 0).Seconds())
 	}
 	timeout := o.cfg.Timeout
-	if k, ok := o.cfg.kind(job.Kind); ok {
+	if k, ok := o.cfg.KindNamed(job.Kind); ok {
 		timeout = k.Timeout
 	}
 	runCtx, cancel := context.WithTimeout(ctx, timeout)

@@ -246,7 +246,7 @@ func (r *Runtime) Shutdown(ctx context.Context) error {
 func publishConfig(ctx context.Context, pool *pgxpool.Pool, cfg *Config, goKinds ...string) error {
 	kinds := slices.Clone(cfg.Kinds)
 	for _, name := range goKinds {
-		if _, ok := cfg.kind(name); !ok {
+		if _, ok := cfg.KindNamed(name); !ok {
 			kinds = append(kinds, Kind{Name: name, Queue: DefaultQueue, MaxAttempts: cfg.MaxAttempts})
 		}
 	}

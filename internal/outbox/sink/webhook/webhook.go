@@ -201,11 +201,11 @@ func (s *Sink) Publish(ctx context.Context, e outbox.Event) error {
 	}
 	snippet, _ := io.ReadAll(io.LimitReader(resp.Body, maxErrorBody))
 	err = fmt.Errorf("webhook: event %s: POST %s: %s: %s", e.EventID, s.shown, resp.Status, s.mask(snippet))
-	if d, ok := retryAfter(resp.Header.Get("Retry-After"), s.now()); ok && (outbox.UnavailableStatus(code) || code >= 500) {
+	if d, ok := retryAfter(resp.Header.Get("Retry-After"), s.now()); ok && (broker.UnavailableStatus(code) || code >= 500) {
 		err = &outbox.RetryAfterError{Err: err, After: d}
 	}
 	switch {
-	case outbox.UnavailableStatus(code):
+	case broker.UnavailableStatus(code):
 		return outbox.Unavailable(err)
 	case code >= 500:
 		return err

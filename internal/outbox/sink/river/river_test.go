@@ -1,4 +1,4 @@
-package tasks
+package river
 
 import (
 	"context"
@@ -15,14 +15,15 @@ import (
 	"github.com/worker-dev/worker/internal/outbox"
 	"github.com/worker-dev/worker/internal/outbox/outboxtest"
 	"github.com/worker-dev/worker/internal/pgtest"
+	"github.com/worker-dev/worker/internal/tasks"
 	"github.com/worker-dev/worker/internal/testkit"
 )
 
 // startSinkRelay runs an outbox relay with the river sink for routes on db,
 // shut down when the test ends.
-func startSinkRelay(t *testing.T, db *pgtest.DB, cfg Config, routes map[string]string) {
+func startSinkRelay(t *testing.T, db *pgtest.DB, cfg tasks.Config, routes map[string]string) {
 	t.Helper()
-	sink, err := NewOutboxSink(cfg, routes)
+	sink, err := New(cfg, routes)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -121,8 +122,8 @@ type sinkTask struct {
 	ID          int64
 	Kind, Queue string
 	MaxAttempts int
-	Args        EventArgs
-	Meta        Meta
+	Args        tasks.EventArgs
+	Meta        tasks.Meta
 }
 
 // sinkTasks lists the tasks in insertion order.
@@ -162,9 +163,9 @@ func TestOutboxSinkTurnsEventsIntoTasks(t *testing.T) {
 	t.Parallel()
 	db := pgtest.New(t)
 	// mail is bounded, default is not: both kinds of queue admit tasks.
-	cfg := testConfig(t, map[string]Queue{"mail": queue(1, 100), DefaultQueue: queue(1, 0)},
-		Kind{Name: "ship", Type: TypeGo, Queue: "mail", MaxAttempts: 7},
-		Kind{Name: "audit", Type: TypeGo})
+	cfg := testConfig(t, map[string]tasks.Queue{"mail": queue(1, 100), tasks.DefaultQueue: queue(1, 0)},
+		tasks.Kind{Name: "ship", Type: tasks.TypeGo, Queue: "mail", MaxAttempts: 7},
+		tasks.Kind{Name: "audit", Type: tasks.TypeGo})
 	published := recordPublishes(t, db.Pool)
 	occurred := time.Date(2026, 11, 30, 12, 0, 0, 0, time.UTC)
 	ids := appendEvents(t, db.Pool,
@@ -201,12 +202,12 @@ func TestOutboxSinkTurnsEventsIntoTasks(t *testing.T) {
 	want := []struct {
 		kind, queue string
 		maxAttempts int
-		args        EventArgs
+		args        tasks.EventArgs
 	}{
-		{"audit", DefaultQueue, 3, EventArgs{EventID: ids[0], EventType: "order.created", AggregateType: "order", AggregateID: "1", Payload: json.RawMessage(`{"n": 1}`)}},
-		{"ship", "mail", 7, EventArgs{EventID: ids[1], EventType: "order.shipped", AggregateType: "order", AggregateID: "1", Payload: json.RawMessage(`{"n": 2}`),
+		{"audit", tasks.DefaultQueue, 3, tasks.EventArgs{EventID: ids[0], EventType: "order.created", AggregateType: "order", AggregateID: "1", Payload: json.RawMessage(`{"n": 1}`)}},
+		{"ship", "mail", 7, tasks.EventArgs{EventID: ids[1], EventType: "order.shipped", AggregateType: "order", AggregateID: "1", Payload: json.RawMessage(`{"n": 2}`),
 			Headers: map[string]string{"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01", "tenant_id": "t-9"}}},
-		{"audit", DefaultQueue, 3, EventArgs{EventID: ids[2], EventType: "user.renamed", AggregateType: "user", AggregateID: "u", Payload: json.RawMessage(`[3]`)}},
+		{"audit", tasks.DefaultQueue, 3, tasks.EventArgs{EventID: ids[2], EventType: "user.renamed", AggregateType: "user", AggregateID: "u", Payload: json.RawMessage(`[3]`)}},
 	}
 	for _, w := range want {
 		task, ok := byEvent[w.args.EventID]
@@ -239,8 +240,8 @@ func TestOutboxSinkTurnsEventsIntoTasks(t *testing.T) {
 func TestOutboxSinkFullQueueRetriesTheEvent(t *testing.T) {
 	t.Parallel()
 	db := pgtest.New(t)
-	cfg := testConfig(t, map[string]Queue{"tiny": queue(1, 1)},
-		Kind{Name: "slow", Type: TypeGo, Queue: "tiny"})
+	cfg := testConfig(t, map[string]tasks.Queue{"tiny": queue(1, 1)},
+		tasks.Kind{Name: "slow", Type: tasks.TypeGo, Queue: "tiny"})
 	routes := map[string]string{"*": "slow"}
 	first := appendEvents(t, db.Pool, outbox.NewEvent{AggregateType: "a", AggregateID: "1", EventType: "e", Payload: json.RawMessage(`{}`)})
 	startSinkRelay(t, db, cfg, routes)
@@ -276,7 +277,7 @@ func TestOutboxSinkFullQueueRetriesTheEvent(t *testing.T) {
 func TestOutboxSinkFailedInsertLeavesEventUnpublished(t *testing.T) {
 	t.Parallel()
 	db := pgtest.New(t)
-	cfg := testConfig(t, nil, Kind{Name: "audit", Type: TypeGo})
+	cfg := testConfig(t, nil, tasks.Kind{Name: "audit", Type: tasks.TypeGo})
 	_, err := db.Pool.Exec(t.Context(), `
 CREATE FUNCTION refuse_task() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN RAISE EXCEPTION 'task insert refused'; END $$;
@@ -306,7 +307,7 @@ CREATE TRIGGER refuse_task BEFORE INSERT ON river_job FOR EACH ROW EXECUTE FUNCT
 func TestOutboxSinkFailedMarkLeavesNoTask(t *testing.T) {
 	t.Parallel()
 	db := pgtest.New(t)
-	cfg := testConfig(t, nil, Kind{Name: "audit", Type: TypeGo})
+	cfg := testConfig(t, nil, tasks.Kind{Name: "audit", Type: tasks.TypeGo})
 	// A sequence counts the refused marks: a rollback does not undo it.
 	// Publishing is the only thing that deletes a delivery row that is not
 	// DEAD, so the trigger refuses exactly the marks.
@@ -345,10 +346,31 @@ CREATE TRIGGER refuse_mark BEFORE DELETE ON outbox_delivery FOR EACH ROW EXECUTE
 // A route to a kind that is not configured is an error naming the key.
 func TestOutboxSinkUnknownRouteTarget(t *testing.T) {
 	t.Parallel()
-	cfg := testConfig(t, nil, Kind{Name: "audit", Type: TypeGo})
-	_, err := NewOutboxSink(cfg, map[string]string{"order.shipped": "ship"})
+	cfg := testConfig(t, nil, tasks.Kind{Name: "audit", Type: tasks.TypeGo})
+	_, err := New(cfg, map[string]string{"order.shipped": "ship"})
 	want := `outbox.river.routes.order.shipped="ship": no such kind under tasks.kinds (have audit)`
 	if err == nil || err.Error() != want {
 		t.Fatalf("error %v; want %s", err, want)
 	}
+}
+
+// testConfig is a validated tasks configuration with queues and kinds,
+// and short backoffs.
+func testConfig(t testing.TB, queues map[string]tasks.Queue, kinds ...tasks.Kind) tasks.Config {
+	t.Helper()
+	cfg := tasks.DefaultConfig()
+	cfg.Queues = queues
+	cfg.BackoffBase = 10 * time.Millisecond
+	cfg.BackoffMax = 50 * time.Millisecond
+	cfg.MetricsInterval = 50 * time.Millisecond
+	cfg.Kinds = kinds
+	if err := cfg.Validate(); err != nil {
+		t.Fatal(err)
+	}
+	return cfg
+}
+
+// queue is a queue's configuration with both keys written.
+func queue(maxWorkers, maxBacklog int) tasks.Queue {
+	return tasks.Queue{MaxWorkers: &maxWorkers, MaxBacklog: &maxBacklog}
 }

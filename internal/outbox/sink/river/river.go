@@ -1,4 +1,8 @@
-package tasks
+// Package river is the river sink (outbox.sink: river): each event becomes
+// a task, inserted in the relay's transaction. The task runtime is
+// internal/tasks; this package is the outbox's side of it, so that tasks
+// (and the inbox, which enqueues tasks) do not depend on the relay.
+package river
 
 import (
 	"context"
@@ -6,53 +10,38 @@ import (
 	"errors"
 	"fmt"
 	"strings"
-	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/riverqueue/river"
 
 	"github.com/worker-dev/worker/internal/outbox"
+	"github.com/worker-dev/worker/internal/tasks"
 )
 
-// OutboxSink is the outbox's river sink: it turns each event into a task
+// Sink is the outbox's river sink: it turns each event into a task
 // whose kind its event type selects (outbox.river.routes, "*" the
 // default). It is an outbox.TxSink: the relay inserts the tasks in the
 // transaction that marks their events PUBLISHED, so every event becomes
 // exactly one task, even across crashes. The tasks then retry on their own
 // under their kind's policy; they run in parallel, so an aggregate's
 // events are inserted in order but not run in order (docs/sinks.md).
-type OutboxSink struct {
-	routes     map[string]Kind // event type -> kind; "*" for the rest
-	maxBacklog map[string]int  // queue -> max_backlog (0: unbounded)
+type Sink struct {
+	routes     map[string]tasks.Kind // event type -> kind; "*" for the rest
+	maxBacklog map[string]int        // queue -> max_backlog (0: unbounded)
 }
 
-var _ outbox.TxSink = (*OutboxSink)(nil)
+var _ outbox.TxSink = (*Sink)(nil)
 
-// EventArgs are the args of a task made from an outbox event. A Go task
-// kind reads them by embedding EventArgs in its args type.
-type EventArgs struct {
-	EventID       string            `json:"event_id"`
-	EventType     string            `json:"event_type"`
-	AggregateType string            `json:"aggregate_type"`
-	AggregateID   string            `json:"aggregate_id"`
-	Payload       json.RawMessage   `json:"payload"`
-	Headers       map[string]string `json:"headers,omitempty"`
-	OccurredAt    time.Time         `json:"occurred_at"`
-}
-
-// RoutesKey is the configuration key of the routes, for error messages.
-const RoutesKey = "outbox.river.routes"
-
-// NewOutboxSink builds the sink from a validated tasks configuration. Every
+// New builds the sink from a validated tasks configuration. Every
 // route must name a kind under tasks.kinds, whose queue and max_attempts
 // its tasks get.
-func NewOutboxSink(cfg Config, routes map[string]string) (*OutboxSink, error) {
-	s := &OutboxSink{routes: map[string]Kind{}, maxBacklog: map[string]int{}}
+func New(cfg tasks.Config, routes map[string]string) (*Sink, error) {
+	s := &Sink{routes: map[string]tasks.Kind{}, maxBacklog: map[string]int{}}
 	for eventType, kind := range routes {
-		k, ok := cfg.kind(kind)
+		k, ok := cfg.KindNamed(kind)
 		if !ok {
 			return nil, fmt.Errorf("%s.%s=%q: no such kind under tasks.kinds (have %s)",
-				RoutesKey, eventType, kind, strings.Join(cfg.KindNames(), ", "))
+				tasks.RoutesKey, eventType, kind, strings.Join(cfg.KindNames(), ", "))
 		}
 		s.routes[eventType] = k
 	}
@@ -63,10 +52,10 @@ func NewOutboxSink(cfg Config, routes map[string]string) (*OutboxSink, error) {
 }
 
 // Name implements outbox.Sink.
-func (s *OutboxSink) Name() string { return "river" }
+func (s *Sink) Name() string { return "river" }
 
 // Publish implements outbox.Sink; the relay calls PublishTx instead.
-func (s *OutboxSink) Publish(context.Context, outbox.Event) error {
+func (s *Sink) Publish(context.Context, outbox.Event) error {
 	return errors.New("outbox: the river sink writes only in the relay's transaction (PublishTx)")
 }
 
@@ -75,13 +64,13 @@ func (s *OutboxSink) Publish(context.Context, outbox.Event) error {
 // DEAD). An event whose queue is at its max_backlog is refused with
 // JOB_EXECUTOR_REJECTED, a transient failure, so the event retries with
 // the outbox backoff; the later events of its aggregate wait with it.
-func (s *OutboxSink) PublishTx(ctx context.Context, tx pgx.Tx, events []outbox.Event) ([]error, error) {
+func (s *Sink) PublishTx(ctx context.Context, tx pgx.Tx, events []outbox.Event) ([]error, error) {
 	errs := make([]error, len(events))
-	kinds := make([]Kind, len(events))
+	kinds := make([]tasks.Kind, len(events))
 	for i, ev := range events {
 		k, ok := s.route(ev.EventType)
 		if !ok {
-			errs[i] = outbox.Permanent(fmt.Errorf("%s has no route for event type %q and no \"*\" default", RoutesKey, ev.EventType))
+			errs[i] = outbox.Permanent(fmt.Errorf("%s has no route for event type %q and no \"*\" default", tasks.RoutesKey, ev.EventType))
 		}
 		kinds[i] = k
 	}
@@ -100,7 +89,7 @@ func (s *OutboxSink) PublishTx(ctx context.Context, tx pgx.Tx, events []outbox.E
 			errs[i] = errors.New("an earlier event of its aggregate failed")
 		case errs[i] != nil:
 		case bounded && free <= 0:
-			errs[i] = &RejectedError{Msg: fmt.Sprintf("JOB_EXECUTOR_REJECTED: queue %s has %d available tasks, its max_backlog; event %s waits",
+			errs[i] = &tasks.RejectedError{Msg: fmt.Sprintf("JOB_EXECUTOR_REJECTED: queue %s has %d available tasks, its max_backlog; event %s waits",
 				k.Queue, s.maxBacklog[k.Queue], ev.EventID)}
 		default:
 			p, err := s.insertParams(ev, k)
@@ -120,17 +109,13 @@ func (s *OutboxSink) PublishTx(ctx context.Context, tx pgx.Tx, events []outbox.E
 	if len(params) == 0 {
 		return errs, nil
 	}
-	client, err := inserter()
-	if err != nil {
-		return nil, err
-	}
-	if _, err := client.InsertManyTx(ctx, tx, params); err != nil {
+	if err := tasks.InsertManyTx(ctx, tx, params); err != nil {
 		return nil, err
 	}
 	return errs, nil
 }
 
-func (s *OutboxSink) route(eventType string) (Kind, bool) {
+func (s *Sink) route(eventType string) (tasks.Kind, bool) {
 	if k, ok := s.routes[eventType]; ok {
 		return k, true
 	}
@@ -141,7 +126,7 @@ func (s *OutboxSink) route(eventType string) (Kind, bool) {
 // room returns, for each bounded queue the kinds use, how many more tasks
 // it accepts: max_backlog minus its available tasks. The count stops at
 // max_backlog, as worker_task_admit's does, so its cost stays bounded.
-func (s *OutboxSink) room(ctx context.Context, tx pgx.Tx, kinds []Kind) (map[string]int, error) {
+func (s *Sink) room(ctx context.Context, tx pgx.Tx, kinds []tasks.Kind) (map[string]int, error) {
 	var queues []string
 	var caps []int32
 	seen := map[string]bool{}
@@ -177,8 +162,8 @@ FROM unnest($1::text[], $2::int[]) AS u(queue, cap)`, queues, caps)
 
 // insertParams is the task of one event: its args, its kind's queue and
 // max_attempts, and the propagated context its headers carry.
-func (s *OutboxSink) insertParams(ev outbox.Event, k Kind) (river.InsertManyParams, error) {
-	args, err := json.Marshal(EventArgs{
+func (s *Sink) insertParams(ev outbox.Event, k tasks.Kind) (river.InsertManyParams, error) {
+	args, err := json.Marshal(tasks.EventArgs{
 		EventID: ev.EventID, EventType: ev.EventType, AggregateType: ev.AggregateType, AggregateID: ev.AggregateID,
 		Payload: ev.Payload, Headers: ev.Headers, OccurredAt: ev.OccurredAt,
 	})
@@ -186,13 +171,6 @@ func (s *OutboxSink) insertParams(ev outbox.Event, k Kind) (river.InsertManyPara
 		return river.InsertManyParams{}, err
 	}
 	h := ev.Headers
-	meta, err := Meta{RequestID: h["request_id"], Traceparent: h["traceparent"],
-		CorrelationID: h["correlation_id"], TenantID: h["tenant_id"]}.mergeInto(nil)
-	if err != nil {
-		return river.InsertManyParams{}, err
-	}
-	return river.InsertManyParams{
-		Args:       rawArgs{kind: k.Name, raw: args},
-		InsertOpts: &river.InsertOpts{Queue: k.Queue, MaxAttempts: k.MaxAttempts, Metadata: meta},
-	}, nil
+	return tasks.InsertParams(k, args, tasks.Meta{RequestID: h["request_id"], Traceparent: h["traceparent"],
+		CorrelationID: h["correlation_id"], TenantID: h["tenant_id"]})
 }
