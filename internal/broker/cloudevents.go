@@ -72,3 +72,24 @@ func Keys(prefix string) map[string]string {
 	}
 	return keys
 }
+
+// EncodeHeaders writes a's attributes through set under their names in
+// keys, values percent-encoded as the CloudEvents HTTP binding does
+// (3.1.3.2): space, '"', '%' and every byte outside printable ASCII become
+// %XY, so any UTF-8 value survives the trip. The HTTP and NATS bindings
+// write their headers so.
+func EncodeHeaders(a Attributes, keys map[string]string, set func(key, value string)) {
+	for _, at := range a.List() {
+		set(keys[at.Name], PercentEncode(at.Value, HeaderSafe))
+	}
+}
+
+// DecodeHeaders reads the attributes EncodeHeaders wrote, each header's
+// value through get. A header that is missing leaves its attribute "".
+func DecodeHeaders(keys map[string]string, get func(key string) string) Attributes {
+	var a Attributes
+	for _, name := range Names {
+		a.Set(name, PercentDecode(get(keys[name])))
+	}
+	return a
+}

@@ -73,7 +73,7 @@ type WebhookConfig struct {
 	Timeout time.Duration `koanf:"timeout" yaml:"timeout"`
 }
 
-// Validate checks the webhook section; NewWebhookSink checks the URL.
+// Validate checks the webhook section; sink/webhook's New checks the URL.
 func (c WebhookConfig) Validate() error {
 	if c.URL == "" {
 		return fmt.Errorf("outbox.webhook.url is empty: sink webhook needs an http(s) URL")

@@ -12,18 +12,7 @@ var keys = broker.Keys("ce-")
 // Encode writes a's attributes as ce- headers (binary mode), values
 // percent-encoded as in the HTTP binding, through set: the sink gives
 // every header one slot of a shared array.
-func Encode(a broker.Attributes, set func(key, value string)) {
-	for _, at := range a.List() {
-		set(keys[at.Name], broker.PercentEncode(at.Value, broker.HeaderSafe))
-	}
-}
+func Encode(a broker.Attributes, set func(key, value string)) { broker.EncodeHeaders(a, keys, set) }
 
-// Decode reads the CloudEvents attributes Encode wrote. A header that is
-// missing leaves its attribute "".
-func Decode(h nats.Header) broker.Attributes {
-	var a broker.Attributes
-	for _, name := range broker.Names {
-		a.Set(name, broker.PercentDecode(h.Get(keys[name])))
-	}
-	return a
-}
+// Decode reads the CloudEvents attributes Encode wrote.
+func Decode(h nats.Header) broker.Attributes { return broker.DecodeHeaders(keys, h.Get) }

@@ -848,7 +848,7 @@ func TestWebhookSinkDropsCredentialHopByHopAndOwnHeaders(t *testing.T) {
 		t.Errorf("Authorization = %q, want the URL's credentials", got.Header.Values("Authorization"))
 	}
 
-	doc, err := os.ReadFile("../../docs/sinks.md")
+	doc, err := os.ReadFile("../../../../docs/sinks.md")
 	if err != nil {
 		t.Fatal(err)
 	}
