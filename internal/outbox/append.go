@@ -25,8 +25,7 @@ type NewEvent struct {
 
 // appendSQL is the producer contract of docs/outbox.md with the optional
 // columns falling back to their defaults when the helper passes NULL. A
-// NULL event_id is drawn by the insert trigger, which then skips the
-// duplicate probe that a given one costs.
+// NULL event_id is drawn by the insert trigger.
 const appendSQL = `
 INSERT INTO outbox_event (aggregate_type, aggregate_id, event_type, payload, event_id, headers, occurred_at)
 VALUES ($1, $2, $3, $4::jsonb, $5::uuid, COALESCE($6::jsonb, '{}'), COALESCE($7::timestamptz, now()))

@@ -255,9 +255,13 @@ WHERE i.inhrelid = to_regclass($1) AND i.inhparent = 'outbox_event'::regclass`, 
 		return err
 	}
 	return pgx.BeginFunc(ctx, conn, func(tx pgx.Tx) error {
-		// The purge records of its events go with it.
+		// The purge records and the event_ids of its events go with it.
 		if _, err := tx.Exec(ctx, `DELETE FROM outbox_purged p USING outbox_partition x
 			WHERE x.name = $1 AND p.created_at >= x.lo AND p.created_at < x.hi`, name); err != nil {
+			return err
+		}
+		if _, err := tx.Exec(ctx, `DELETE FROM outbox_event_id i USING outbox_partition x
+			WHERE x.name = $1 AND i.created_at >= x.lo AND i.created_at < x.hi`, name); err != nil {
 			return err
 		}
 		if _, err := tx.Exec(ctx, "DROP TABLE IF EXISTS "+ident); err != nil {

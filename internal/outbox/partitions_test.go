@@ -3,6 +3,7 @@ package outbox
 import (
 	"context"
 	"errors"
+	"log/slog"
 	"slices"
 	"strings"
 	"sync"
@@ -13,9 +14,13 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/jackc/pgx/v5/stdlib"
+	"github.com/pressly/goose/v3"
 
+	"github.com/worker-dev/worker/internal/migrate"
 	"github.com/worker-dev/worker/internal/pgtest"
 	"github.com/worker-dev/worker/internal/testkit"
+	"github.com/worker-dev/worker/migrations"
 )
 
 // freshPartitions drops the partitions the migration made (whole UTC days),
@@ -233,6 +238,10 @@ func TestPartitionsDropOnlyWhatIsDone(t *testing.T) {
 	if err := db.Pool.QueryRow(ctx, `SELECT count(*) FROM outbox_purged`).Scan(&purgeRecords); err != nil || purgeRecords != 0 {
 		t.Errorf("%d purge records left after their partition was dropped (%v)", purgeRecords, err)
 	}
+	var eventIDs int
+	if err := db.Pool.QueryRow(ctx, `SELECT count(*) FROM outbox_event_id WHERE event_id = ANY($1::uuid[])`, ids).Scan(&eventIDs); err != nil || eventIDs != 0 {
+		t.Errorf("%d event_ids left after their partitions were dropped (%v)", eventIDs, err)
+	}
 }
 
 // TestPartitionsFinishAnInterruptedDetach: a detach cancelled halfway (its
@@ -340,39 +349,78 @@ func TestDuplicateEventIDAcrossPartitions(t *testing.T) {
 
 // TestDuplicateEventIDRacingInserts: of two transactions inserting the same
 // event_id at once, the second waits for the first and is refused once it
-// commits.
+// commits, at any isolation level: the refusal is a unique index's, which
+// sees past a snapshot.
 func TestDuplicateEventIDRacingInserts(t *testing.T) {
+	t.Parallel()
+	for _, iso := range []pgx.TxIsoLevel{pgx.ReadCommitted, pgx.RepeatableRead, pgx.Serializable} {
+		t.Run(string(iso), func(t *testing.T) {
+			t.Parallel()
+			db := pgtest.New(t)
+			ctx := context.Background()
+			const id = "1d7e0c2a-5b8f-4d0e-9a61-3c2f4b7d9e20"
+			const insert = `INSERT INTO outbox_event (event_id, aggregate_type, aggregate_id, event_type, payload)
+				VALUES ($1, 'order', $2, 'x', '{}')`
+			first, err := db.Pool.BeginTx(ctx, pgx.TxOptions{IsoLevel: iso})
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer func() { _ = first.Rollback(ctx) }()
+			if _, err := first.Exec(ctx, insert, id, "a"); err != nil {
+				t.Fatal(err)
+			}
+			second := make(chan error, 1)
+			go func() {
+				// Another aggregate: only the event_id is shared. The
+				// snapshot is taken before the first commits.
+				second <- pgx.BeginTxFunc(ctx, db.Pool, pgx.TxOptions{IsoLevel: iso}, func(tx pgx.Tx) error {
+					if _, err := tx.Exec(ctx, "SELECT 1"); err != nil {
+						return err
+					}
+					_, err := tx.Exec(ctx, insert, id, "b")
+					return err
+				})
+			}()
+			testkit.Eventually(t, 10*time.Second, "the second insert waiting for the first", func() bool {
+				var waiting bool
+				err := db.Pool.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM pg_stat_activity
+					WHERE datname = current_database() AND wait_event_type = 'Lock' AND query LIKE 'INSERT INTO outbox_event%')`).Scan(&waiting)
+				return err == nil && waiting
+			})
+			if err := first.Commit(ctx); err != nil {
+				t.Fatal(err)
+			}
+			var pgErr *pgconn.PgError
+			if err := <-second; !errors.As(err, &pgErr) || pgErr.Code != "23505" || pgErr.ConstraintName != "outbox_event_event_id_key" {
+				t.Fatalf("the racing duplicate: %v, want 23505 on outbox_event_event_id_key", err)
+			}
+			var n int
+			if err := db.Pool.QueryRow(ctx, `SELECT count(*) FROM outbox_event WHERE event_id = $1`, id).Scan(&n); err != nil || n != 1 {
+				t.Fatalf("%d events hold the event_id (%v), want 1", n, err)
+			}
+		})
+	}
+}
+
+// TestManyGivenEventIDsInOneTransaction: a producer transaction may give
+// any number of event_ids, as V1 allowed; no lock is taken per event_id, so
+// the server's lock table does not run out.
+func TestManyGivenEventIDsInOneTransaction(t *testing.T) {
 	t.Parallel()
 	db := pgtest.New(t)
 	ctx := context.Background()
-	const id = "1d7e0c2a-5b8f-4d0e-9a61-3c2f4b7d9e20"
-	const insert = `INSERT INTO outbox_event (event_id, aggregate_type, aggregate_id, event_type, payload)
-		VALUES ($1, 'order', $2, 'x', '{}')`
-	first, err := db.Pool.Begin(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer func() { _ = first.Rollback(ctx) }()
-	if _, err := first.Exec(ctx, insert, id, "a"); err != nil {
-		t.Fatal(err)
-	}
-	second := make(chan error, 1)
-	go func() {
-		_, err := db.Pool.Exec(ctx, insert, id, "b") // another aggregate: only the event_id is shared
-		second <- err
-	}()
-	testkit.Eventually(t, 10*time.Second, "the second insert waiting for the first", func() bool {
-		var waiting bool
-		err := db.Pool.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM pg_stat_activity
-			WHERE datname = current_database() AND wait_event_type = 'Lock' AND query LIKE 'INSERT INTO outbox_event%')`).Scan(&waiting)
-		return err == nil && waiting
+	const n = 20000
+	err := pgx.BeginFunc(ctx, db.Pool, func(tx pgx.Tx) error {
+		_, err := tx.Exec(ctx, `INSERT INTO outbox_event (event_id, aggregate_type, aggregate_id, event_type, payload)
+			SELECT gen_random_uuid(), 'order', 'a', 'x', '{}' FROM generate_series(1, $1)`, n)
+		return err
 	})
-	if err := first.Commit(ctx); err != nil {
-		t.Fatal(err)
+	if err != nil {
+		t.Fatalf("%d given event_ids in one transaction: %v", n, err)
 	}
-	var pgErr *pgconn.PgError
-	if err := <-second; !errors.As(err, &pgErr) || pgErr.Code != "23505" || pgErr.ConstraintName != "outbox_event_event_id_key" {
-		t.Fatalf("the racing duplicate: %v, want 23505 on outbox_event_event_id_key", err)
+	var ids int
+	if err := db.Pool.QueryRow(ctx, `SELECT count(*) FROM outbox_event_id`).Scan(&ids); err != nil || ids != n {
+		t.Fatalf("outbox_event_id holds %d rows (%v), want %d", ids, err, n)
 	}
 }
 
@@ -483,5 +531,56 @@ func TestInsertWithoutAPartitionNamesTheKeeper(t *testing.T) {
 	var rule *RuleError
 	if !errors.As(err, &pgErr) || pgErr.ConstraintName != "outbox_event_no_partition_ahead" || errors.As(err, &rule) {
 		t.Errorf("Append without a partition: %v; want the PostgreSQL error, not a rule's", err)
+	}
+}
+
+// TestEventIDMigrationCarriesTheIDs: migration 00160 on a database that
+// holds events, V1 history among them, copies every V2 event's event_id,
+// so one given before the upgrade is refused after it; the V1 table keeps
+// its history under a renamed constraint.
+func TestEventIDMigrationCarriesTheIDs(t *testing.T) {
+	t.Parallel()
+	db := pgtest.NewEmpty(t)
+	ctx := context.Background()
+	sqlDB := stdlib.OpenDBFromPool(db.Pool)
+	defer sqlDB.Close()
+	p, err := goose.NewProvider(goose.DialectPostgres, sqlDB, migrations.FS, goose.WithDisableGlobalRegistry(true))
+	if err != nil {
+		t.Fatal(err)
+	}
+	const v1, v2 = "0b6c3c5e-8f0e-4b7a-9d2c-1e5f6a7b8c90", "3a2b1c0d-9e8f-4a7b-8c6d-5e4f3a2b1c0d"
+	const insert = `INSERT INTO outbox_event (event_id, aggregate_type, aggregate_id, event_type, payload)
+		VALUES ($1, 'order', 'a', 'x', '{}')`
+	if _, err := p.UpTo(ctx, 130); err != nil {
+		t.Fatal(err)
+	}
+	exec(t, db.Pool, insert, v1)
+	exec(t, db.Pool, `UPDATE outbox_event SET status = 'PUBLISHED', published_at = now()`)
+	if _, err := p.UpTo(ctx, 150); err != nil {
+		t.Fatal(err)
+	}
+	exec(t, db.Pool, insert, v2)
+	exec(t, db.Pool, `INSERT INTO outbox_event (aggregate_type, aggregate_id, event_type, payload)
+		SELECT 'order', 'b', 'x', '{}' FROM generate_series(1, 100)`)
+	if err := migrate.Up(ctx, db.Pool, slog.New(slog.DiscardHandler)); err != nil {
+		t.Fatal(err)
+	}
+
+	var events, ids int
+	if err := db.Pool.QueryRow(ctx, `SELECT (SELECT count(*) FROM outbox_event), (SELECT count(*) FROM outbox_event_id)`).Scan(&events, &ids); err != nil {
+		t.Fatal(err)
+	}
+	if events != 101 || ids != events {
+		t.Fatalf("%d events, %d event_ids carried; want 101 of each", events, ids)
+	}
+	_, err = db.Pool.Exec(ctx, insert, v2)
+	var pgErr *pgconn.PgError
+	if !errors.As(err, &pgErr) || pgErr.Code != "23505" || pgErr.ConstraintName != "outbox_event_event_id_key" {
+		t.Fatalf("an event_id given before the upgrade, again after it: %v, want 23505 on outbox_event_event_id_key", err)
+	}
+	var constraint string
+	if err := db.Pool.QueryRow(ctx, `SELECT conname FROM pg_constraint
+		WHERE conrelid = 'outbox_event_v1'::regclass AND contype = 'u'`).Scan(&constraint); err != nil || constraint != "outbox_event_v1_event_id_key" {
+		t.Fatalf("the V1 history's unique constraint is %q (%v), want outbox_event_v1_event_id_key", constraint, err)
 	}
 }
