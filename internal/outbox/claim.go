@@ -34,6 +34,7 @@ type claimer struct {
 	window       int            // rows the next window claim reads
 	again        bool           // claim again at once: the window was widened, or a share was stale; read by the loop
 	conn         *pgxpool.Conn  // held while batches follow each other
+	replan       bool           // conn's plans may predate the backlog: drop them at its first full batch
 	claimed      int            // events locked in the open claim transaction, extensions included
 	pending      *outcomes      // the last batch's outcomes, not yet committed
 	kept         []aggregateKey // the aggregates of the last sink-bound batch (keptHeadsSQL)
@@ -80,6 +81,7 @@ func (c *claimer) claim(ctx context.Context, pc pace) (*claim, error) {
 			return nil, err
 		}
 		c.conn = conn
+		c.replan = true
 	}
 	runs, skew, err := c.lock(ctx, pc)
 	if c.shares != nil {
@@ -99,6 +101,22 @@ func (c *claimer) claim(ctx context.Context, pc pace) (*claim, error) {
 	if n == 0 {
 		rollback(c.conn.Conn())
 		return nil, nil
+	}
+	if c.replan && n >= c.cfg.BatchSize {
+		// The claim statements run on generic plans (beginClaimSQL), made
+		// at their first run on this connection, often while the table
+		// was nearly empty: a sequential scan and a sort then cost nothing.
+		// Kept through a backlog that came since, they read the whole
+		// backlog for every batch until autovacuum's next ANALYZE. A full
+		// batch says the backlog is here: the next statements are planned
+		// for it. A plan made for a large table stays cheap on a small one.
+		c.replan = false
+		if err := c.conn.Conn().DeallocateAll(ctx); err != nil {
+			rollback(c.conn.Conn())
+			c.conn.Release()
+			c.conn = nil
+			return nil, err
+		}
 	}
 	c.m.batchSize.Observe(float64(n))
 	c.m.claimed.Add(float64(n))
