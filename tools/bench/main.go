@@ -42,6 +42,8 @@ type options struct {
 	slowEvents int
 	phases     map[string]bool // empty: all
 	out        string
+	workerEnv  map[string]string // settings beyond the shipped ones
+	profile    string            // a command run during each drain, given the pids
 }
 
 func main() {
@@ -59,6 +61,17 @@ func main() {
 	flag.IntVar(&o.slowEvents, "slow-events", 5000, "backlog of the slow webhook phases (200 aggregates, 10 commits)")
 	flag.StringVar(&phases, "phases", "", "comma-separated phases to run (default all): "+strings.Join(allPhaseNames(), ","))
 	flag.StringVar(&o.out, "out", ".", "directory for bench.csv and bench.png")
+	flag.StringVar(&o.profile, "profile", "", "a shell command run during each drain from the commit to the last event, then sent SIGINT; "+
+		"$WORKER_PIDS and $BACKEND_PIDS are the workers' and their database backends' pids (comma-separated), $PHASE the phase, $ROUND the round")
+	o.workerEnv = map[string]string{}
+	flag.Func("worker-env", "an APP_* setting of every worker, KEY=VALUE (repeatable): a what-if, or a small pool for a smoke test", func(s string) error {
+		k, v, ok := strings.Cut(s, "=")
+		if !ok || !strings.HasPrefix(k, "APP_") {
+			return fmt.Errorf("%q is not APP_KEY=VALUE", s)
+		}
+		o.workerEnv[k] = v
+		return nil
+	})
 	flag.Parse()
 	if o.worker == "" || o.rounds < 1 {
 		log.Fatal("bench: -worker is required and -rounds must be at least 1")
@@ -166,10 +179,11 @@ func (o options) phaseList() []phase {
 }
 
 type bench struct {
-	o    options
-	url  string // the benchmark's database
-	conn *pgx.Conn
-	hook *receiver
+	o     options
+	url   string // the benchmark's database
+	conn  *pgx.Conn
+	hook  *receiver
+	round int
 }
 
 type row struct {
@@ -198,6 +212,7 @@ func run(ctx context.Context, o options) error {
 		return err
 	}
 	cfg.Database = o.dbName
+	cfg.RuntimeParams["application_name"] = "bench" // apart from the workers' sessions in pg_stat_activity
 	b := &bench{o: o, url: withDatabase(o.server, o.dbName)}
 	if b.conn, err = pgx.ConnectConfig(ctx, cfg); err != nil {
 		return err
@@ -223,6 +238,7 @@ func run(ctx context.Context, o options) error {
 			p := phases[(i+round-1)%len(phases)] // rotate the order each round
 			load := loadAverage()
 			log.Printf("round %d: %s (load %.2f)", round, p.name, load)
+			b.round = round
 			res, err := p.run(ctx, b)
 			if err != nil {
 				return fmt.Errorf("round %d, %s: %w", round, p.name, err)
@@ -387,6 +403,9 @@ func (b *bench) env(extra map[string]string) []string {
 		}
 	}
 	env = append(env, "APP_DATABASE_URL="+b.url)
+	for k, v := range b.o.workerEnv {
+		env = append(env, k+"="+v)
+	}
 	for k, v := range extra {
 		env = append(env, k+"="+v)
 	}
@@ -523,6 +542,8 @@ func (b *bench) drain(ctx context.Context, d drain) (result, error) {
 	}
 	n := b.o.events
 	cpu := b.cpuMeter(ctx, ps)
+	stopProfile := b.startProfile(d.name(), cpu)
+	defer stopProfile()
 	if _, err := b.conn.Exec(ctx, `INSERT INTO outbox_event (aggregate_type, aggregate_id, event_type, payload)
 		SELECT 'order', (g % $2)::text, 'order.shipped', `+payloadSQL+` FROM generate_series(1, $1) g`, n, b.o.aggregates); err != nil {
 		return result{}, err
@@ -537,6 +558,7 @@ func (b *bench) drain(ctx context.Context, d drain) (result, error) {
 	if err != nil {
 		return result{}, err
 	}
+	stopProfile()
 	dbCPU, workerCPU := cpu.perEvent(ctx, n)
 	first, last := arrivals[0], arrivals[len(arrivals)-1]
 	return result{events: n,
@@ -671,4 +693,42 @@ func (t *tailBuffer) String() string {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	return string(t.b)
+}
+
+// startProfile runs o.profile, if any, and returns what stops it: SIGINT,
+// as perf record and the like expect, then a wait for it to write out.
+func (b *bench) startProfile(phase string, m *cpuMeter) (stop func()) {
+	if b.o.profile == "" {
+		return func() {}
+	}
+	join := func(pids []int) string {
+		s := make([]string, len(pids))
+		for i, p := range pids {
+			s[i] = strconv.Itoa(p)
+		}
+		return strings.Join(s, ",")
+	}
+	var backends []int
+	for pid := range m.start {
+		if !slices.Contains(m.workers, pid) {
+			backends = append(backends, pid)
+		}
+	}
+	cmd := exec.Command("sh", "-c", b.o.profile)
+	cmd.Env = append(os.Environ(), "WORKER_PIDS="+join(m.workers), "BACKEND_PIDS="+join(backends),
+		"PHASE="+phase, "ROUND="+strconv.Itoa(b.round))
+	cmd.Stdout, cmd.Stderr = os.Stderr, os.Stderr
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
+	if err := cmd.Start(); err != nil {
+		log.Printf("profile: %v", err)
+		return func() {}
+	}
+	time.Sleep(200 * time.Millisecond) // let it attach
+	var once sync.Once
+	return func() {
+		once.Do(func() {
+			_ = syscall.Kill(-cmd.Process.Pid, syscall.SIGINT)
+			_ = cmd.Wait()
+		})
+	}
 }
