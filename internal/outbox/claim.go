@@ -42,6 +42,11 @@ type claimer struct {
 	lookedBehind time.Time      // when the loop last looked behind the window
 }
 
+// replanClaim is the claim size (or batch_size, if smaller) at which a
+// claimer's connection plans its statements afresh (claim). Loops that
+// split a window take less than a full batch each.
+const replanClaim = 100
+
 // claimSQL are the claim statements that depend on the configuration.
 type claimSQL struct {
 	lock   string // lockSQL
@@ -102,14 +107,15 @@ func (c *claimer) claim(ctx context.Context, pc pace) (*claim, error) {
 		rollback(c.conn.Conn())
 		return nil, nil
 	}
-	if c.replan && n >= c.cfg.BatchSize {
+	if c.replan && n >= min(c.cfg.BatchSize, replanClaim) {
 		// The claim statements run on generic plans (beginClaimSQL), made
 		// at their first run on this connection, often while the table
 		// was nearly empty: a sequential scan and a sort then cost nothing.
 		// Kept through a backlog that came since, they read the whole
-		// backlog for every batch until autovacuum's next ANALYZE. A full
-		// batch says the backlog is here: the next statements are planned
-		// for it. A plan made for a large table stays cheap on a small one.
+		// backlog for every batch until autovacuum's next ANALYZE. A large
+		// claim says the backlog is here: the next statements are planned
+		// for it, once per connection taken for a backlog. A plan made for
+		// a large table stays cheap on a small one.
 		c.replan = false
 		if err := c.conn.Conn().DeallocateAll(ctx); err != nil {
 			rollback(c.conn.Conn())

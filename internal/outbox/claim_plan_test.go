@@ -49,10 +49,10 @@ func TestClaimReplansForABacklog(t *testing.T) {
 
 	appendEvent(t, db.Pool, "first", "e")
 	testkit.Eventually(t, 10*time.Second, "the first event published", func() bool { return len(rec.delivered()) == 1 })
-	const backlog = 20_000
+	const backlog = 5_000
 	exec(t, db.Pool, `INSERT INTO outbox_event (aggregate_type, aggregate_id, event_type, payload)
 		SELECT 'order', (g % 1000)::text, 'e', '{}' FROM generate_series(1, $1::int) g`, backlog)
-	testkit.Eventually(t, time.Minute, "the backlog published", func() bool { return len(rec.delivered()) == backlog+1 })
+	testkit.Eventually(t, 2*time.Minute, "the backlog published", func() bool { return len(rec.delivered()) == backlog+1 })
 	stop()
 
 	conn, err := pool.Acquire(ctx)
