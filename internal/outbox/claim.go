@@ -34,12 +34,18 @@ type claimer struct {
 	window       int            // rows the next window claim reads
 	again        bool           // claim again at once: the window was widened, or a share was stale; read by the loop
 	conn         *pgxpool.Conn  // held while batches follow each other
+	replan       bool           // conn's plans may predate the backlog: drop them at its first full batch
 	claimed      int            // events locked in the open claim transaction, extensions included
 	pending      *outcomes      // the last batch's outcomes, not yet committed
 	kept         []aggregateKey // the aggregates of the last sink-bound batch (keptHeadsSQL)
 	behind       aggregateKey   // where the next look behind the window starts
 	lookedBehind time.Time      // when the loop last looked behind the window
 }
+
+// replanClaim is the claim size (or batch_size, if smaller) at which a
+// claimer's connection plans its statements afresh (claim). Loops that
+// split a window take less than a full batch each.
+const replanClaim = 100
 
 // claimSQL are the claim statements that depend on the configuration.
 type claimSQL struct {
@@ -80,6 +86,7 @@ func (c *claimer) claim(ctx context.Context, pc pace) (*claim, error) {
 			return nil, err
 		}
 		c.conn = conn
+		c.replan = true
 	}
 	runs, skew, err := c.lock(ctx, pc)
 	if c.shares != nil {
@@ -99,6 +106,23 @@ func (c *claimer) claim(ctx context.Context, pc pace) (*claim, error) {
 	if n == 0 {
 		rollback(c.conn.Conn())
 		return nil, nil
+	}
+	if c.replan && n >= min(c.cfg.BatchSize, replanClaim) {
+		// The claim statements run on generic plans (beginClaimSQL), made
+		// at their first run on this connection, often while the table
+		// was nearly empty: a sequential scan and a sort then cost nothing.
+		// Kept through a backlog that came since, they read the whole
+		// backlog for every batch until autovacuum's next ANALYZE. A large
+		// claim says the backlog is here: the next statements are planned
+		// for it, once per connection taken for a backlog. A plan made for
+		// a large table stays cheap on a small one.
+		c.replan = false
+		if err := c.conn.Conn().DeallocateAll(ctx); err != nil {
+			rollback(c.conn.Conn())
+			c.conn.Release()
+			c.conn = nil
+			return nil, err
+		}
 	}
 	c.m.batchSize.Observe(float64(n))
 	c.m.claimed.Add(float64(n))

@@ -14,9 +14,30 @@ import (
 // LogSink writes one JSON line per event. It is the default sink: it needs
 // nothing outside the process, so a fresh deployment shows its events on
 // stdout before anyone has chosen a broker. It is safe for concurrent use.
+//
+// Concurrent publishes share their writes, as a database shares a WAL
+// flush among the commits waiting for it: the lines that arrive while a
+// Write is in progress go out together in the next one, and each of their
+// publishes returns once that Write did. Stdout is usually a pipe to a log
+// collector, and a pipe holds 64 KiB: one Write per line meant a wake-up of
+// the reader, and often a wait for it, every few hundred bytes. A Write
+// still carries whole lines only, and one at a time, so lines never
+// interleave.
 type LogSink struct {
-	mu sync.Mutex // one Write per line, so lines from concurrent publishes never interleave
-	w  io.Writer
+	w io.Writer
+
+	mu      sync.Mutex
+	pending []byte    // whole lines for the next Write
+	next    *logWrite // the next Write's outcome; nil when nothing is pending
+	writing bool      // a publish is writing; it also writes what arrives meanwhile
+	spare   []byte    // the last Write's buffer, for reuse
+}
+
+// logWrite is the outcome of one Write, shared by the publishes whose
+// lines it carried: err is set before done is closed.
+type logWrite struct {
+	done chan struct{}
+	err  error
 }
 
 // NewLogSink returns a sink that writes to w (usually os.Stdout).
@@ -52,12 +73,42 @@ func (s *LogSink) Publish(_ context.Context, e Event) error {
 		return Permanent(fmt.Errorf("log sink: event %s: encode: %w", e.EventID, err))
 	}
 
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	if _, err := s.w.Write(line); err != nil {
+	if err := s.write(line); err != nil {
 		return fmt.Errorf("log sink: event %s: write: %w", e.EventID, err)
 	}
 	return nil
+}
+
+// write adds line to the next Write and returns that Write's error once it
+// is done. The first publish to find no Write in progress writes, and
+// keeps writing what the others added meanwhile until nothing is pending.
+func (s *LogSink) write(line []byte) error {
+	s.mu.Lock()
+	s.pending = append(s.pending, line...)
+	if s.next == nil {
+		s.next = &logWrite{done: make(chan struct{})}
+	}
+	mine := s.next
+	if s.writing {
+		s.mu.Unlock()
+		<-mine.done
+		return mine.err
+	}
+	s.writing = true
+	for s.next != nil {
+		buf, w := s.pending, s.next
+		s.pending, s.spare, s.next = s.spare[:0], nil, nil
+		s.mu.Unlock()
+		_, w.err = s.w.Write(buf)
+		close(w.done)
+		s.mu.Lock()
+		if cap(buf) <= maxPooledLine {
+			s.spare = buf
+		}
+	}
+	s.writing = false
+	s.mu.Unlock()
+	return mine.err
 }
 
 // appendLogLine appends e as one line of JSON, with occurred as its

@@ -12,6 +12,8 @@ import (
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/worker-dev/worker/internal/testkit"
 )
 
 func logSinkEvent(i int) Event {
@@ -149,29 +151,88 @@ func TestLogSinkConcurrentPublishersNeverInterleave(t *testing.T) {
 		t.Fatal(err)
 	}
 
-	if len(w.calls) != publishers*each {
-		t.Fatalf("%d Write calls, want one per event (%d)", len(w.calls), publishers*each)
+	if len(w.calls) > publishers*each {
+		t.Fatalf("%d Write calls, want at most one per event (%d)", len(w.calls), publishers*each)
 	}
 	seen := map[string]bool{}
 	for _, c := range w.calls {
+		if !bytes.HasSuffix(c, []byte("\n")) {
+			t.Fatalf("a Write must carry whole lines: %q", c)
+		}
 		sc := bufio.NewScanner(bytes.NewReader(c))
-		if !sc.Scan() || sc.Scan() {
-			t.Fatalf("a Write must carry exactly one line: %q", c)
+		for sc.Scan() {
+			var l struct {
+				EventID string `json:"event_id"`
+			}
+			if err := json.Unmarshal(sc.Bytes(), &l); err != nil {
+				t.Fatalf("corrupt line %q: %v", sc.Bytes(), err)
+			}
+			if seen[l.EventID] {
+				t.Fatalf("event %s written twice", l.EventID)
+			}
+			seen[l.EventID] = true
 		}
-		var l struct {
-			EventID string `json:"event_id"`
-		}
-		if err := json.Unmarshal(c, &l); err != nil {
-			t.Fatalf("corrupt line %q: %v", c, err)
-		}
-		if seen[l.EventID] {
-			t.Fatalf("event %s written twice", l.EventID)
-		}
-		seen[l.EventID] = true
 	}
 	if len(seen) != publishers*each {
 		t.Fatalf("%d distinct events, want %d", len(seen), publishers*each)
 	}
+}
+
+// A Write that blocks (a full pipe) holds the publishes that come
+// meanwhile; they go out together in the next Write, and each returns only
+// after it: none returns before its line is written.
+func TestLogSinkPublishesWaitingShareTheNextWrite(t *testing.T) {
+	w := &logSinkGateWriter{entered: make(chan struct{}, 10), release: make(chan struct{})}
+	s := NewLogSink(w)
+	const waiting = 5
+	first := make(chan error, 1)
+	go func() { first <- s.Publish(context.Background(), logSinkEvent(0)) }()
+	<-w.entered // the first Write is in progress and blocked
+	done := make(chan error, waiting)
+	for i := range waiting {
+		go func() { done <- s.Publish(context.Background(), logSinkEvent(i+1)) }()
+	}
+	// Every waiting publish has added its line once the pending buffer
+	// holds them all; none may return before its Write.
+	testkit.Eventually(t, 10*time.Second, "the waiting lines to be pending", func() bool {
+		s.mu.Lock()
+		defer s.mu.Unlock()
+		return bytes.Count(s.pending, []byte("\n")) == waiting
+	})
+	select {
+	case err := <-done:
+		t.Fatalf("a publish returned (%v) before its line was written", err)
+	default:
+	}
+	close(w.release)
+	if err := <-first; err != nil {
+		t.Fatal(err)
+	}
+	for range waiting {
+		if err := <-done; err != nil {
+			t.Fatal(err)
+		}
+	}
+	if len(w.calls) != 2 || bytes.Count(w.calls[1], []byte("\n")) != waiting {
+		t.Fatalf("want the first line alone, then the %d waiting ones in one Write; got %q", waiting, w.calls)
+	}
+}
+
+// logSinkGateWriter blocks every Write until release is closed.
+type logSinkGateWriter struct {
+	mu      sync.Mutex
+	calls   [][]byte
+	entered chan struct{}
+	release chan struct{}
+}
+
+func (w *logSinkGateWriter) Write(p []byte) (int, error) {
+	w.entered <- struct{}{}
+	<-w.release
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	w.calls = append(w.calls, bytes.Clone(p))
+	return len(p), nil
 }
 
 func sinkJSONEqual(t *testing.T, a, b []byte) bool {
