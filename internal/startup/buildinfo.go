@@ -136,7 +136,7 @@ func registerOpsMetrics(reg prometheus.Registerer, ready *readiness) {
 // with which configuration file, in which mode, with which lock provider
 // and sink, and the most database connections it will hold (for sizing
 // max_connections).
-func logStartup(log *slog.Logger, cfg *Config, configFile string) {
+func logStartup(log *slog.Logger, cfg *runConfig, configFile string) {
 	b := currentBuild()
 	mode := "single-instance"
 	if cfg.MultiInstance.Enabled {

@@ -19,6 +19,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/prometheus/client_golang/prometheus"
 
+	"github.com/worker-dev/worker/internal/config"
 	"github.com/worker-dev/worker/internal/lock"
 	"github.com/worker-dev/worker/internal/migrate"
 	"github.com/worker-dev/worker/internal/obs"
@@ -51,7 +52,7 @@ func tuneGC() {
 
 func (runCmd) Run(e *cmdEnv) error {
 	tuneGC()
-	cfg, err := e.loadConfig(checkAll)
+	cfg, err := e.loadConfig(config.CheckAll)
 	if err != nil {
 		return err
 	}
@@ -62,7 +63,7 @@ func (runCmd) Run(e *cmdEnv) error {
 	// A misspelt variable is warned about after the startup line, or, when
 	// the worker stops before that line, before the reason it stops: the
 	// typo may be why.
-	if err := cmp.Or(CheckLockProvider(cfg), cfg.checkUI()); err != nil {
+	if err := cmp.Or(CheckLockProvider(cfg), cfg.CheckUI()); err != nil {
 		warnMisspeltEnv(log, cfg)
 		return err
 	}
@@ -93,7 +94,7 @@ func (runCmd) Run(e *cmdEnv) error {
 	}
 	// After the checks that fail at once, which log their one fatal line
 	// alone.
-	logStartup(log, cfg, configFile(e.ConfigPath))
+	logStartup(log, cfg, config.File(e.ConfigPath))
 	warnMisspeltEnv(log, cfg)
 	for _, s := range servers {
 		go s.serve(log)
@@ -141,7 +142,7 @@ func (runCmd) Run(e *cmdEnv) error {
 	ready.add(schema)
 
 	checkStore := lock.CheckStore
-	if cfg.Lock.Provider == ProviderRedis {
+	if cfg.Lock.Provider == config.ProviderRedis {
 		checkStore = lock.CheckFenceStore // the leases live in Redis, their fence here
 	}
 	if err := CheckLockStore(ctx, cfg, func(ctx context.Context) error { return checkStore(ctx, pool) }); err != nil {
@@ -150,7 +151,7 @@ func (runCmd) Run(e *cmdEnv) error {
 		}
 		return err
 	}
-	if cfg.Lock.Provider == ProviderPostgres {
+	if cfg.Lock.Provider == config.ProviderPostgres {
 		warnAsyncCommit(ctx, pool, log)
 	}
 	parts, cleanup, err := wire(ctx, cfg, pool, log, reg, e.Stdout)
@@ -236,7 +237,7 @@ func (l listening) serve(log *slog.Logger) {
 // newServers binds the ops server and, with ui.addr set, River UI's own
 // server; the UI is then not on the ops server. ui is nil when the UI is
 // off.
-func newServers(cfg *Config, reg *prometheus.Registry, ready *readiness, log *slog.Logger) (*uiMount, []listening, error) {
+func newServers(cfg *runConfig, reg *prometheus.Registry, ready *readiness, log *slog.Logger) (*uiMount, []listening, error) {
 	var ui *uiMount
 	var guarded http.Handler
 	if cfg.UI.Enabled {
@@ -310,10 +311,10 @@ func shutdownAll(parts []component, budget time.Duration, log *slog.Logger) {
 	wg.Wait()
 }
 
-func newLogger(e *cmdEnv, cfg *Config) (*slog.Logger, error) {
+func newLogger(e *cmdEnv, cfg *runConfig) (*slog.Logger, error) {
 	log, err := obs.NewLogger(e.Stderr, cfg.Log.Format, cfg.Log.Level, cfg.Instance.ID)
 	if err != nil {
-		return nil, configErrorf("%w", err)
+		return nil, config.Errorf("%w", err)
 	}
 	e.log = log
 	return log, nil
@@ -321,8 +322,8 @@ func newLogger(e *cmdEnv, cfg *Config) (*slog.Logger, error) {
 
 // warnMisspeltEnv warns about each APP_* variable that is no setting but
 // nearly names one: the setting meant was not applied.
-func warnMisspeltEnv(log *slog.Logger, cfg *Config) {
-	for _, m := range cfg.misspeltEnv {
+func warnMisspeltEnv(log *slog.Logger, cfg *runConfig) {
+	for _, m := range cfg.MisspeltEnv() {
 		log.Warn("environment variable " + m)
 	}
 }
@@ -344,7 +345,7 @@ type migrateCmd struct{}
 // Run checks the whole configuration, as run does: migrate is the step
 // before a rollout, where a mistake is cheapest to find.
 func (migrateCmd) Run(e *cmdEnv) error {
-	return withPoolChecking(e, checkAll, func(ctx context.Context, pool *pgxpool.Pool, log *slog.Logger) error {
+	return withPoolChecking(e, config.CheckAll, func(ctx context.Context, pool *pgxpool.Pool, log *slog.Logger) error {
 		if err := migrate.Up(ctx, pool, log); err != nil {
 			return migrateError(e.cfg, err)
 		}
@@ -355,7 +356,7 @@ func (migrateCmd) Run(e *cmdEnv) error {
 
 // migrateError is err from migrate.Up: exit 78 for a database a newer
 // release migrated (see checkSchemaAhead), else the error as it is.
-func migrateError(cfg *Config, err error) error {
+func migrateError(cfg *runConfig, err error) error {
 	var mm *migrate.MismatchError
 	if errors.As(err, &mm) && mm.Newer() {
 		return schemaAheadError(cfg, mm)
@@ -364,14 +365,14 @@ func migrateError(cfg *Config, err error) error {
 }
 
 // withPool runs an operator command that needs only the database: load the
-// configuration, checking what such a command uses (checkDatabase),
+// configuration, checking what such a command uses (config.CheckDatabase),
 // connect (bounded, like run), call f, close.
 func withPool(e *cmdEnv, f func(ctx context.Context, pool *pgxpool.Pool, log *slog.Logger) error) error {
-	return withPoolChecking(e, checkDatabase, f)
+	return withPoolChecking(e, config.CheckDatabase, f)
 }
 
 // withPoolChecking is withPool checking level of the configuration.
-func withPoolChecking(e *cmdEnv, level checks, f func(ctx context.Context, pool *pgxpool.Pool, log *slog.Logger) error) error {
+func withPoolChecking(e *cmdEnv, level config.Level, f func(ctx context.Context, pool *pgxpool.Pool, log *slog.Logger) error) error {
 	cfg, err := e.loadConfig(level)
 	if err != nil {
 		return err

@@ -12,6 +12,8 @@ import (
 	"strings"
 	"time"
 
+	"github.com/worker-dev/worker/internal/config"
+	"github.com/worker-dev/worker/internal/obs"
 	"github.com/worker-dev/worker/internal/outbox"
 	"github.com/worker-dev/worker/internal/outbox/sink"
 	kafkasink "github.com/worker-dev/worker/internal/outbox/sink/kafka"
@@ -34,7 +36,7 @@ type sinkKind struct {
 
 // sinkEnv is what a sink may need from the process.
 type sinkEnv struct {
-	cfg    *Config
+	cfg    *runConfig
 	stdout io.Writer
 	log    *slog.Logger
 }
@@ -135,20 +137,20 @@ func validateSink(c outbox.Config, ext Extensions) error {
 	kind, ok := sinkKinds[c.Sink]
 	if !ok {
 		names := slices.Concat(slices.Collect(maps.Keys(sinkKinds)), slices.Collect(maps.Keys(ext.Sinks)))
-		return configErrorf("outbox.sink=%q: want one of %s", c.Sink, strings.Join(slices.Sorted(slices.Values(names)), ", "))
+		return config.Errorf("outbox.sink=%q: want one of %s", c.Sink, strings.Join(slices.Sorted(slices.Values(names)), ", "))
 	}
 	if err := checkIdleSinkSettings(c); err != nil {
 		return err
 	}
 	if err := kind.validate(c); err != nil {
-		var ce *ConfigError
+		var ce *config.Error
 		if errors.As(err, &ce) {
 			return err
 		}
-		return configErrorf("%w", err)
+		return config.Errorf("%w", err)
 	}
 	if t := kind.publishTimeout(c); c.InFlightTimeout < t*5/2 {
-		return configErrorf("outbox.in_flight_timeout=%s: want at least 2.5 x the %s sink's publish timeout (%s), so a publish always has its full timeout",
+		return config.Errorf("outbox.in_flight_timeout=%s: want at least 2.5 x the %s sink's publish timeout (%s), so a publish always has its full timeout",
 			c.InFlightTimeout, c.Sink, t)
 	}
 	return nil
@@ -181,7 +183,7 @@ func checkIdleSinkSettings(c outbox.Config) error {
 			strings.Join(set, ", "), verb, c.Sink, defaultNote(c.Sink == outbox.DefaultConfig().Sink), section, section))
 	}
 	if len(msgs) > 0 {
-		return configErrorf("%s", strings.Join(msgs, "\n"))
+		return config.Errorf("%s", strings.Join(msgs, "\n"))
 	}
 	return nil
 }
@@ -210,7 +212,7 @@ func changedKeys(prefix string, got, def reflect.Value) []string {
 }
 
 // newSink builds the configured sink (connected, for a broker).
-func newSink(ctx context.Context, cfg *Config, stdout io.Writer, log *slog.Logger) (outbox.Sink, error) {
+func newSink(ctx context.Context, cfg *runConfig, stdout io.Writer, log *slog.Logger) (outbox.Sink, error) {
 	if custom, ok := cfg.ext.Sinks[cfg.Outbox.Sink]; ok {
 		return custom(ctx)
 	}
@@ -255,9 +257,9 @@ func brokerError(err error, timeoutKey string, timeout time.Duration) error {
 	case errors.Is(err, sink.ErrRefused):
 		return &exitError{code: ExitNoPerm, msg: err.Error(), err: err}
 	case errors.Is(err, sink.ErrSetup):
-		return &ConfigError{Msg: err.Error(), Err: err}
+		return &config.Error{Msg: err.Error(), Err: err}
 	default:
-		return &exitError{code: ExitUnavailable, msg: fmt.Sprintf("%v (waited %s=%s, %s)", err, timeoutKey, timeout, setting{Key: timeoutKey}.Env()), err: err}
+		return &exitError{code: ExitUnavailable, msg: fmt.Sprintf("%v (waited %s=%s, %s)", err, timeoutKey, timeout, config.Env(timeoutKey)), err: err}
 	}
 }
 
@@ -281,4 +283,15 @@ func (r sinkRelay) Shutdown(ctx context.Context) error {
 		err = errors.Join(err, c.Close(ctx))
 	}
 	return err
+}
+
+// newWebhookSink builds the webhook sink. Its errors show the URL as
+// `config print` does: user info and query string (often a token) masked.
+func newWebhookSink(cfg outbox.WebhookConfig) (*outbox.WebhookSink, error) {
+	s, err := outbox.NewWebhookSink(cfg, nil)
+	if err != nil {
+		// The cause is left out on purpose: its text carries the raw URL.
+		return nil, &config.Error{Msg: obs.MaskDSN(err.Error())}
+	}
+	return s, nil
 }

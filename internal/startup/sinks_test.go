@@ -6,7 +6,9 @@ import (
 	"testing"
 	"time"
 
+	"github.com/worker-dev/worker/internal/config"
 	"github.com/worker-dev/worker/internal/outbox"
+	"github.com/worker-dev/worker/internal/outbox/sink"
 )
 
 // Every sink goes through the one table: an unknown name, a bad section
@@ -96,7 +98,7 @@ func TestSinkSecretsMasked(t *testing.T) {
 			t.Fatal(err)
 		}
 		var out bytes.Buffer
-		if err := PrintConfig(&out, cfg); err != nil {
+		if err := config.Print(&out, cfg.Config, sink.RedactURLs); err != nil {
 			t.Fatal(err)
 		}
 		for s := range strings.FieldsSeq(secrets) {

@@ -9,20 +9,9 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"riverqueue.com/riverui"
 
+	"github.com/worker-dev/worker/internal/config"
 	"github.com/worker-dev/worker/internal/tasks"
 )
-
-// UIConfig is the `ui:` section: River UI, on the ops server or on its own
-// address.
-type UIConfig struct {
-	Enabled bool `koanf:"enabled"`
-	// Addr, when set, serves the UI there and not on http.addr, so that
-	// /metrics can be open to Prometheus while the UI is reachable only
-	// by operators.
-	Addr     string `koanf:"addr"`
-	Username string `koanf:"username"`
-	Password string `koanf:"password" secret:"password"`
-}
 
 // uiPrefix is where River UI is served. /metrics, /livez and /readyz stay
 // outside it and open: Prometheus and probes do not authenticate.
@@ -70,7 +59,7 @@ func (u *uiMount) Shutdown(context.Context) error {
 // guardUI is everything between the network and River UI, outermost
 // first: failed logins slowed per client address, basic auth, an audit
 // line per action, cross-site writes refused, API writes in JSON.
-func guardUI(cfg UIConfig, ui http.Handler, log *slog.Logger) http.Handler {
+func guardUI(cfg config.UIConfig, ui http.Handler, log *slog.Logger) http.Handler {
 	log = log.With("component", "riverui")
 	h := requireJSONWrites(ui)
 	h = http.NewCrossOriginProtection().Handler(h)

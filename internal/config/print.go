@@ -1,4 +1,4 @@
-package startup
+package config
 
 import (
 	"cmp"
@@ -13,19 +13,20 @@ import (
 
 	"github.com/worker-dev/worker/internal/jobs"
 	"github.com/worker-dev/worker/internal/obs"
-	"github.com/worker-dev/worker/internal/outbox/sink"
 )
 
-// PrintConfig writes the configuration the worker will use as YAML: with
-// each job's defaults filled in and only the keys of its kind, durations in
-// their text form and secrets masked.
-func PrintConfig(w io.Writer, cfg *Config) error {
+// Print writes the configuration the worker will use as YAML: with each
+// job's defaults filled in and only the keys of its kind, durations in
+// their text form and secrets masked. redactURLs masks the credentials of
+// a broker's comma-separated server list (secret:"urls"), as the brokers'
+// own errors show it.
+func Print(w io.Writer, cfg *Config, redactURLs func(string) string) error {
 	eff := *cfg
 	eff.Jobs = make([]jobs.Definition, len(cfg.Jobs))
 	for i, d := range cfg.Jobs {
 		eff.Jobs[i] = effectiveJob(d, cfg.Lock.LeaseTTL)
 	}
-	root := printable(reflect.ValueOf(&eff).Elem(), "").(*yaml.Node)
+	root := printable(reflect.ValueOf(&eff).Elem(), "", redactURLs).(*yaml.Node)
 	if cfg.instanceIDDerived {
 		// A derived id is new at every start: say how it is made instead of
 		// showing one that the worker will not use.
@@ -72,7 +73,7 @@ var durationType = reflect.TypeFor[time.Duration]()
 // koanf tags. A field tagged secret:"dsn" has its password masked; any
 // other secret-tagged field, or one whose key names a secret
 // (obs.IsSecretKey: password, token, secret, ...), is hidden whole.
-func printable(v reflect.Value, secret string) any {
+func printable(v reflect.Value, secret string, redactURLs func(string) string) any {
 	switch {
 	case v.Type() == durationType:
 		return v.Interface().(time.Duration).String()
@@ -80,7 +81,7 @@ func printable(v reflect.Value, secret string) any {
 		if v.IsNil() {
 			return nil
 		}
-		return printable(v.Elem(), secret)
+		return printable(v.Elem(), secret, redactURLs)
 	case v.Kind() == reflect.Struct:
 		node := &yaml.Node{Kind: yaml.MappingNode}
 		for i := range v.NumField() {
@@ -99,7 +100,7 @@ func printable(v reflect.Value, secret string) any {
 				sec = "values"
 			}
 			var val yaml.Node
-			if err := val.Encode(printable(v.Field(i), sec)); err != nil {
+			if err := val.Encode(printable(v.Field(i), sec, redactURLs)); err != nil {
 				panic(err) // only plain values reach here
 			}
 			node.Content = append(node.Content, &yaml.Node{Kind: yaml.ScalarNode, Value: name}, &val)
@@ -108,13 +109,13 @@ func printable(v reflect.Value, secret string) any {
 	case v.Kind() == reflect.Slice:
 		out := make([]any, v.Len())
 		for i := range out {
-			out[i] = printable(v.Index(i), "")
+			out[i] = printable(v.Index(i), "", redactURLs)
 		}
 		return out
 	case v.Kind() == reflect.String && (secret == "dsn" || secret == "url"):
 		return obs.MaskDSN(v.String()) // user information and query string
 	case v.Kind() == reflect.String && secret == "urls":
-		return sink.RedactURLs(v.String()) // a broker's comma-separated server list
+		return redactURLs(v.String()) // a broker's comma-separated server list
 	case v.Kind() == reflect.Map && secret == "values":
 		// Header values often carry tokens (Authorization, X-Api-Key):
 		// show the names only.
