@@ -14,6 +14,7 @@ import (
 
 	"github.com/worker-dev/worker/internal/config"
 	"github.com/worker-dev/worker/internal/obs"
+	"github.com/worker-dev/worker/internal/opsserver"
 	"github.com/worker-dev/worker/internal/tasks"
 )
 
@@ -30,7 +31,7 @@ const (
 // pool, the readiness probe's, the outbox and lock listeners, the lease
 // pool, and River's pool with the LISTEN connection River keeps outside it.
 func (c *runConfig) MaxDBConns() int {
-	n := c.Database.MaxConns + probePoolConns
+	n := c.Database.MaxConns + opsserver.ProbePoolConns
 	if c.Outbox.Enabled {
 		n++ // the outbox listener
 	}

@@ -23,6 +23,7 @@ import (
 	"github.com/worker-dev/worker/internal/lock"
 	"github.com/worker-dev/worker/internal/migrate"
 	"github.com/worker-dev/worker/internal/obs"
+	"github.com/worker-dev/worker/internal/opsserver"
 )
 
 // component is a long-running part of the worker (the job scheduler, the
@@ -85,7 +86,7 @@ func (runCmd) Run(e *cmdEnv) error {
 	}()
 
 	reg := obs.NewRegistry()
-	ready := &readiness{}
+	ready := &opsserver.Readiness{}
 	registerOpsMetrics(reg, ready)
 	ui, servers, err := newServers(cfg, reg, ready, log)
 	if err != nil {
@@ -115,12 +116,12 @@ func (runCmd) Run(e *cmdEnv) error {
 		return err
 	}
 	defer closeBounded(pool, time.Second, log)
-	probePool, err := newProbePool(pool, cfg.Instance.ID)
+	probePool, err := opsserver.NewProbePool(pool, cfg.Instance.ID)
 	if err != nil {
 		return err
 	}
 	defer closeBounded(probePool, time.Second, log)
-	ready.db.Store(probePool)
+	ready.UseDB(probePool)
 
 	if err := checkSchemaAhead(ctx, pool, cfg); err != nil {
 		if ctx.Err() != nil {
@@ -139,7 +140,7 @@ func (runCmd) Run(e *cmdEnv) error {
 	schema := &schemaGuard{pool: probePool, log: log}
 	schema.start()
 	defer schema.shutdown()
-	ready.add(schema)
+	ready.Add(schema)
 
 	checkStore := lock.CheckStore
 	if cfg.Lock.Provider == config.ProviderRedis {
@@ -163,8 +164,8 @@ func (runCmd) Run(e *cmdEnv) error {
 		return err
 	}
 	for _, p := range parts {
-		if r, ok := p.(readyReporter); ok {
-			ready.add(r)
+		if r, ok := p.(opsserver.ReadyReporter); ok {
+			ready.Add(r)
 		}
 	}
 	if ui != nil {
@@ -188,13 +189,13 @@ func (runCmd) Run(e *cmdEnv) error {
 			return fmt.Errorf("start: %w", err)
 		}
 	}
-	ready.started.Store(true)
+	ready.Started()
 	log.Info("worker ready", append([]any{"http_addr", cfg.HTTP.Addr, "multi_instance", cfg.MultiInstance.Enabled,
 		"lock_provider", cfg.Lock.Provider}, whereToLook(servers)...)...)
 	hooks := startOnReady(ctx, e.ext.OnReady)
 
 	<-ctx.Done()
-	ready.draining.Store(true)
+	ready.Draining()
 	deadline := time.Now().Add(cfg.Shutdown.Timeout - time.Second)
 	// In-flight work gets the budget minus 1s; the last second is for
 	// handing back claims and leases and closing the pool.
@@ -237,26 +238,26 @@ func (l listening) serve(log *slog.Logger) {
 // newServers binds the ops server and, with ui.addr set, River UI's own
 // server; the UI is then not on the ops server. ui is nil when the UI is
 // off.
-func newServers(cfg *runConfig, reg *prometheus.Registry, ready *readiness, log *slog.Logger) (*uiMount, []listening, error) {
+func newServers(cfg *runConfig, reg *prometheus.Registry, ready *opsserver.Readiness, log *slog.Logger) (*uiMount, []listening, error) {
 	var ui *uiMount
 	var guarded http.Handler
 	if cfg.UI.Enabled {
 		ui = &uiMount{}
-		guarded = guardUI(cfg.UI, ui, log)
+		guarded = opsserver.GuardUI(cfg.UI, ui, log)
 	}
 	opsUI := guarded
 	if cfg.UI.Addr != "" {
 		opsUI = nil
 	}
-	srv := newOpsServer(cfg.HTTP.Addr, reg, ready, opsUI)
-	ln, err := srv.listen()
+	srv := opsserver.New(cfg.HTTP.Addr, reg, ready, opsUI)
+	ln, err := srv.Listen()
 	if err != nil {
 		return nil, nil, &exitError{code: ExitOSError, err: err, msg: fmt.Sprintf("ops HTTP server on %s (APP_HTTP_ADDR): %v", cfg.HTTP.Addr, err)}
 	}
 	servers := []listening{{srv: srv.Server, ln: ln, name: "ops", ui: opsUI != nil}}
 	if guarded != nil && cfg.UI.Addr != "" {
-		uiSrv := newUIServer(cfg.UI.Addr, guarded)
-		uiLn, err := uiSrv.listen()
+		uiSrv := opsserver.NewUI(cfg.UI.Addr, guarded)
+		uiLn, err := uiSrv.Listen()
 		if err != nil {
 			_ = ln.Close()
 			return nil, nil, &exitError{code: ExitOSError, err: err, msg: fmt.Sprintf("River UI server on %s (APP_UI_ADDR): %v", cfg.UI.Addr, err)}
@@ -277,7 +278,7 @@ func whereToLook(servers []listening) []any {
 			attrs = append(attrs, "ops_url", base, "metrics_url", base+"/metrics")
 		}
 		if s.ui {
-			attrs = append(attrs, "riverui_url", base+uiPrefix+"/")
+			attrs = append(attrs, "riverui_url", base+opsserver.UIPrefix+"/")
 		}
 	}
 	return attrs
