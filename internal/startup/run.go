@@ -40,7 +40,7 @@ type runCmd struct{}
 // The worker's live heap is small and nearly everything it allocates lives
 // for one event, so at Go's default of 100 the collector takes a sixth to
 // a quarter of the worker's CPU under load. 200 halves its cycles for a
-// few more megabytes of heap (docs/outbox.md, "Garbage collection").
+// few more megabytes of heap (docs/performance/relay.md, "Garbage collection").
 const defaultGCPercent = 200
 
 // tuneGC applies defaultGCPercent unless the operator set GOGC, which the
