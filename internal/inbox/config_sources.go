@@ -112,7 +112,7 @@ func DefaultSource() SourceConfig {
 	return SourceConfig{
 		Effects: EffectsTransactional,
 		// Measured on a loaded 2-core machine only: re-measure with the
-		// inbox benchmarks (docs/inbox.md, "Performance") before tuning.
+		// inbox benchmarks (docs/performance/inbox.md) before tuning.
 		Concurrency: DefaultConcurrency,
 		NATS: NATSSource{
 			URL: "nats://127.0.0.1:4222", Stream: "OUTBOX", AckWait: 5 * time.Second,

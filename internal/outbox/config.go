@@ -89,7 +89,7 @@ func (c WebhookConfig) Validate() error {
 // that the receiver serves at once, so 64. A broker takes publishes in
 // flight as a queue and writes and confirms them in rounds: with 256 in
 // flight (the broker sinks' own max_pending) its rounds are larger, and
-// RabbitMQ drained 16% faster, NATS 7% (docs/sinks.md).
+// RabbitMQ drained 16% faster, NATS 7% (docs/performance/sinks.md).
 func DefaultMaxInFlight(sink string) int {
 	switch sink {
 	case SinkNATS, SinkRabbitMQ, SinkKafka:

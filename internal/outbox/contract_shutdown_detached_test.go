@@ -2,7 +2,7 @@ package outbox_test
 
 // Shutdown while publishes are detached: the batch committed with those
 // events IN_FLIGHT under an owner token and the publishes go on by
-// themselves (docs/outbox.md, slow publishes). The relays here publish
+// themselves (docs/outbox-internals.md, "Slow publishes"). The relays here publish
 // concurrently and detach after detach_after, as configured by default.
 
 import (

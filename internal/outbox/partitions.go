@@ -11,7 +11,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 )
 
-// Partitions keeps outbox_event's partitions (docs/outbox.md, "Storage"):
+// Partitions keeps outbox_event's partitions (docs/outbox-internals.md, "Storage"):
 // it creates them Ahead intervals ahead of the database clock, so an insert
 // always finds its partition, and drops each one once it is older than
 // Retention and none of its events is still to publish or DEAD. It has the

@@ -34,7 +34,7 @@ const cancelGrace = 500 * time.Millisecond
 // rows are immediately claimable again.
 //
 // The Relay itself only starts, runs and stops the parts (see "How the
-// relay is built" in docs/outbox.md):
+// relay is built" in docs/outbox-internals.md):
 //   - a claimer per loop (claim.go) owns the loop's connection and claim
 //     transaction: windows, shares, locks, the commit of the outcomes;
 //   - the publisher (publish.go), chosen once for the sink: concurrent

@@ -94,7 +94,7 @@ func startKafka(tb testing.TB) *benchBroker {
 }
 
 // rabbitQueueArgs are the arguments of the benchmark's queue, as
-// docs/sinks.md recommends for an outbox's queues: a lazy classic queue
+// docs/brokers/rabbitmq.md recommends for an outbox's queues: a lazy classic queue
 // writes each message to disk at once instead of also keeping it in the
 // queue process, and version 2 is the newer message store. Together they
 // took the broker about half the CPU per persistent message of the default

@@ -11,6 +11,8 @@ import (
 	"strings"
 
 	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/worker-dev/worker/internal/opsserver"
 )
 
 // Revision and BuildDate, like Version, are stamped at link time by a
@@ -112,7 +114,7 @@ func (c versionCmd) Run(e *cmdEnv) error {
 // worker_build_info, and worker_ready, which is what /readyz would answer
 // at scrape time, so an alert can tell a replica that runs but is not ready
 // from one that is gone.
-func registerOpsMetrics(reg prometheus.Registerer, ready *readiness) {
+func registerOpsMetrics(reg prometheus.Registerer, ready *opsserver.Readiness) {
 	b := currentBuild()
 	reg.MustRegister(
 		prometheus.NewGaugeFunc(prometheus.GaugeOpts{
@@ -124,7 +126,7 @@ func registerOpsMetrics(reg prometheus.Registerer, ready *readiness) {
 			Name: "worker_ready",
 			Help: "1 when /readyz answers 200 (database reachable, migrations current, schema version this build's, lock provider reachable, started, not draining; never the sink), else 0.",
 		}, func() float64 {
-			if ok, _ := ready.check(context.Background()); ok {
+			if ok, _ := ready.Check(context.Background()); ok {
 				return 1
 			}
 			return 0
@@ -136,7 +138,7 @@ func registerOpsMetrics(reg prometheus.Registerer, ready *readiness) {
 // with which configuration file, in which mode, with which lock provider
 // and sink, and the most database connections it will hold (for sizing
 // max_connections).
-func logStartup(log *slog.Logger, cfg *Config, configFile string) {
+func logStartup(log *slog.Logger, cfg *runConfig, configFile string) {
 	b := currentBuild()
 	mode := "single-instance"
 	if cfg.MultiInstance.Enabled {

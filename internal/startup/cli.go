@@ -19,6 +19,7 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/worker-dev/worker/internal/config"
 	"github.com/worker-dev/worker/internal/jobs"
 	"github.com/worker-dev/worker/internal/obs"
 	"github.com/worker-dev/worker/internal/outbox"
@@ -37,7 +38,7 @@ type cmdEnv struct {
 	ext Extensions // what an embedding program adds
 
 	log *slog.Logger // set once the command has built its logger
-	cfg *Config      // set once an operator command has loaded its configuration
+	cfg *runConfig   // set once an operator command has loaded its configuration
 }
 
 type cli struct {
@@ -76,8 +77,8 @@ func run(ext Extensions, args []string, stdout, stderr io.Writer, environ []stri
 	exited := -1
 	parser, err := kong.New(&c,
 		kong.Name("worker"),
-		kong.Description("Runs fixed-delay jobs, a transactional-outbox relay, an inbox and tasks beside PostgreSQL. Configure with "+DefaultConfigFile+" and APP_* variables."),
-		kong.Vars{"default_config": DefaultConfigFile},
+		kong.Description("Runs fixed-delay jobs, a transactional-outbox relay, an inbox and tasks beside PostgreSQL. Configure with "+config.DefaultConfigFile+" and APP_* variables."),
+		kong.Vars{"default_config": config.DefaultConfigFile},
 		kong.Writers(stdout, stderr),
 		// kong exits on --help; record the code instead so Main returns it.
 		kong.Exit(func(code int) { exited = code; panic(kongExit{}) }),
@@ -120,7 +121,7 @@ func (e *cmdEnv) fatalLogger() *slog.Logger {
 	if e.log != nil {
 		return e.log
 	}
-	log, err := obs.NewLogger(e.Stderr, earlyLogFormat(e.ConfigPath, e.Environ), "info", earlyInstanceID(e.ConfigPath, e.Environ))
+	log, err := obs.NewLogger(e.Stderr, config.EarlyLogFormat(e.ConfigPath, e.Environ), "info", config.EarlyInstanceID(e.ConfigPath, e.Environ))
 	if err != nil {
 		panic(err) // earlyLogFormat returns only formats NewLogger knows
 	}
@@ -144,7 +145,7 @@ func parseArgs(p *kong.Kong, args []string) (kctx *kong.Context, err error) {
 type configPrintCmd struct{}
 
 func (configPrintCmd) Run(e *cmdEnv) error {
-	cfg, err := e.loadConfig(checkAll)
+	cfg, err := e.loadConfig(config.CheckAll)
 	if err != nil {
 		return err
 	}
@@ -155,7 +156,7 @@ func (configPrintCmd) Run(e *cmdEnv) error {
 		return err
 	}
 	warnMisspeltEnv(log, cfg)
-	return PrintConfig(e.Stdout, cfg)
+	return config.Print(e.Stdout, cfg.Config)
 }
 
 type jobsListCmd struct{ outputFlag }
@@ -360,6 +361,6 @@ func isDataException(err error) bool {
 
 // loadConfig is LoadConfig with the command's extensions, checking what
 // the command needs.
-func (e *cmdEnv) loadConfig(level checks) (*Config, error) {
+func (e *cmdEnv) loadConfig(level config.Level) (*runConfig, error) {
 	return readConfig(e.ConfigPath, e.Environ, e.ext, level)
 }

@@ -12,7 +12,9 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/worker-dev/worker/internal/config"
 	"github.com/worker-dev/worker/internal/obs"
+	"github.com/worker-dev/worker/internal/opsserver"
 	"github.com/worker-dev/worker/internal/tasks"
 )
 
@@ -28,12 +30,12 @@ const (
 // holds at once, part by part as docs/operations.md "Connections" lists them: the main
 // pool, the readiness probe's, the outbox and lock listeners, the lease
 // pool, and River's pool with the LISTEN connection River keeps outside it.
-func (c *Config) MaxDBConns() int {
-	n := c.Database.MaxConns + probePoolConns
+func (c *runConfig) MaxDBConns() int {
+	n := c.Database.MaxConns + opsserver.ProbePoolConns
 	if c.Outbox.Enabled {
 		n++ // the outbox listener
 	}
-	if c.Lock.Provider == ProviderPostgres {
+	if c.Lock.Provider == config.ProviderPostgres {
 		n += leasePoolConns + 1 // and the lock listener
 	}
 	if c.Tasks.Enabled {
@@ -46,16 +48,16 @@ func (c *Config) MaxDBConns() int {
 // database answers or cfg.Database.ConnectTimeout has passed. Refused
 // credentials and an unknown database end the wait at once: they are not an
 // outage. The error never carries the password.
-func connectDB(ctx context.Context, cfg *Config, log *slog.Logger) (*pgxpool.Pool, error) {
+func connectDB(ctx context.Context, cfg *runConfig, log *slog.Logger) (*pgxpool.Pool, error) {
 	pcfg, err := pgxpool.ParseConfig(cfg.Database.URL)
 	if err != nil {
-		return nil, configErrorf("database.url: %s", obs.MaskDSN(err.Error()))
+		return nil, config.Errorf("database.url: %s", obs.MaskDSN(err.Error()))
 	}
 	pcfg.MaxConns = int32(cfg.Database.MaxConns)
 	pcfg.ConnConfig.RuntimeParams["application_name"] = "worker " + cfg.Instance.ID
 	pool, err := pgxpool.NewWithConfig(ctx, pcfg)
 	if err != nil {
-		return nil, configErrorf("database.url: %s", obs.MaskDSN(err.Error()))
+		return nil, config.Errorf("database.url: %s", obs.MaskDSN(err.Error()))
 	}
 	if err := waitForDB(ctx, pool, cfg, log); err != nil {
 		pool.Close()
@@ -66,7 +68,7 @@ func connectDB(ctx context.Context, cfg *Config, log *slog.Logger) (*pgxpool.Poo
 
 // waitForDB pings until the database answers, a permanent error comes back,
 // or the connect budget is spent.
-func waitForDB(ctx context.Context, pool *pgxpool.Pool, cfg *Config, log *slog.Logger) error {
+func waitForDB(ctx context.Context, pool *pgxpool.Pool, cfg *runConfig, log *slog.Logger) error {
 	return waitFor(ctx, dependency{
 		name:      "database",
 		shown:     obs.MaskDSN(cfg.Database.URL),

@@ -11,6 +11,8 @@ import (
 	"github.com/compose-spec/compose-go/v2/loader"
 	"github.com/compose-spec/compose-go/v2/types"
 	"sigs.k8s.io/yaml"
+
+	"github.com/worker-dev/worker/internal/config"
 )
 
 const composeDir = "../../deploy/compose"
@@ -99,7 +101,7 @@ func TestComposeDemoRunsThreeReplicas(t *testing.T) {
 	if err != nil {
 		t.Fatalf("the worker refuses the demo's configuration: %v", err)
 	}
-	if !cfg.MultiInstance.Enabled || cfg.Lock.Provider != ProviderPostgres {
+	if !cfg.MultiInstance.Enabled || cfg.Lock.Provider != config.ProviderPostgres {
 		t.Errorf("the demo runs multi_instance=%v with the %q lock provider, want multi-instance with postgres leases",
 			cfg.MultiInstance.Enabled, cfg.Lock.Provider)
 	}

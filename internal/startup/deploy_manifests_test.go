@@ -24,6 +24,8 @@ import (
 	"sigs.k8s.io/kustomize/api/krusty"
 	"sigs.k8s.io/kustomize/kyaml/filesys"
 	"sigs.k8s.io/yaml"
+
+	"github.com/worker-dev/worker/internal/config"
 )
 
 const (
@@ -308,7 +310,7 @@ func checkWorkerManifests(t *testing.T, objs builtObjects) corev1.ContainerPort 
 	checkImage(t, c)
 
 	cfg := manifestConfig(t, pod, one[corev1.ConfigMap](t, objs))
-	if !cfg.MultiInstance.Enabled || cfg.Lock.Provider != ProviderPostgres {
+	if !cfg.MultiInstance.Enabled || cfg.Lock.Provider != config.ProviderPostgres {
 		t.Errorf("multi_instance.enabled=%v lock.provider=%q; replicas share the database, so want true and postgres",
 			cfg.MultiInstance.Enabled, cfg.Lock.Provider)
 	}
@@ -459,12 +461,12 @@ func parseGoMemLimit(s string) (int64, bool) {
 // ConfigMap's file, mounted where APP_CONFIG_FILE points, under the
 // container's APP_* variables. Every APP_* variable must be a setting;
 // values from the downward API or a Secret get a stand-in.
-func manifestConfig(t *testing.T, pod corev1.PodSpec, cm *corev1.ConfigMap) *Config {
+func manifestConfig(t *testing.T, pod corev1.PodSpec, cm *corev1.ConfigMap) *runConfig {
 	t.Helper()
 	c := pod.Containers[0]
-	known := map[string]bool{"APP_CONFIG_FILE": true}
-	for _, s := range settings() {
-		known[s.Env()] = true
+	known := map[string]bool{}
+	for _, env := range config.Envs() {
+		known[env] = true
 	}
 	var env []string
 	vars := map[string]corev1.EnvVar{}

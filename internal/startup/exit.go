@@ -2,8 +2,8 @@ package startup
 
 import (
 	"errors"
-	"fmt"
 
+	"github.com/worker-dev/worker/internal/config"
 	"github.com/worker-dev/worker/internal/obs"
 )
 
@@ -28,7 +28,7 @@ const (
 func ExitCode(err error) int {
 	var (
 		xe *exitError
-		ce *ConfigError
+		ce *config.Error
 		se *SafetyError
 		uh *unhealthyError
 	)
@@ -53,24 +53,9 @@ func ExitCode(err error) int {
 
 // The error types below pick the exit code. Msg says what is wrong in the
 // operator's terms (the key, variable or item); Err keeps the cause for
-// errors.Is and errors.As. ConfigError and SafetyError also name the kind
+// errors.Is and errors.As. config.Error and SafetyError also name the kind
 // of mistake in their message; exitError covers the codes that need no
 // more than the message.
-
-// ConfigError is invalid configuration: exit 78.
-type ConfigError struct {
-	Msg string
-	Err error
-}
-
-func (e *ConfigError) Error() string { return "invalid configuration: " + e.Msg }
-func (e *ConfigError) Unwrap() error { return e.Err }
-
-// configErrorf builds a ConfigError; a %w verb keeps the cause.
-func configErrorf(format string, a ...any) error {
-	err := fmt.Errorf(format, a...)
-	return &ConfigError{Msg: err.Error(), Err: errors.Unwrap(err)}
-}
 
 // SafetyError means multi-instance mode lacks a shared lock: exit 72. Every
 // replica would otherwise run every job, so the worker refuses to start.

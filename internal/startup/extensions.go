@@ -9,6 +9,7 @@ import (
 
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/worker-dev/worker/internal/config"
 	"github.com/worker-dev/worker/internal/inbox"
 	"github.com/worker-dev/worker/internal/jobs"
 	"github.com/worker-dev/worker/internal/outbox"
@@ -43,25 +44,25 @@ type Extensions struct {
 func (x Extensions) check() error {
 	if x.Jobs != nil {
 		if err := jobs.CheckSpecs(x.Jobs(nil)...); err != nil {
-			return configErrorf("%w", err)
+			return config.Errorf("%w", err)
 		}
 	}
 	for _, f := range x.OnReady {
 		if f == nil {
-			return configErrorf("an OnReady function is nil")
+			return config.Errorf("an OnReady function is nil")
 		}
 	}
 	for _, name := range slices.Sorted(maps.Keys(x.InboxHandlers)) {
 		switch {
 		case name == inbox.HandlerSQL || name == inbox.HandlerRiver:
-			return configErrorf("inbox handler %q is built into the worker; give the Go handler another name", name)
+			return config.Errorf("inbox handler %q is built into the worker; give the Go handler another name", name)
 		case x.InboxHandlers[name] == nil:
-			return configErrorf("inbox handler %q is nil", name)
+			return config.Errorf("inbox handler %q is nil", name)
 		}
 	}
 	for _, name := range slices.Sorted(maps.Keys(x.Sinks)) {
 		if _, ok := sinkKinds[name]; ok {
-			return configErrorf("sink %q is built into the worker; give the custom sink another name", name)
+			return config.Errorf("sink %q is built into the worker; give the custom sink another name", name)
 		}
 	}
 	return nil

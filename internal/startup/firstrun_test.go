@@ -7,8 +7,8 @@ import (
 	"strconv"
 	"strings"
 	"testing"
-	"time"
 
+	"github.com/worker-dev/worker/internal/opsserver"
 	"github.com/worker-dev/worker/internal/tasks"
 )
 
@@ -47,43 +47,6 @@ func TestReadyLineSaysWhereToLook(t *testing.T) {
 		}
 		if strings.Join(got, " ") != c.want {
 			t.Errorf("%s: %s, want %s", c.name, strings.Join(got, " "), c.want)
-		}
-	}
-}
-
-// The ops server's limits are written out in configs/worker.yaml and
-// docs/operations.md; each figure there is the constant's.
-func TestOpsServerLimitsAsDocumented(t *testing.T) {
-	t.Parallel()
-	secs := func(d time.Duration) string { return fmt.Sprintf("%ds", int(d.Seconds())) }
-	kib := fmt.Sprintf("%d KiB", opsMaxHeaderBytes>>10)
-	yaml := commentBefore(t, readFile(t, "../../configs/worker.yaml"), "http:", "addr:")
-	for _, want := range []string{
-		secs(opsReadHeaderTimeout) + " to send the request head",
-		secs(opsReadTimeout) + " for the request",
-		secs(opsWriteTimeout) + " for the answer",
-		secs(opsIdleTimeout) + " idle",
-		kib + " of headers",
-		fmt.Sprintf("%d connections", opsMaxConns),
-		fmt.Sprintf("%d concurrent scrapes", opsMaxScrapes),
-	} {
-		if !strings.Contains(yaml, want) {
-			t.Errorf("configs/worker.yaml, http.addr's comment: no %q in %q", want, yaml)
-		}
-	}
-	ops := strings.Join(strings.Fields(readFile(t, "../../docs/operations.md")), " ")
-	for _, want := range []string{
-		secs(opsReadHeaderTimeout) + " to send a request head",
-		secs(opsReadTimeout) + " to send the request",
-		secs(opsWriteTimeout) + " to write the answer",
-		secs(opsIdleTimeout) + " idle",
-		kib + " of headers",
-		fmt.Sprintf("At most %d scrapes", opsMaxScrapes),
-		fmt.Sprintf("At most %d connections", opsMaxConns),
-		fmt.Sprintf("had %s to send it", opsHeadGrace),
-	} {
-		if !strings.Contains(ops, want) {
-			t.Errorf("docs/operations.md, the ops server: no %q", want)
 		}
 	}
 }
@@ -131,7 +94,7 @@ func TestConnectionTableAsCounted(t *testing.T) {
 	total := cfg.MaxDBConns()
 	for part, want := range map[string]int{
 		"main pool (`database.max_conns`)": cfg.Database.MaxConns,
-		"readiness probe":                  probePoolConns,
+		"readiness probe":                  opsserver.ProbePoolConns,
 		"lease pool":                       leasePoolConns,
 		"**total**":                        total,
 	} {

@@ -6,6 +6,8 @@ import (
 	"net"
 	"net/http"
 	"time"
+
+	"github.com/worker-dev/worker/internal/config"
 )
 
 // healthcheckCmd asks the worker running beside it whether it is ready, for
@@ -37,7 +39,7 @@ func (c healthcheckCmd) Run(e *cmdEnv) error {
 }
 
 func (c healthcheckCmd) check(e *cmdEnv) error {
-	cfg, err := e.loadConfig(checkAll)
+	cfg, err := e.loadConfig(config.CheckAll)
 	if err != nil {
 		return err
 	}

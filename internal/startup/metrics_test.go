@@ -7,6 +7,7 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 
+	"github.com/worker-dev/worker/internal/opsserver"
 	"github.com/worker-dev/worker/internal/pgtest"
 	"github.com/worker-dev/worker/internal/testkit"
 )
@@ -24,7 +25,7 @@ jobs:
 	for _, p := range parts {
 		defer p.Shutdown(context.Background())
 	}
-	registerOpsMetrics(reg, &readiness{})
+	registerOpsMetrics(reg, &opsserver.Readiness{})
 
 	mfs, err := reg.Gather()
 	if err != nil {
@@ -56,7 +57,7 @@ jobs:
 func TestBuildInfoNamesTheBuild(t *testing.T) {
 	t.Parallel()
 	reg := prometheus.NewRegistry()
-	registerOpsMetrics(reg, &readiness{})
+	registerOpsMetrics(reg, &opsserver.Readiness{})
 	b := currentBuild()
 	v, ok := testkit.Metric(t, reg, "worker_build_info", map[string]string{"version": Version, "revision": b.revision, "build_date": "unknown", "goversion": runtime.Version()})
 	if !ok || v != 1 {

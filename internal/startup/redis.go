@@ -10,30 +10,18 @@ import (
 	"github.com/redis/go-redis/v9"
 
 	"github.com/worker-dev/worker/internal/broker"
+	"github.com/worker-dev/worker/internal/config"
 	"github.com/worker-dev/worker/internal/lock"
 	"github.com/worker-dev/worker/internal/obs"
 )
-
-// RedisLockConfig is lock.redis: the Redis of lock.provider=redis. The TLS
-// files follow the sinks' keys.
-type RedisLockConfig struct {
-	// URL: redis://[user:password@]host:port/db, or rediss:// for TLS.
-	URL         string `koanf:"url" secret:"url"`
-	TLSCAFile   string `koanf:"tls_ca_file"`
-	TLSCertFile string `koanf:"tls_cert_file"`
-	TLSKeyFile  string `koanf:"tls_key_file"`
-	// KeyPrefix starts every key the provider writes, so that deployments
-	// can share one Redis database.
-	KeyPrefix string `koanf:"key_prefix"`
-}
 
 // redisLeaseConns bounds the lease client's pool: lease scripts are single
 // short commands. The release subscription holds one more connection.
 const redisLeaseConns = 4
 
-// options turns the configuration into the client's options; errors name
+// redisOptions turns lock.redis into the client's options; errors name
 // the key and never show the password.
-func (c RedisLockConfig) options(instanceID string) (*redis.Options, error) {
+func redisOptions(c config.RedisLockConfig, instanceID string) (*redis.Options, error) {
 	o, err := redis.ParseURL(c.URL)
 	if err != nil {
 		return nil, fmt.Errorf("lock.redis.url=%q is not a Redis URL (want redis:// or rediss://host:port/db): %s",
@@ -74,10 +62,10 @@ func (c RedisLockConfig) options(instanceID string) (*redis.Options, error) {
 // newRedisLocker connects to lock.redis.url, waiting for it like the
 // database (database.connect_timeout), and returns the provider and what
 // closes it.
-func newRedisLocker(ctx context.Context, cfg *Config, log *slog.Logger) (*lock.Redis, func(), error) {
-	o, err := cfg.Lock.Redis.options(cfg.Instance.ID)
+func newRedisLocker(ctx context.Context, cfg *runConfig, log *slog.Logger) (*lock.Redis, func(), error) {
+	o, err := redisOptions(cfg.Lock.Redis, cfg.Instance.ID)
 	if err != nil {
-		return nil, nil, configErrorf("%v", err)
+		return nil, nil, config.Errorf("%v", err)
 	}
 	// go-redis logs through a package logger of its own (plain text on
 	// stderr); route it through ours, masked, as JSON.
@@ -100,7 +88,7 @@ func newRedisLocker(ctx context.Context, cfg *Config, log *slog.Logger) (*lock.R
 
 // waitForRedis pings until Redis answers, a permanent error comes back, or
 // the connect budget is spent, as waitForDB does for the database.
-func waitForRedis(ctx context.Context, rdb *redis.Client, cfg *Config, log *slog.Logger) error {
+func waitForRedis(ctx context.Context, rdb *redis.Client, cfg *runConfig, log *slog.Logger) error {
 	shown := obs.MaskDSN(cfg.Lock.Redis.URL)
 	return waitFor(ctx, dependency{
 		name:      "redis",
@@ -122,14 +110,14 @@ func permanentRedisError(err error, shown string) error {
 		}
 	}
 	if redis.HasErrorPrefix(err, "DB index is out of range") {
-		return &ConfigError{Err: err, Msg: fmt.Sprintf("redis %s (APP_LOCK_REDIS_URL): the server has no such database number: %s",
+		return &config.Error{Err: err, Msg: fmt.Sprintf("redis %s (APP_LOCK_REDIS_URL): the server has no such database number: %s",
 			shown, obs.MaskDSN(err.Error()))}
 	}
 	if tlsErr := broker.TLSVerdict("lock.redis", err); tlsErr != nil {
 		if errors.Is(tlsErr, broker.ErrRefused) {
 			return &exitError{code: ExitNoPerm, err: tlsErr, msg: fmt.Sprintf("redis %s: %s", shown, obs.MaskDSN(tlsErr.Error()))}
 		}
-		return &ConfigError{Err: tlsErr, Msg: fmt.Sprintf("redis %s: %s", shown, obs.MaskDSN(tlsErr.Error()))}
+		return &config.Error{Err: tlsErr, Msg: fmt.Sprintf("redis %s: %s", shown, obs.MaskDSN(tlsErr.Error()))}
 	}
 	return nil
 }

@@ -19,9 +19,11 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/prometheus/client_golang/prometheus"
 
+	"github.com/worker-dev/worker/internal/config"
 	"github.com/worker-dev/worker/internal/lock"
 	"github.com/worker-dev/worker/internal/migrate"
 	"github.com/worker-dev/worker/internal/obs"
+	"github.com/worker-dev/worker/internal/opsserver"
 )
 
 // component is a long-running part of the worker (the job scheduler, the
@@ -38,7 +40,7 @@ type runCmd struct{}
 // The worker's live heap is small and nearly everything it allocates lives
 // for one event, so at Go's default of 100 the collector takes a sixth to
 // a quarter of the worker's CPU under load. 200 halves its cycles for a
-// few more megabytes of heap (docs/outbox.md, "Garbage collection").
+// few more megabytes of heap (docs/performance/relay.md, "Garbage collection").
 const defaultGCPercent = 200
 
 // tuneGC applies defaultGCPercent unless the operator set GOGC, which the
@@ -51,7 +53,7 @@ func tuneGC() {
 
 func (runCmd) Run(e *cmdEnv) error {
 	tuneGC()
-	cfg, err := e.loadConfig(checkAll)
+	cfg, err := e.loadConfig(config.CheckAll)
 	if err != nil {
 		return err
 	}
@@ -62,7 +64,7 @@ func (runCmd) Run(e *cmdEnv) error {
 	// A misspelt variable is warned about after the startup line, or, when
 	// the worker stops before that line, before the reason it stops: the
 	// typo may be why.
-	if err := cmp.Or(CheckLockProvider(cfg), cfg.checkUI()); err != nil {
+	if err := cmp.Or(CheckLockProvider(cfg), cfg.CheckUI()); err != nil {
 		warnMisspeltEnv(log, cfg)
 		return err
 	}
@@ -84,7 +86,7 @@ func (runCmd) Run(e *cmdEnv) error {
 	}()
 
 	reg := obs.NewRegistry()
-	ready := &readiness{}
+	ready := &opsserver.Readiness{}
 	registerOpsMetrics(reg, ready)
 	ui, servers, err := newServers(cfg, reg, ready, log)
 	if err != nil {
@@ -93,7 +95,7 @@ func (runCmd) Run(e *cmdEnv) error {
 	}
 	// After the checks that fail at once, which log their one fatal line
 	// alone.
-	logStartup(log, cfg, configFile(e.ConfigPath))
+	logStartup(log, cfg, config.File(e.ConfigPath))
 	warnMisspeltEnv(log, cfg)
 	for _, s := range servers {
 		go s.serve(log)
@@ -114,12 +116,12 @@ func (runCmd) Run(e *cmdEnv) error {
 		return err
 	}
 	defer closeBounded(pool, time.Second, log)
-	probePool, err := newProbePool(pool, cfg.Instance.ID)
+	probePool, err := opsserver.NewProbePool(pool, cfg.Instance.ID)
 	if err != nil {
 		return err
 	}
 	defer closeBounded(probePool, time.Second, log)
-	ready.db.Store(probePool)
+	ready.UseDB(probePool)
 
 	if err := checkSchemaAhead(ctx, pool, cfg); err != nil {
 		if ctx.Err() != nil {
@@ -138,10 +140,10 @@ func (runCmd) Run(e *cmdEnv) error {
 	schema := &schemaGuard{pool: probePool, log: log}
 	schema.start()
 	defer schema.shutdown()
-	ready.add(schema)
+	ready.Add(schema)
 
 	checkStore := lock.CheckStore
-	if cfg.Lock.Provider == ProviderRedis {
+	if cfg.Lock.Provider == config.ProviderRedis {
 		checkStore = lock.CheckFenceStore // the leases live in Redis, their fence here
 	}
 	if err := CheckLockStore(ctx, cfg, func(ctx context.Context) error { return checkStore(ctx, pool) }); err != nil {
@@ -150,7 +152,7 @@ func (runCmd) Run(e *cmdEnv) error {
 		}
 		return err
 	}
-	if cfg.Lock.Provider == ProviderPostgres {
+	if cfg.Lock.Provider == config.ProviderPostgres {
 		warnAsyncCommit(ctx, pool, log)
 	}
 	parts, cleanup, err := wire(ctx, cfg, pool, log, reg, e.Stdout)
@@ -162,8 +164,8 @@ func (runCmd) Run(e *cmdEnv) error {
 		return err
 	}
 	for _, p := range parts {
-		if r, ok := p.(readyReporter); ok {
-			ready.add(r)
+		if r, ok := p.(opsserver.ReadyReporter); ok {
+			ready.Add(r)
 		}
 	}
 	if ui != nil {
@@ -187,13 +189,13 @@ func (runCmd) Run(e *cmdEnv) error {
 			return fmt.Errorf("start: %w", err)
 		}
 	}
-	ready.started.Store(true)
+	ready.Started()
 	log.Info("worker ready", append([]any{"http_addr", cfg.HTTP.Addr, "multi_instance", cfg.MultiInstance.Enabled,
 		"lock_provider", cfg.Lock.Provider}, whereToLook(servers)...)...)
 	hooks := startOnReady(ctx, e.ext.OnReady)
 
 	<-ctx.Done()
-	ready.draining.Store(true)
+	ready.Draining()
 	deadline := time.Now().Add(cfg.Shutdown.Timeout - time.Second)
 	// In-flight work gets the budget minus 1s; the last second is for
 	// handing back claims and leases and closing the pool.
@@ -236,26 +238,26 @@ func (l listening) serve(log *slog.Logger) {
 // newServers binds the ops server and, with ui.addr set, River UI's own
 // server; the UI is then not on the ops server. ui is nil when the UI is
 // off.
-func newServers(cfg *Config, reg *prometheus.Registry, ready *readiness, log *slog.Logger) (*uiMount, []listening, error) {
+func newServers(cfg *runConfig, reg *prometheus.Registry, ready *opsserver.Readiness, log *slog.Logger) (*uiMount, []listening, error) {
 	var ui *uiMount
 	var guarded http.Handler
 	if cfg.UI.Enabled {
 		ui = &uiMount{}
-		guarded = guardUI(cfg.UI, ui, log)
+		guarded = opsserver.GuardUI(cfg.UI, ui, log)
 	}
 	opsUI := guarded
 	if cfg.UI.Addr != "" {
 		opsUI = nil
 	}
-	srv := newOpsServer(cfg.HTTP.Addr, reg, ready, opsUI)
-	ln, err := srv.listen()
+	srv := opsserver.New(cfg.HTTP.Addr, reg, ready, opsUI)
+	ln, err := srv.Listen()
 	if err != nil {
 		return nil, nil, &exitError{code: ExitOSError, err: err, msg: fmt.Sprintf("ops HTTP server on %s (APP_HTTP_ADDR): %v", cfg.HTTP.Addr, err)}
 	}
 	servers := []listening{{srv: srv.Server, ln: ln, name: "ops", ui: opsUI != nil}}
 	if guarded != nil && cfg.UI.Addr != "" {
-		uiSrv := newUIServer(cfg.UI.Addr, guarded)
-		uiLn, err := uiSrv.listen()
+		uiSrv := opsserver.NewUI(cfg.UI.Addr, guarded)
+		uiLn, err := uiSrv.Listen()
 		if err != nil {
 			_ = ln.Close()
 			return nil, nil, &exitError{code: ExitOSError, err: err, msg: fmt.Sprintf("River UI server on %s (APP_UI_ADDR): %v", cfg.UI.Addr, err)}
@@ -276,7 +278,7 @@ func whereToLook(servers []listening) []any {
 			attrs = append(attrs, "ops_url", base, "metrics_url", base+"/metrics")
 		}
 		if s.ui {
-			attrs = append(attrs, "riverui_url", base+uiPrefix+"/")
+			attrs = append(attrs, "riverui_url", base+opsserver.UIPrefix+"/")
 		}
 	}
 	return attrs
@@ -310,10 +312,10 @@ func shutdownAll(parts []component, budget time.Duration, log *slog.Logger) {
 	wg.Wait()
 }
 
-func newLogger(e *cmdEnv, cfg *Config) (*slog.Logger, error) {
+func newLogger(e *cmdEnv, cfg *runConfig) (*slog.Logger, error) {
 	log, err := obs.NewLogger(e.Stderr, cfg.Log.Format, cfg.Log.Level, cfg.Instance.ID)
 	if err != nil {
-		return nil, configErrorf("%w", err)
+		return nil, config.Errorf("%w", err)
 	}
 	e.log = log
 	return log, nil
@@ -321,8 +323,8 @@ func newLogger(e *cmdEnv, cfg *Config) (*slog.Logger, error) {
 
 // warnMisspeltEnv warns about each APP_* variable that is no setting but
 // nearly names one: the setting meant was not applied.
-func warnMisspeltEnv(log *slog.Logger, cfg *Config) {
-	for _, m := range cfg.misspeltEnv {
+func warnMisspeltEnv(log *slog.Logger, cfg *runConfig) {
+	for _, m := range cfg.MisspeltEnv() {
 		log.Warn("environment variable " + m)
 	}
 }
@@ -344,7 +346,7 @@ type migrateCmd struct{}
 // Run checks the whole configuration, as run does: migrate is the step
 // before a rollout, where a mistake is cheapest to find.
 func (migrateCmd) Run(e *cmdEnv) error {
-	return withPoolChecking(e, checkAll, func(ctx context.Context, pool *pgxpool.Pool, log *slog.Logger) error {
+	return withPoolChecking(e, config.CheckAll, func(ctx context.Context, pool *pgxpool.Pool, log *slog.Logger) error {
 		if err := migrate.Up(ctx, pool, log); err != nil {
 			return migrateError(e.cfg, err)
 		}
@@ -355,7 +357,7 @@ func (migrateCmd) Run(e *cmdEnv) error {
 
 // migrateError is err from migrate.Up: exit 78 for a database a newer
 // release migrated (see checkSchemaAhead), else the error as it is.
-func migrateError(cfg *Config, err error) error {
+func migrateError(cfg *runConfig, err error) error {
 	var mm *migrate.MismatchError
 	if errors.As(err, &mm) && mm.Newer() {
 		return schemaAheadError(cfg, mm)
@@ -364,14 +366,14 @@ func migrateError(cfg *Config, err error) error {
 }
 
 // withPool runs an operator command that needs only the database: load the
-// configuration, checking what such a command uses (checkDatabase),
+// configuration, checking what such a command uses (config.CheckDatabase),
 // connect (bounded, like run), call f, close.
 func withPool(e *cmdEnv, f func(ctx context.Context, pool *pgxpool.Pool, log *slog.Logger) error) error {
-	return withPoolChecking(e, checkDatabase, f)
+	return withPoolChecking(e, config.CheckDatabase, f)
 }
 
 // withPoolChecking is withPool checking level of the configuration.
-func withPoolChecking(e *cmdEnv, level checks, f func(ctx context.Context, pool *pgxpool.Pool, log *slog.Logger) error) error {
+func withPoolChecking(e *cmdEnv, level config.Level, f func(ctx context.Context, pool *pgxpool.Pool, log *slog.Logger) error) error {
 	cfg, err := e.loadConfig(level)
 	if err != nil {
 		return err

@@ -6,19 +6,21 @@ import (
 	"log/slog"
 
 	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/worker-dev/worker/internal/config"
 )
 
 // CheckLockProvider is the first half of the startup safety check and runs
 // before anything connects: with APP_MULTI_INSTANCE_ENABLED=true the lock
 // provider must be a shared one.
-func CheckLockProvider(cfg *Config) error {
+func CheckLockProvider(cfg *runConfig) error {
 	if !cfg.MultiInstance.Enabled {
 		return nil
 	}
 	switch cfg.Lock.Provider {
 	case "":
 		return &SafetyError{Msg: "APP_MULTI_INSTANCE_ENABLED=true but APP_LOCK_PROVIDER is not set; set APP_LOCK_PROVIDER=postgres or redis so replicas share job leases"}
-	case ProviderInProcess:
+	case config.ProviderInProcess:
 		return &SafetyError{Msg: "APP_MULTI_INSTANCE_ENABLED=true but APP_LOCK_PROVIDER=inprocess only locks within one process; set APP_LOCK_PROVIDER=postgres or redis"}
 	}
 	return nil
@@ -26,7 +28,7 @@ func CheckLockProvider(cfg *Config) error {
 
 // CheckLockStore is the second half: the shared provider's store must be
 // usable. storeReady reports whether it is (for postgres: its table exists).
-func CheckLockStore(ctx context.Context, cfg *Config, storeReady func(context.Context) error) error {
+func CheckLockStore(ctx context.Context, cfg *runConfig, storeReady func(context.Context) error) error {
 	if !cfg.MultiInstance.Enabled {
 		return nil
 	}

@@ -10,6 +10,7 @@ import (
 
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/worker-dev/worker/internal/config"
 	"github.com/worker-dev/worker/internal/migrate"
 	"github.com/worker-dev/worker/internal/obs"
 )
@@ -101,7 +102,7 @@ func (g *schemaGuard) shutdown() {
 // the deployment is misconfigured (an old image, or database.url pointing
 // at another deployment's database), as sysexits' EX_CONFIG means. An
 // older database is migrated (database.migrate_on_start) or waited for.
-func checkSchemaAhead(ctx context.Context, pool *pgxpool.Pool, cfg *Config) error {
+func checkSchemaAhead(ctx context.Context, pool *pgxpool.Pool, cfg *runConfig) error {
 	found, err := migrate.Version(ctx, pool)
 	if err != nil {
 		return fmt.Errorf("read the schema version: %w", err)
@@ -114,7 +115,7 @@ func checkSchemaAhead(ctx context.Context, pool *pgxpool.Pool, cfg *Config) erro
 
 // schemaAheadError is the exit-78 error for a database newer than the
 // binary; it keeps the code SCHEMA_VERSION_MISMATCH for the exit line.
-func schemaAheadError(cfg *Config, mm *migrate.MismatchError) error {
-	return &ConfigError{Err: mm, Msg: fmt.Sprintf("database.url (APP_DATABASE_URL) %s: %s",
+func schemaAheadError(cfg *runConfig, mm *migrate.MismatchError) error {
+	return &config.Error{Err: mm, Msg: fmt.Sprintf("database.url (APP_DATABASE_URL) %s: %s",
 		obs.MaskDSN(cfg.Database.URL), mm.Error())}
 }

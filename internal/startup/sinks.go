@@ -13,11 +13,14 @@ import (
 	"time"
 
 	"github.com/worker-dev/worker/internal/broker"
+	"github.com/worker-dev/worker/internal/config"
+	"github.com/worker-dev/worker/internal/obs"
 	"github.com/worker-dev/worker/internal/outbox"
 	kafkasink "github.com/worker-dev/worker/internal/outbox/sink/kafka"
 	natssink "github.com/worker-dev/worker/internal/outbox/sink/nats"
 	rabbitsink "github.com/worker-dev/worker/internal/outbox/sink/rabbitmq"
 	riversink "github.com/worker-dev/worker/internal/outbox/sink/river"
+	webhooksink "github.com/worker-dev/worker/internal/outbox/sink/webhook"
 	"github.com/worker-dev/worker/internal/tasks"
 )
 
@@ -35,7 +38,7 @@ type sinkKind struct {
 
 // sinkEnv is what a sink may need from the process.
 type sinkEnv struct {
-	cfg    *Config
+	cfg    *runConfig
 	stdout io.Writer
 	log    *slog.Logger
 }
@@ -136,20 +139,20 @@ func validateSink(c outbox.Config, ext Extensions) error {
 	kind, ok := sinkKinds[c.Sink]
 	if !ok {
 		names := slices.Concat(slices.Collect(maps.Keys(sinkKinds)), slices.Collect(maps.Keys(ext.Sinks)))
-		return configErrorf("outbox.sink=%q: want one of %s", c.Sink, strings.Join(slices.Sorted(slices.Values(names)), ", "))
+		return config.Errorf("outbox.sink=%q: want one of %s", c.Sink, strings.Join(slices.Sorted(slices.Values(names)), ", "))
 	}
 	if err := checkIdleSinkSettings(c); err != nil {
 		return err
 	}
 	if err := kind.validate(c); err != nil {
-		var ce *ConfigError
+		var ce *config.Error
 		if errors.As(err, &ce) {
 			return err
 		}
-		return configErrorf("%w", err)
+		return config.Errorf("%w", err)
 	}
 	if t := kind.publishTimeout(c); c.InFlightTimeout < t*5/2 {
-		return configErrorf("outbox.in_flight_timeout=%s: want at least 2.5 x the %s sink's publish timeout (%s), so a publish always has its full timeout",
+		return config.Errorf("outbox.in_flight_timeout=%s: want at least 2.5 x the %s sink's publish timeout (%s), so a publish always has its full timeout",
 			c.InFlightTimeout, c.Sink, t)
 	}
 	return nil
@@ -182,7 +185,7 @@ func checkIdleSinkSettings(c outbox.Config) error {
 			strings.Join(set, ", "), verb, c.Sink, defaultNote(c.Sink == outbox.DefaultConfig().Sink), section, section))
 	}
 	if len(msgs) > 0 {
-		return configErrorf("%s", strings.Join(msgs, "\n"))
+		return config.Errorf("%s", strings.Join(msgs, "\n"))
 	}
 	return nil
 }
@@ -211,7 +214,7 @@ func changedKeys(prefix string, got, def reflect.Value) []string {
 }
 
 // newSink builds the configured sink (connected, for a broker).
-func newSink(ctx context.Context, cfg *Config, stdout io.Writer, log *slog.Logger) (outbox.Sink, error) {
+func newSink(ctx context.Context, cfg *runConfig, stdout io.Writer, log *slog.Logger) (outbox.Sink, error) {
 	if custom, ok := cfg.ext.Sinks[cfg.Outbox.Sink]; ok {
 		return custom(ctx)
 	}
@@ -256,9 +259,9 @@ func brokerError(err error, timeoutKey string, timeout time.Duration) error {
 	case errors.Is(err, broker.ErrRefused):
 		return &exitError{code: ExitNoPerm, msg: err.Error(), err: err}
 	case errors.Is(err, broker.ErrSetup):
-		return &ConfigError{Msg: err.Error(), Err: err}
+		return &config.Error{Msg: err.Error(), Err: err}
 	default:
-		return &exitError{code: ExitUnavailable, msg: fmt.Sprintf("%v (waited %s=%s, %s)", err, timeoutKey, timeout, setting{Key: timeoutKey}.Env()), err: err}
+		return &exitError{code: ExitUnavailable, msg: fmt.Sprintf("%v (waited %s=%s, %s)", err, timeoutKey, timeout, config.Env(timeoutKey)), err: err}
 	}
 }
 
@@ -282,4 +285,15 @@ func (r sinkRelay) Shutdown(ctx context.Context) error {
 		err = errors.Join(err, c.Close(ctx))
 	}
 	return err
+}
+
+// newWebhookSink builds the webhook sink. Its errors show the URL as
+// `config print` does: user info and query string (often a token) masked.
+func newWebhookSink(cfg outbox.WebhookConfig) (*webhooksink.Sink, error) {
+	s, err := webhooksink.New(cfg, nil)
+	if err != nil {
+		// The cause is left out on purpose: its text carries the raw URL.
+		return nil, &config.Error{Msg: obs.MaskDSN(err.Error())}
+	}
+	return s, nil
 }

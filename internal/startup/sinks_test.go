@@ -6,6 +6,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/worker-dev/worker/internal/config"
 	"github.com/worker-dev/worker/internal/outbox"
 )
 
@@ -96,7 +97,7 @@ func TestSinkSecretsMasked(t *testing.T) {
 			t.Fatal(err)
 		}
 		var out bytes.Buffer
-		if err := PrintConfig(&out, cfg); err != nil {
+		if err := config.Print(&out, cfg.Config); err != nil {
 			t.Fatal(err)
 		}
 		for s := range strings.FieldsSeq(secrets) {

@@ -7,15 +7,13 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
-	"reflect"
 	"slices"
-	"strings"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
-	"github.com/knadh/koanf/v2"
 	"github.com/prometheus/client_golang/prometheus"
 
+	"github.com/worker-dev/worker/internal/config"
 	"github.com/worker-dev/worker/internal/tasks"
 )
 
@@ -29,7 +27,7 @@ func registerGoTasks(*tasks.Registry) error { return nil }
 
 // newTaskRuntime builds the River component, or a configuration error (exit
 // 78) for a kind it cannot run.
-func newTaskRuntime(cfg *Config, pool *pgxpool.Pool, log *slog.Logger, reg prometheus.Registerer) (component, error) {
+func newTaskRuntime(cfg *runConfig, pool *pgxpool.Pool, log *slog.Logger, reg prometheus.Registerer) (component, error) {
 	rt, err := tasks.New(tasks.Options{
 		Config:     cfg.Tasks,
 		Pool:       pool,
@@ -45,33 +43,9 @@ func newTaskRuntime(cfg *Config, pool *pgxpool.Pool, log *slog.Logger, reg prome
 	})
 	var ce *tasks.ConfigError
 	if errors.As(err, &ce) {
-		return nil, configErrorf("%v", ce)
+		return nil, config.Errorf("%v", ce)
 	}
 	return rt, err
-}
-
-// isTaskListKey is true for the YAML-only parts of `tasks:` (queues and
-// kinds), which checkTaskKeys and checkListEntries check instead of the
-// scalar key list.
-func isTaskListKey(key string) bool {
-	return key == "tasks.kinds" || key == "tasks.queues" || strings.HasPrefix(key, "tasks.queues.")
-}
-
-// checkTaskKeys rejects unknown keys under tasks.queues.<name>
-// (checkListEntries checks the tasks.kinds entries).
-func checkTaskKeys(fk *koanf.Koanf, path string) error {
-	queueKeys := tagNames(reflect.TypeFor[tasks.Queue]())
-	for _, key := range fk.Keys() {
-		rest, ok := strings.CutPrefix(key, "tasks.queues.")
-		if !ok {
-			continue
-		}
-		name, field, _ := strings.Cut(rest, ".")
-		if !slices.Contains(queueKeys, field) {
-			return configErrorf("%s: tasks.queues.%s: unknown key %q; allowed: %s", path, name, field, strings.Join(queueKeys, ", "))
-		}
-	}
-	return nil
 }
 
 // tasksCmd is `worker tasks ...`.
@@ -145,7 +119,7 @@ func (c tasksEnqueueCmd) Run(e *cmdEnv) error {
 // ever and count against its queue's max_backlog. A kind is known from
 // this command's configuration (tasks.kinds) or from worker_task_kind,
 // where every replica running tasks publishes its kinds, Go ones included.
-func (c tasksEnqueueCmd) checkKnown(ctx context.Context, cfg *Config, pool *pgxpool.Pool) error {
+func (c tasksEnqueueCmd) checkKnown(ctx context.Context, cfg *runConfig, pool *pgxpool.Pool) error {
 	if c.AllowUnknownKind || slices.Contains(cfg.Tasks.KindNames(), c.Kind) {
 		return nil
 	}

@@ -4,6 +4,8 @@ import (
 	"bytes"
 	"strings"
 	"testing"
+
+	"github.com/worker-dev/worker/internal/config"
 )
 
 // config print shows each task kind with its defaults filled in and only the
@@ -28,7 +30,7 @@ tasks:
 		t.Fatal(err)
 	}
 	var out bytes.Buffer
-	if err := PrintConfig(&out, cfg); err != nil {
+	if err := config.Print(&out, cfg.Config); err != nil {
 		t.Fatal(err)
 	}
 	printed := out.String()

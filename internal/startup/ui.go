@@ -9,24 +9,9 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"riverqueue.com/riverui"
 
+	"github.com/worker-dev/worker/internal/opsserver"
 	"github.com/worker-dev/worker/internal/tasks"
 )
-
-// UIConfig is the `ui:` section: River UI, on the ops server or on its own
-// address.
-type UIConfig struct {
-	Enabled bool `koanf:"enabled"`
-	// Addr, when set, serves the UI there and not on http.addr, so that
-	// /metrics can be open to Prometheus while the UI is reachable only
-	// by operators.
-	Addr     string `koanf:"addr"`
-	Username string `koanf:"username"`
-	Password string `koanf:"password" secret:"password"`
-}
-
-// uiPrefix is where River UI is served. /metrics, /livez and /readyz stay
-// outside it and open: Prometheus and probes do not authenticate.
-const uiPrefix = "/riverui"
 
 // uiMount is River UI, mounted before the database is connected; until
 // then it answers 503 (after auth).
@@ -47,7 +32,7 @@ func (u *uiMount) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 // attach builds River UI on pool. It is a component: Start starts the UI's
 // background queries, Shutdown stops them.
 func (u *uiMount) attach(pool *pgxpool.Pool, log *slog.Logger) (component, error) {
-	h, err := tasks.NewUI(pool, uiPrefix, log.With("component", "riverui"))
+	h, err := tasks.NewUI(pool, opsserver.UIPrefix, log.With("component", "riverui"))
 	if err != nil {
 		return nil, err
 	}
@@ -65,23 +50,4 @@ func (u *uiMount) Shutdown(context.Context) error {
 		u.cancel()
 	}
 	return nil
-}
-
-// guardUI is everything between the network and River UI, outermost
-// first: failed logins slowed per client address, basic auth, an audit
-// line per action, cross-site writes refused, API writes in JSON.
-func guardUI(cfg UIConfig, ui http.Handler, log *slog.Logger) http.Handler {
-	log = log.With("component", "riverui")
-	h := requireJSONWrites(ui)
-	h = http.NewCrossOriginProtection().Handler(h)
-	h = auditActions(h, log)
-	return newLoginGuard(cfg.Username, cfg.Password, log).wrap(h)
-}
-
-// newUIServer is the UI's own server, on ui.addr, with the ops server's
-// limits.
-func newUIServer(addr string, ui http.Handler) *boundedServer {
-	mux := http.NewServeMux()
-	mux.Handle(uiPrefix+"/", ui)
-	return newBoundedServer(addr, mux)
 }

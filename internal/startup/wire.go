@@ -10,6 +10,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/prometheus/client_golang/prometheus"
 
+	"github.com/worker-dev/worker/internal/config"
 	"github.com/worker-dev/worker/internal/jobs"
 	"github.com/worker-dev/worker/internal/lock"
 	"github.com/worker-dev/worker/internal/outbox"
@@ -28,7 +29,7 @@ const (
 
 // wire builds the worker's components: the job scheduler and, when enabled,
 // the outbox relay. cleanup runs after they have stopped.
-func wire(ctx context.Context, cfg *Config, pool *pgxpool.Pool, log *slog.Logger, reg prometheus.Registerer, stdout io.Writer) (parts []component, cleanup func(), err error) {
+func wire(ctx context.Context, cfg *runConfig, pool *pgxpool.Pool, log *slog.Logger, reg prometheus.Registerer, stdout io.Writer) (parts []component, cleanup func(), err error) {
 	cleanup = func() {}
 	var (
 		locker lock.Locker
@@ -38,7 +39,7 @@ func wire(ctx context.Context, cfg *Config, pool *pgxpool.Pool, log *slog.Logger
 		specs = append(specs, cfg.ext.Jobs(pool)...)
 	}
 	switch cfg.Lock.Provider {
-	case ProviderPostgres:
+	case config.ProviderPostgres:
 		// Leases get a pool of their own: a renewal must never wait for a
 		// connection behind the work it protects (SQL jobs hold theirs for
 		// the whole run), or a busy pool would cost every running job its
@@ -71,7 +72,7 @@ func wire(ctx context.Context, cfg *Config, pool *pgxpool.Pool, log *slog.Logger
 			}),
 			Delay: lockReapDelay,
 		})
-	case ProviderRedis:
+	case config.ProviderRedis:
 		rl, closeRedis, err := newRedisLocker(ctx, cfg, log)
 		if err != nil {
 			return nil, cleanup, err
@@ -133,7 +134,7 @@ func wire(ctx context.Context, cfg *Config, pool *pgxpool.Pool, log *slog.Logger
 
 	configured, err := jobs.FromDefinitions(cfg.Jobs, pool, nil)
 	if err != nil {
-		return nil, cleanup, configErrorf("%w", err)
+		return nil, cleanup, config.Errorf("%w", err)
 	}
 	sched, err := jobs.New(jobs.Options{
 		Pool:          pool,

@@ -11,6 +11,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/prometheus/client_golang/prometheus"
 
+	"github.com/worker-dev/worker/internal/opsserver"
 	"github.com/worker-dev/worker/internal/pgtest"
 	"github.com/worker-dev/worker/internal/testkit"
 )
@@ -118,7 +119,7 @@ func startWired(t *testing.T, db *pgtest.DB, jobsYAML string, env ...string) ([]
 	log := slog.New(slog.DiscardHandler)
 	// Its pools and listeners are the worker's, opened from the URL: count
 	// them in the suite's share (pgtest).
-	pgtest.Reserve(t, cfg.MaxDBConns()-probePoolConns)
+	pgtest.Reserve(t, cfg.MaxDBConns()-opsserver.ProbePoolConns)
 	pool, err := connectDB(ctx, cfg, log)
 	if err != nil {
 		t.Fatal(err)

@@ -15,7 +15,7 @@ import (
 // process's CPU per message: the client's and, in process, the server's.
 // The events carry a W3C traceparent, sampled or not: a sampled one makes
 // the server parse every header of the message into a map, to look for a
-// trace destination (see docs/sinks.md, "Message").
+// trace destination (see docs/brokers/nats.md, "Message").
 //
 //	go test -run '^$' -bench Publish -benchtime 100000x -benchmem ./internal/outbox/sink/nats
 func BenchmarkPublish(b *testing.B) {

@@ -13,7 +13,7 @@ import (
 // BenchmarkPublish publishes b.N events through the sink from 64
 // goroutines at once, each waiting for its confirm, into a durable queue
 // that nothing consumes: a classic queue in its default mode, lazy, and
-// lazy of version 2, and a stream (see docs/sinks.md, "Queues"). It
+// lazy of version 2, and a stream (see docs/brokers/rabbitmq.md, "Queues"). It
 // reports the client's CPU per message and, when the broker's process runs
 // on this machine, the broker's (whatever else uses the broker meanwhile
 // counts too: give it a node of its own with WORKER_TEST_RABBITMQ_URL).

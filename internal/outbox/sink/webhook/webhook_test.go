@@ -806,7 +806,7 @@ func TestWebhookSinkReusesConnectionsOfConcurrentPublishes(t *testing.T) {
 }
 
 // Credentials, hop-by-hop and framing headers and the sink's own are
-// dropped from the stored headers, in any case, and docs/sinks.md lists
+// dropped from the stored headers, in any case, and docs/brokers/webhook.md lists
 // every one of them; other headers pass through.
 func TestWebhookSinkDropsCredentialHopByHopAndOwnHeaders(t *testing.T) {
 	rcv := newWHReceiver(t, nil)
@@ -848,13 +848,13 @@ func TestWebhookSinkDropsCredentialHopByHopAndOwnHeaders(t *testing.T) {
 		t.Errorf("Authorization = %q, want the URL's credentials", got.Header.Values("Authorization"))
 	}
 
-	doc, err := os.ReadFile("../../../../docs/sinks.md")
+	doc, err := os.ReadFile("../../../../docs/brokers/webhook.md")
 	if err != nil {
 		t.Fatal(err)
 	}
 	for n := range droppedHeaders {
 		if !strings.Contains(strings.ToLower(string(doc)), "`"+n+"`") {
-			t.Errorf("docs/sinks.md does not list the dropped header `%s`", n)
+			t.Errorf("docs/brokers/webhook.md does not list the dropped header `%s`", n)
 		}
 	}
 }

@@ -1,4 +1,4 @@
-package startup
+package config
 
 import (
 	"errors"
@@ -10,10 +10,6 @@ import (
 	goyaml "github.com/goccy/go-yaml"
 	goyamlparser "github.com/goccy/go-yaml/parser"
 	"go.yaml.in/yaml/v3"
-
-	"github.com/worker-dev/worker/internal/obs"
-	"github.com/worker-dev/worker/internal/outbox"
-	webhooksink "github.com/worker-dev/worker/internal/outbox/sink/webhook"
 )
 
 // Helpers that make configuration errors name what the operator wrote: the
@@ -31,10 +27,10 @@ func fileError(path string, err error) error {
 		var syntax *goyaml.SyntaxError
 		if errors.As(perr, &syntax) && syntax.Token != nil {
 			pos := syntax.Token.Position
-			return configErrorf("config file %s:%d:%d: %s", path, pos.Line, pos.Column, syntax.Message)
+			return Errorf("config file %s:%d:%d: %s", path, pos.Line, pos.Column, syntax.Message)
 		}
 	}
-	return configErrorf("config file %s: %v", path, err)
+	return Errorf("config file %s: %v", path, err)
 }
 
 // lineFinder locates keys in the YAML file, for "file:line" in messages.
@@ -144,7 +140,7 @@ func editDistance(a, b string) int {
 // it: outbox.batch_size=-1 becomes APP_OUTBOX_BATCH_SIZE=-1. Messages built
 // outside this package (the outbox's) know only key names.
 func nameEnvSources(err error, fromEnv map[string]string) error {
-	var ce *ConfigError
+	var ce *Error
 	if !errors.As(err, &ce) {
 		return err
 	}
@@ -155,16 +151,5 @@ func nameEnvSources(err error, fromEnv map[string]string) error {
 		// Some messages name both, "key (ENV)": say it once.
 		msg = strings.ReplaceAll(msg, env+" ("+env+")", env)
 	}
-	return &ConfigError{Msg: msg, Err: ce.Err}
-}
-
-// newWebhookSink builds the webhook sink. Its errors show the URL as
-// `config print` does: user info and query string (often a token) masked.
-func newWebhookSink(cfg outbox.WebhookConfig) (*webhooksink.Sink, error) {
-	s, err := webhooksink.New(cfg, nil)
-	if err != nil {
-		// The cause is left out on purpose: its text carries the raw URL.
-		return nil, &ConfigError{Msg: obs.MaskDSN(err.Error())}
-	}
-	return s, nil
+	return &Error{Msg: msg, Err: ce.Err}
 }

@@ -1,4 +1,4 @@
-package startup
+package opsserver
 
 import (
 	"net/http"
@@ -18,15 +18,15 @@ import (
 func TestReadyzPingsAtMostOnceASecond(t *testing.T) {
 	t.Parallel()
 	db := pgtest.New(t)
-	probe, err := newProbePool(db.Pool, "test")
+	probe, err := NewProbePool(db.Pool, "test")
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer probe.Close()
-	ready := &readiness{}
+	ready := &Readiness{}
 	ready.db.Store(probe)
 	ready.started.Store(true)
-	srv := httptest.NewServer(newOpsServer("", prometheus.NewRegistry(), ready, nil).Handler)
+	srv := httptest.NewServer(New("", prometheus.NewRegistry(), ready, nil).Handler)
 	defer srv.Close()
 	get := func() int {
 		resp, err := srv.Client().Get(srv.URL + "/readyz")

@@ -1,4 +1,6 @@
-package startup
+// Package opsserver is the ops HTTP server: /metrics, /livez, /readyz and
+// River UI behind its guard, each connection bounded in time and number.
+package opsserver
 
 import (
 	"context"
@@ -19,12 +21,12 @@ import (
 // flood costs the database at most one ping a second.
 const readyCheckEvery = time.Second
 
-// readiness decides /readyz from the worker's own state only: started, not
+// Readiness decides /readyz from the worker's own state only: started, not
 // draining, the database reachable and the migrations current. A sink's
 // broker is not part of it: a broker outage would turn every replica
 // NotReady at once and let Kubernetes drain healthy ones, while the relay
 // holds the events until the broker returns; outbox_sink_up reports it.
-type readiness struct {
+type Readiness struct {
 	started  atomic.Bool
 	draining atomic.Bool
 	// db is the probe's own one-connection pool, so a probe never waits
@@ -34,7 +36,7 @@ type readiness struct {
 	// parts are the components that can make the replica not ready on
 	// their own (the schema guard, the lock provider's health). Each
 	// answers from state it keeps, at no cost to a probe.
-	parts atomic.Pointer[[]readyReporter]
+	parts atomic.Pointer[[]ReadyReporter]
 
 	mu        sync.Mutex
 	checkedAt time.Time
@@ -42,7 +44,17 @@ type readiness struct {
 	migrated  bool   // sticky once seen current: migrations never go back
 }
 
-func (r *readiness) check(ctx context.Context) (bool, string) {
+// Started marks the start done: from now the replica may be ready.
+func (r *Readiness) Started() { r.started.Store(true) }
+
+// Draining marks the shutdown begun: the replica is not ready again.
+func (r *Readiness) Draining() { r.draining.Store(true) }
+
+// UseDB sets the probe's own pool (NewProbePool).
+func (r *Readiness) UseDB(pool *pgxpool.Pool) { r.db.Store(pool) }
+
+// Check is what /readyz answers: ready or not, and why.
+func (r *Readiness) Check(ctx context.Context) (bool, string) {
 	switch {
 	case r.draining.Load():
 		return false, "draining"
@@ -63,16 +75,16 @@ func (r *readiness) check(ctx context.Context) (bool, string) {
 	return true, state
 }
 
-// readyReporter is a part of the worker with a say in /readyz: ok, or why
+// ReadyReporter is a part of the worker with a say in /readyz: ok, or why
 // not.
-type readyReporter interface {
+type ReadyReporter interface {
 	Ready() (ok bool, why string)
 }
 
-// add gives p a say in /readyz. Not safe to call concurrently with itself:
+// Add gives p a say in /readyz. Not safe to call concurrently with itself:
 // run adds the parts one after the other, before it reports ready.
-func (r *readiness) add(p readyReporter) {
-	var parts []readyReporter
+func (r *Readiness) Add(p ReadyReporter) {
+	var parts []ReadyReporter
 	if old := r.parts.Load(); old != nil {
 		parts = append(parts, *old...)
 	}
@@ -82,7 +94,7 @@ func (r *readiness) add(p readyReporter) {
 
 // database answers from the last check while it is fresh; concurrent
 // callers wait for the one check in progress rather than start their own.
-func (r *readiness) database(ctx context.Context) string {
+func (r *Readiness) database(ctx context.Context) string {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	if !r.checkedAt.IsZero() && time.Since(r.checkedAt) < readyCheckEvery {
@@ -97,7 +109,7 @@ func (r *readiness) database(ctx context.Context) string {
 	return r.dbState
 }
 
-func (r *readiness) checkDatabase(ctx context.Context) string {
+func (r *Readiness) checkDatabase(ctx context.Context) string {
 	pool := r.db.Load()
 	if err := pool.Ping(ctx); err != nil {
 		return "database unreachable"
@@ -112,13 +124,15 @@ func (r *readiness) checkDatabase(ctx context.Context) string {
 	return "ok"
 }
 
-// probePoolConns is the readiness check's pool: one connection, opened on
+// ProbePoolConns is the readiness check's pool: one connection, opened on
 // first use, beside the worker's pool.
-const probePoolConns = 1
+const ProbePoolConns = 1
 
-func newProbePool(pool *pgxpool.Pool, instanceID string) (*pgxpool.Pool, error) {
+// NewProbePool is the readiness check's pool beside pool, named apart in
+// pg_stat_activity.
+func NewProbePool(pool *pgxpool.Pool, instanceID string) (*pgxpool.Pool, error) {
 	cfg := pool.Config()
-	cfg.MaxConns = probePoolConns
+	cfg.MaxConns = ProbePoolConns
 	cfg.MinConns, cfg.MinIdleConns = 0, 0
 	cfg.ConnConfig.RuntimeParams["application_name"] = "worker " + instanceID + " probes"
 	return pgxpool.NewWithConfig(context.Background(), cfg)
@@ -148,36 +162,36 @@ const (
 	opsHeadGrace = 100 * time.Millisecond
 )
 
-// newOpsServer serves metrics and probes, and River UI when ui is not nil.
-func newOpsServer(addr string, reg *prometheus.Registry, ready *readiness, ui http.Handler) *boundedServer {
+// New serves metrics and probes, and River UI when ui is not nil.
+func New(addr string, reg *prometheus.Registry, ready *Readiness, ui http.Handler) *Server {
 	mux := http.NewServeMux()
 	if ui != nil {
-		mux.Handle(uiPrefix+"/", ui)
+		mux.Handle(UIPrefix+"/", ui)
 	}
 	mux.Handle("GET /metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{Registry: reg, MaxRequestsInFlight: opsMaxScrapes}))
 	mux.HandleFunc("GET /livez", func(w http.ResponseWriter, _ *http.Request) {
 		_, _ = w.Write([]byte("ok\n"))
 	})
 	mux.HandleFunc("GET /readyz", func(w http.ResponseWriter, req *http.Request) {
-		ok, why := ready.check(req.Context())
+		ok, why := ready.Check(req.Context())
 		if !ok {
 			w.WriteHeader(http.StatusServiceUnavailable)
 		}
 		_, _ = w.Write([]byte(why + "\n"))
 	})
-	return newBoundedServer(addr, mux)
+	return newServer(addr, mux)
 }
 
-// boundedServer is an http.Server with the ops limits: every phase of a
+// Server is an http.Server with the ops limits: every phase of a
 // connection has a timeout, and its listener caps the open connections.
-type boundedServer struct {
+type Server struct {
 	*http.Server
 	limit *connLimiter
 }
 
-func newBoundedServer(addr string, h http.Handler) *boundedServer {
+func newServer(addr string, h http.Handler) *Server {
 	limit := newConnLimiter(opsMaxConns, opsHeadGrace)
-	return &boundedServer{limit: limit, Server: &http.Server{
+	return &Server{limit: limit, Server: &http.Server{
 		Addr:              addr,
 		Handler:           h,
 		ReadHeaderTimeout: opsReadHeaderTimeout,
@@ -191,7 +205,7 @@ func newBoundedServer(addr string, h http.Handler) *boundedServer {
 
 // listen binds before anything else starts, so a taken port fails fast and
 // /readyz can answer 503 while the worker is still starting.
-func (s *boundedServer) listen() (net.Listener, error) {
+func (s *Server) Listen() (net.Listener, error) {
 	ln, err := net.Listen("tcp", s.Addr)
 	if err != nil {
 		return nil, err

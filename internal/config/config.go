@@ -1,4 +1,10 @@
-package startup
+// Package config reads the worker's configuration: built-in defaults, then
+// the YAML file, then APP_* variables. It checks every setting's form and
+// names the key, line or variable of a mistake, and prints the effective
+// configuration with its secrets masked. It builds no part of the worker:
+// the checks that need a sink, a source or a database driver are the
+// caller's (Options), so this package imports none of them.
+package config
 
 import (
 	"crypto/rand"
@@ -15,7 +21,6 @@ import (
 	"time"
 
 	"github.com/go-viper/mapstructure/v2"
-	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/knadh/koanf/parsers/yaml"
 	"github.com/knadh/koanf/providers/confmap"
 	kenv "github.com/knadh/koanf/providers/env/v2"
@@ -27,7 +32,6 @@ import (
 	"github.com/worker-dev/worker/internal/lock"
 	"github.com/worker-dev/worker/internal/obs"
 	"github.com/worker-dev/worker/internal/outbox"
-	riversink "github.com/worker-dev/worker/internal/outbox/sink/river"
 	"github.com/worker-dev/worker/internal/tasks"
 )
 
@@ -71,24 +75,26 @@ type Config struct {
 	UI     UIConfig          `koanf:"ui"`
 	Jobs   []jobs.Definition `koanf:"jobs"`
 
-	// instanceIDDerived is set when instance.id was empty and LoadConfig
+	// instanceIDDerived is set when instance.id was empty and Load
 	// derived one, so `config print` can say how rather than show a value
 	// that changes on every call.
 	instanceIDDerived bool
-	// ext is what an embedding program adds (jobs, task kinds, sinks).
-	ext Extensions
 	// misspeltEnv names APP_* variables that are no setting and more than
 	// maxTypoEdits from every one, yet like one (didYouMean): the logger
 	// warns about each, since the setting meant, if any, was not applied.
 	misspeltEnv []string
 }
 
-// checkUI refuses to serve River UI without credentials. Only `run` serves
+// MisspeltEnv are the APP_* variables that are no setting yet look like
+// one: the caller warns about each once it has a logger.
+func (c *Config) MisspeltEnv() []string { return c.misspeltEnv }
+
+// CheckUI refuses to serve River UI without credentials. Only `run` serves
 // it, so operator commands read a file with ui.enabled without needing
 // the password.
-func (c *Config) checkUI() error {
+func (c *Config) CheckUI() error {
 	if c.UI.Enabled && (c.UI.Username == "" || c.UI.Password == "") {
-		return configErrorf("ui.enabled=true needs ui.username (APP_UI_USERNAME) and APP_UI_PASSWORD: River UI is only served behind authentication")
+		return Errorf("ui.enabled=true needs ui.username (APP_UI_USERNAME) and APP_UI_PASSWORD: River UI is only served behind authentication")
 	}
 	return nil
 }
@@ -114,7 +120,19 @@ type setting struct {
 }
 
 // Env is the environment variable that overrides the key.
-func (s setting) Env() string { return "APP_" + strings.ToUpper(strings.ReplaceAll(s.Key, ".", "_")) }
+func (s setting) Env() string { return Env(s.Key) }
+
+// Env is the environment variable that overrides key.
+func Env(key string) string { return "APP_" + strings.ToUpper(strings.ReplaceAll(key, ".", "_")) }
+
+// Envs are the variables of every setting, APP_CONFIG_FILE among them.
+func Envs() []string {
+	envs := []string{configFileEnv}
+	for _, s := range settings() {
+		envs = append(envs, s.Env())
+	}
+	return envs
+}
 
 func settings() []setting {
 	all := []setting{
@@ -168,9 +186,9 @@ func flatten(prefix string, v reflect.Value) []setting {
 // DefaultConfigFile is read when it exists and no other file is named.
 const DefaultConfigFile = "configs/worker.yaml"
 
-// configFile is the file LoadConfig reads: path, or DefaultConfigFile if
+// File is the file Load reads: path, or DefaultConfigFile if
 // path is "" and that file exists, or "" for none.
-func configFile(path string) string {
+func File(path string) string {
 	if path == "" {
 		if _, err := os.Stat(DefaultConfigFile); err == nil {
 			return DefaultConfigFile
@@ -179,37 +197,49 @@ func configFile(path string) string {
 	return path
 }
 
-// LoadConfig builds the effective configuration. path is the file named by
-// --config or APP_CONFIG_FILE ("" means DefaultConfigFile if it exists);
-// environ is os.Environ() in production.
-func LoadConfig(path string, environ []string) (*Config, error) {
-	return loadConfig(path, environ, Extensions{})
+// Load builds the effective configuration and checks every setting's form
+// and the jobs. path is the file named by --config or APP_CONFIG_FILE (""
+// means DefaultConfigFile if it exists); environ is os.Environ() in
+// production.
+func Load(path string, environ []string) (*Config, error) {
+	return Read(path, environ, Options{})
 }
 
-// loadConfig is LoadConfig for a program that adds ext: its sinks are
-// values of outbox.sink, and its job names are taken.
-func loadConfig(path string, environ []string, ext Extensions) (*Config, error) {
-	return readConfig(path, environ, ext, checkAll)
-}
-
-// checks is how much of the configuration a command checks.
-type checks int
+// Level is how much of the configuration a command checks.
+type Level int
 
 const (
-	// checkAll is what run needs: every setting, and every part run
+	// CheckAll is what run needs: every setting, and every part run
 	// builds (the outbox sink, the inbox sources, the Redis lock client,
-	// the jobs) built once without connecting, so that a mistake stops the
-	// start instead of the first publish.
-	checkAll checks = iota
-	// checkDatabase is what an operator command that only reads or changes
+	// the jobs) built once without connecting (Options.Parts), so that a
+	// mistake stops the start instead of the first publish.
+	CheckAll Level = iota
+	// CheckDatabase is what an operator command that only reads or changes
 	// the database needs: every setting's form, but none of the parts it
 	// does not build, so that it runs without a sink's or a source's
 	// credentials (docs/operations.md, "Commands").
-	checkDatabase
+	CheckDatabase
 )
 
-// readConfig is loadConfig with the checks a command needs.
-func readConfig(path string, environ []string, ext Extensions, level checks) (*Config, error) {
+// Options are the checks Read makes beyond the settings' forms: those that
+// need what this package does not import.
+type Options struct {
+	Level Level
+	// DatabaseURL parses database.url as the driver does; its error says
+	// why the URL is refused. nil takes any URL.
+	DatabaseURL func(url string) error
+	// TakenJobNames are the jobs the program runs beside the configured
+	// ones (built-in and Go jobs); the name is the lock key, so a
+	// configured job may not take one. Checked at CheckAll.
+	TakenJobNames []string
+	// Parts checks, at CheckAll, the parts the program builds from the
+	// configuration, without connecting. source names a key as the
+	// operator set it (its variable when the environment set it).
+	Parts func(c *Config, source func(key string) string) error
+}
+
+// Read is Load with the checks a command needs.
+func Read(path string, environ []string, opts Options) (*Config, error) {
 	all := settings()
 	defaults := make(map[string]any, len(all))
 	envToKey := make(map[string]string, len(all))
@@ -222,7 +252,7 @@ func readConfig(path string, environ []string, ext Extensions, level checks) (*C
 		return nil, err
 	}
 
-	path = configFile(path)
+	path = File(path)
 	if path != "" {
 		fk := koanf.New(".")
 		if err := fk.Load(file.Provider(path), yaml.Parser()); err != nil {
@@ -261,7 +291,7 @@ func readConfig(path string, environ []string, ext Extensions, level checks) (*C
 	}
 	if len(typos) > 0 {
 		slices.Sort(typos)
-		return nil, configErrorf("%s", strings.Join(typos, "\n"))
+		return nil, Errorf("%s", strings.Join(typos, "\n"))
 	}
 
 	source := func(key string) string {
@@ -285,12 +315,11 @@ func readConfig(path string, environ []string, ext Extensions, level checks) (*C
 		TagName:          "koanf",
 	}
 	if err := k.UnmarshalWithConf("", &cfg, koanf.UnmarshalConf{DecoderConfig: dec}); err != nil {
-		return nil, configErrorf("%w", err)
+		return nil, Errorf("%w", err)
 	}
 	if cfg.Inbox.Sources, err = loadInboxSources(k, environ); err != nil {
 		return nil, err
 	}
-	cfg.ext = ext
 	if cfg.Instance.ID == "" {
 		cfg.Instance.ID = defaultInstanceID()
 		cfg.instanceIDDerived = true
@@ -298,7 +327,7 @@ func readConfig(path string, environ []string, ext Extensions, level checks) (*C
 	if cfg.Outbox.MaxInFlight == 0 {
 		cfg.Outbox.MaxInFlight = outbox.DefaultMaxInFlight(cfg.Outbox.Sink)
 	}
-	if err := cfg.validate(source, level); err != nil {
+	if err := cfg.validate(source, opts); err != nil {
 		return nil, nameEnvSources(err, fromEnv)
 	}
 	cfg.misspeltEnv = misspelt
@@ -354,7 +383,7 @@ func checkFileKeys(fk *koanf.Koanf, defaults map[string]any, path string, lines 
 	var errs []error
 	known := slices.Sorted(maps.Keys(defaults))
 	for _, key := range fk.Keys() {
-		if key == "jobs" || strings.HasPrefix(key, "jobs.") || isTaskListKey(key) || isRoutesKey(key) || key == inboxSourcesKey {
+		if key == "jobs" || strings.HasPrefix(key, "jobs.") || isTaskListKey(key) || isRoutesKey(key) || key == InboxSourcesKey {
 			continue
 		}
 		if _, ok := defaults[key]; !ok {
@@ -362,15 +391,15 @@ func checkFileKeys(fk *koanf.Koanf, defaults map[string]any, path string, lines 
 				lines.at(strings.Split(key, ".")...), key, didYouMean(key, known), DefaultConfigFile))
 		}
 	}
-	var taskErr *ConfigError
+	var taskErr *Error
 	if errors.As(checkTaskKeys(fk, path), &taskErr) {
 		errs = append(errs, errors.New(taskErr.Msg)) // without a second "invalid configuration:"
 	}
 	errs = append(errs, checkListEntries("jobs", fk.Get("jobs"), reflect.TypeFor[jobs.Definition](), lines)...)
 	errs = append(errs, checkListEntries("tasks.kinds", fk.Get("tasks.kinds"), reflect.TypeFor[tasks.Kind](), lines)...)
-	errs = append(errs, checkListEntries(inboxSourcesKey, fk.Get(inboxSourcesKey), reflect.TypeFor[inbox.SourceConfig](), lines)...)
+	errs = append(errs, checkListEntries(InboxSourcesKey, fk.Get(InboxSourcesKey), reflect.TypeFor[inbox.SourceConfig](), lines)...)
 	if len(errs) > 0 {
-		return configErrorf("%w", errors.Join(errs...))
+		return Errorf("%w", errors.Join(errs...))
 	}
 	return nil
 }
@@ -388,7 +417,7 @@ func tagNames(t reflect.Type) []string {
 func checkType(s setting, v any, source string) error {
 	if _, ok := s.Default.(time.Duration); ok {
 		if err := checkUnitless(v); err != nil {
-			return configErrorf("%s=%v %v", source, v, err)
+			return Errorf("%s=%v %v", source, v, err)
 		}
 	}
 	str, ok := v.(string)
@@ -398,15 +427,15 @@ func checkType(s setting, v any, source string) error {
 	switch s.Default.(type) {
 	case time.Duration:
 		if _, err := time.ParseDuration(str); err != nil {
-			return configErrorf("%s=%q %s", source, str, wantDuration)
+			return Errorf("%s=%q %s", source, str, wantDuration)
 		}
 	case int:
 		if _, err := strconv.Atoi(str); err != nil {
-			return configErrorf("%s=%q %s", source, str, wantWholeNumber)
+			return Errorf("%s=%q %s", source, str, wantWholeNumber)
 		}
 	case bool:
 		if _, err := strconv.ParseBool(str); err != nil {
-			return configErrorf("%s=%q %s", source, str, wantBoolean)
+			return Errorf("%s=%q %s", source, str, wantBoolean)
 		}
 	}
 	return nil
@@ -424,7 +453,7 @@ func checkUnitless(v any) error {
 	return nil
 }
 
-func (c *Config) validate(source func(string) string, level checks) error {
+func (c *Config) validate(source func(string) string, opts Options) error {
 	for _, p := range []struct {
 		key string
 		v   time.Duration
@@ -435,43 +464,38 @@ func (c *Config) validate(source func(string) string, level checks) error {
 		{"shutdown.timeout", c.Shutdown.Timeout},
 	} {
 		if b := ownDurationBounds[p.key]; !b.allows(p.v) {
-			return configErrorf("%s=%s %s", source(p.key), p.v, b.refusal(p.v))
+			return Errorf("%s=%s %s", source(p.key), p.v, b.refusal(p.v))
 		}
 	}
 	if c.Lock.LeaseTTL < c.Lock.WaitTime {
-		return configErrorf("%s=%s is shorter than %s=%s; the lease must outlive the wait for it",
+		return Errorf("%s=%s is shorter than %s=%s; the lease must outlive the wait for it",
 			source("lock.lease_ttl"), c.Lock.LeaseTTL, source("lock.wait_time"), c.Lock.WaitTime)
 	}
 	switch c.Lock.Provider {
-	case "", ProviderInProcess, ProviderPostgres:
-	case ProviderRedis:
-		// Its options read the TLS files, a client key among them: run's.
-		if level == checkAll {
-			if _, err := c.Lock.Redis.options(c.Instance.ID); err != nil {
-				return configErrorf("%v", err)
-			}
-		}
+	case "", ProviderInProcess, ProviderPostgres, ProviderRedis:
 	default:
-		return configErrorf("%s=%q is not a lock provider; want %s, %s or %s", source("lock.provider"), c.Lock.Provider,
+		return Errorf("%s=%q is not a lock provider; want %s, %s or %s", source("lock.provider"), c.Lock.Provider,
 			ProviderPostgres, ProviderRedis, ProviderInProcess)
 	}
 	if c.Lock.Provider == "" && !c.MultiInstance.Enabled {
 		c.Lock.Provider = ProviderInProcess
 	}
 	if !slices.Contains([]string{"debug", "info", "warn", "error"}, c.Log.Level) {
-		return configErrorf("%s=%q; want debug, info, warn or error", source("log.level"), c.Log.Level)
+		return Errorf("%s=%q; want debug, info, warn or error", source("log.level"), c.Log.Level)
 	}
 	if c.Log.Format != "json" && c.Log.Format != "text" {
-		return configErrorf("%s=%q; want json or text", source("log.format"), c.Log.Format)
+		return Errorf("%s=%q; want json or text", source("log.format"), c.Log.Format)
 	}
 	if c.AsyncExecutor.MaxSize < 1 {
-		return configErrorf("%s=%d must be at least 1", source("async_executor.max_size"), c.AsyncExecutor.MaxSize)
+		return Errorf("%s=%d must be at least 1", source("async_executor.max_size"), c.AsyncExecutor.MaxSize)
 	}
 	if c.Database.MaxConns < 2 {
-		return configErrorf("%s=%d must be at least 2", source("database.max_conns"), c.Database.MaxConns)
+		return Errorf("%s=%d must be at least 2", source("database.max_conns"), c.Database.MaxConns)
 	}
-	if _, err := pgxpool.ParseConfig(c.Database.URL); err != nil {
-		return configErrorf("%s is not a PostgreSQL URL: %s", source("database.url"), obs.MaskDSN(err.Error()))
+	if opts.DatabaseURL != nil {
+		if err := opts.DatabaseURL(c.Database.URL); err != nil {
+			return Errorf("%s is not a PostgreSQL URL: %s", source("database.url"), obs.MaskDSN(err.Error()))
+		}
 	}
 	if err := validateListenAddr(source("http.addr"), c.HTTP.Addr); err != nil {
 		return err
@@ -481,51 +505,39 @@ func (c *Config) validate(source func(string) string, level checks) error {
 			return err
 		}
 		if c.UI.Addr == c.HTTP.Addr {
-			return configErrorf("%s=%q is http.addr too; want another address, or empty to serve River UI on http.addr", source("ui.addr"), c.UI.Addr)
+			return Errorf("%s=%q is http.addr too; want another address, or empty to serve River UI on http.addr", source("ui.addr"), c.UI.Addr)
 		}
 	}
 	if err := c.Outbox.Validate(); err != nil {
-		return configErrorf("%w", err)
+		return Errorf("%w", err)
 	}
 	// Relay loops keep their connection while there is backlog; jobs,
 	// leases and the metrics refresh must still get one.
 	if c.Outbox.Enabled && c.Database.MaxConns <= c.Outbox.Relays {
-		return configErrorf("%s=%d must exceed %s=%d: each relay loop holds a connection while there is backlog, and jobs and leases need one too",
+		return Errorf("%s=%d must exceed %s=%d: each relay loop holds a connection while there is backlog, and jobs and leases need one too",
 			source("database.max_conns"), c.Database.MaxConns, source("outbox.relays"), c.Outbox.Relays)
 	}
 	if err := c.Tasks.Validate(); err != nil {
-		return configErrorf("%v", err)
+		return Errorf("%v", err)
 	}
 	if err := c.Inbox.Validate(); err != nil {
-		return configErrorf("%w", err)
+		return Errorf("%w", err)
 	}
-	if level == checkDatabase {
+	if opts.Level == CheckDatabase {
 		return nil
 	}
-	if err := validateSink(c.Outbox, c.ext); err != nil {
-		return err
-	}
-	if err := c.validateInboxSources(); err != nil {
-		return err
-	}
-	if c.Outbox.Sink == outbox.SinkRiver {
-		if _, err := riversink.New(c.Tasks, c.Outbox.River.Routes); err != nil {
-			return configErrorf("%v", err)
+	if opts.Parts != nil {
+		if err := opts.Parts(c, source); err != nil {
+			return err
 		}
 	}
-	return c.validateJobs(source)
+	return c.validateJobs(source, opts.TakenJobNames)
 }
 
 // validateJobs checks every job and reports each one that is wrong, in one
-// error.
-func (c *Config) validateJobs(source func(string) string) error {
+// error. reserved are the names of the program's own jobs.
+func (c *Config) validateJobs(source func(string) string, reserved []string) error {
 	errs := []error{jobs.ValidateDefinitions(c.Jobs)}
-	// The worker's own jobs share the name space (the name is the lock key).
-	reserved := []string{outbox.PartitionsJobName, lockReaperName}
-	for _, sp := range jobs.Builtin(nil) {
-		reserved = append(reserved, sp.Job.Name())
-	}
-	reserved = append(reserved, c.ext.jobNames()...)
 	for i, d := range c.Jobs {
 		if slices.Contains(reserved, d.Name) {
 			errs = append(errs, fmt.Errorf("jobs[%d] %q: name is taken by a job built into the worker (%s); choose another",
@@ -537,7 +549,7 @@ func (c *Config) validateJobs(source func(string) string) error {
 		}
 	}
 	if err := errors.Join(errs...); err != nil {
-		return configErrorf("%w", err)
+		return Errorf("%w", err)
 	}
 	return nil
 }
@@ -571,19 +583,19 @@ func earlySetting(path string, environ []string, key string) (v string, ok bool)
 	return "", false
 }
 
-// earlyLogFormat is log.format read by earlySetting; JSON unless that is a
+// EarlyLogFormat is log.format read by earlySetting; JSON unless that is a
 // valid format.
-func earlyLogFormat(path string, environ []string) string {
+func EarlyLogFormat(path string, environ []string) string {
 	if f, _ := earlySetting(path, environ, "log.format"); f == "text" {
 		return f
 	}
 	return "json"
 }
 
-// earlyInstanceID is instance.id read by earlySetting, or one derived as
-// LoadConfig derives it: every log line names its replica, also the one
+// EarlyInstanceID is instance.id read by earlySetting, or one derived as
+// Load derives it: every log line names its replica, also the one
 // saying why the configuration was refused.
-func earlyInstanceID(path string, environ []string) string {
+func EarlyInstanceID(path string, environ []string) string {
 	if id, _ := earlySetting(path, environ, "instance.id"); id != "" {
 		return id
 	}
@@ -632,9 +644,9 @@ func joinRouteKeys(_, to reflect.Type, data any) (any, error) {
 // the operator set it.
 func validateListenAddr(name, addr string) error {
 	if _, port, err := net.SplitHostPort(addr); err != nil {
-		return configErrorf("%s=%q; want host:port or :port", name, addr)
+		return Errorf("%s=%q; want host:port or :port", name, addr)
 	} else if _, err := net.LookupPort("tcp", port); err != nil {
-		return configErrorf("%s=%q: %q is not a port; want host:port or :port", name, addr, port)
+		return Errorf("%s=%q: %q is not a port; want host:port or :port", name, addr, port)
 	}
 	return nil
 }

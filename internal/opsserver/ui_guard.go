@@ -1,4 +1,4 @@
-package startup
+package opsserver
 
 import (
 	"bytes"
@@ -182,7 +182,7 @@ func safeMethod(m string) bool {
 // posts its JSON as text/plain, so the browser's word is what admits it.
 func requireJSONWrites(next http.Handler) http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		if safeMethod(r.Method) || !strings.HasPrefix(r.URL.Path, uiPrefix+"/api/") ||
+		if safeMethod(r.Method) || !strings.HasPrefix(r.URL.Path, UIPrefix+"/api/") ||
 			r.Header.Get("Sec-Fetch-Site") == "same-origin" {
 			next.ServeHTTP(w, r)
 			return
@@ -228,7 +228,7 @@ func auditActions(next http.Handler, log *slog.Logger) http.Handler {
 // "jobs/delete", "queues/<name>/pause", and so on; PATCH on a queue is
 // "queues/<name>/update".
 func uiAction(r *http.Request) string {
-	a := strings.TrimPrefix(r.URL.Path, uiPrefix+"/api/")
+	a := strings.TrimPrefix(r.URL.Path, UIPrefix+"/api/")
 	if r.Method == http.MethodPatch {
 		a += "/update"
 	}

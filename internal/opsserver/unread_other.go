@@ -1,8 +1,10 @@
 //go:build !linux
 
-package startup
+package opsserver
 
-import "net"
+import (
+	"net"
+)
 
 // unread cannot tell here; the grace alone protects a connection.
 func unread(net.Conn) bool { return false }

@@ -1,4 +1,4 @@
-package startup
+package config
 
 import (
 	"cmp"
@@ -16,10 +16,11 @@ import (
 	"github.com/worker-dev/worker/internal/obs"
 )
 
-// PrintConfig writes the configuration the worker will use as YAML: with
-// each job's defaults filled in and only the keys of its kind, durations in
-// their text form and secrets masked.
-func PrintConfig(w io.Writer, cfg *Config) error {
+// Print writes the configuration the worker will use as YAML: with each
+// job's defaults filled in and only the keys of its kind, durations in
+// their text form and secrets masked. A broker's comma-separated server
+// list (secret:"urls") is masked as the brokers' own errors show it.
+func Print(w io.Writer, cfg *Config) error {
 	eff := *cfg
 	eff.Jobs = make([]jobs.Definition, len(cfg.Jobs))
 	for i, d := range cfg.Jobs {
