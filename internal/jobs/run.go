@@ -200,7 +200,9 @@ func (s *Scheduler) run(leaseCtx context.Context, e *entry, lease lock.Lease) {
 	log := s.log.With("job", e.name, "run_id", runID, "fencing_token", token)
 	ok, err := s.st.start(leaseCtx, e.name, e.spec.Delay, s.opts.InstanceID, token, runID)
 	if err != nil {
-		log.Error("job start not recorded; run skipped", "error", err)
+		// A WARN: what stops the start is the database, and the worker
+		// says so once (database unreachable); the scheduler tries again.
+		log.Warn("job start not recorded; run skipped", "error", err)
 		e.nextCheck = time.Now().Add(retryAfterError)
 		return
 	}
