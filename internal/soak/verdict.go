@@ -21,7 +21,9 @@ type verdict struct {
 // print writes the figures and the verdict, and reports whether it passed.
 func (v verdict) print(w io.Writer) bool {
 	var failed []string
-	fmt.Fprintf(w, "soak of %s:\n", v.duration)
+	secs := v.duration.Seconds()
+	fmt.Fprintf(w, "soak of %s: %.0f events, %.0f inbox deliveries and %.0f tasks a second\n", v.duration,
+		float64(v.produced)/secs, float64(v.inboxTaken)/secs, float64(v.tasksEnqueued)/secs)
 	fmt.Fprintf(w, "  outbox: %d events produced, %d lost, %d out of order, %d duplicate deliveries (at least once)\n",
 		v.produced, v.lost, len(v.outOfOrder), v.dups)
 	fmt.Fprintf(w, "  inbox: %d deliveries taken, %d applied, %d twice; tasks: %d enqueued, %d applied, %d twice\n",

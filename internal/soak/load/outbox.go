@@ -127,8 +127,8 @@ func StartProducer(pool *pgxpool.Pool, aggregates, perSecond int) *Producer {
 }
 
 func (p *Producer) run(ctx context.Context, pool *pgxpool.Pool, perSecond int) error {
-	pace := time.NewTicker(time.Second * producerBatch / time.Duration(perSecond))
-	defer pace.Stop()
+	every := time.Second * producerBatch / time.Duration(perSecond)
+	next := time.Now()
 	for batch := int64(0); ; batch++ {
 		g := batch * producerBatch
 		aggs, seqs := make([]int32, producerBatch), make([]int32, producerBatch)
@@ -152,10 +152,14 @@ func (p *Producer) run(ctx context.Context, pool *pgxpool.Pool, perSecond int) e
 			return nil // stopped
 		}
 		p.committed.Store(g + producerBatch)
-		select {
-		case <-ctx.Done():
+		// On schedule, catching up on a slow insert, but not on an
+		// outage: a second behind, the schedule starts again from now.
+		next = next.Add(every)
+		if behind := time.Since(next); behind > time.Second {
+			next = time.Now()
+		}
+		if !sleep(ctx, time.Until(next)) {
 			return nil
-		case <-pace.C:
 		}
 	}
 }
