@@ -136,7 +136,9 @@ func (s *Scheduler) attempt(e *entry) {
 	wait, prev, err := s.st.due(ctx, e.name, e.spec.Delay)
 	if err != nil {
 		if ctx.Err() == nil {
-			s.log.Error("job state check failed; will retry", "job", e.name, "error", err)
+			// A WARN, as a start not recorded is: it is retried, and a
+			// database that went away is said once (database unreachable).
+			s.log.Warn("job state check failed; will retry", "job", e.name, "error", err)
 			e.nextCheck = time.Now().Add(retryAfterError)
 		}
 		return

@@ -4,7 +4,9 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"log/slog"
+	"net"
 	"net/http"
 	"slices"
 	"strings"
@@ -12,6 +14,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/riverqueue/river"
@@ -277,8 +280,62 @@ func publishConfig(ctx context.Context, pool *pgxpool.Pool, cfg *Config, goKinds
 
 // warnAndAbove keeps River's own log lines at warning and above. River logs
 // every retry and discard at info, without the task's propagated context;
-// the observer logs those, with it.
+// the observer logs those, with it. River's ERRORs about a lost database
+// connection become WARNs: its services retry by themselves, and the
+// worker says once that the database is unreachable (one ERROR per
+// outage, not one per River service and attempt).
 type warnAndAbove struct{ slog.Handler }
+
+func (h warnAndAbove) Handle(ctx context.Context, r slog.Record) error {
+	if r.Level >= slog.LevelError && connectionLost(r) {
+		lowered := slog.NewRecord(r.Time, slog.LevelWarn, r.Message, r.PC)
+		r.Attrs(func(a slog.Attr) bool { lowered.AddAttrs(a); return true })
+		r = lowered
+	}
+	return h.Handler.Handle(ctx, r)
+}
+
+// connectionLost reports whether r's error (River's "err" or "error"
+// attribute, an error or its text) says the database connection failed or
+// was ended by the server: refused, reset, cut off, or a server shutting
+// down, starting up or ending sessions (SQLSTATE class 08 and 57P).
+func connectionLost(r slog.Record) bool {
+	lost := false
+	r.Attrs(func(a slog.Attr) bool {
+		if a.Key != "err" && a.Key != "error" {
+			return true
+		}
+		var text string
+		switch v := a.Value.Any().(type) {
+		case error:
+			var pgErr *pgconn.PgError
+			var netErr net.Error
+			if errors.As(v, &pgErr) {
+				lost = strings.HasPrefix(pgErr.Code, "08") || strings.HasPrefix(pgErr.Code, "57P")
+				return false
+			}
+			if errors.As(v, &netErr) || errors.Is(v, io.ErrUnexpectedEOF) || pgconn.Timeout(v) {
+				lost = true
+				return false
+			}
+			text = v.Error()
+		default:
+			text = a.Value.String()
+		}
+		for _, s := range lostConnection {
+			if strings.Contains(text, s) {
+				lost = true
+			}
+		}
+		return false
+	})
+	return lost
+}
+
+// lostConnection are the texts of pgx's errors for a failed or ended
+// connection, for an error River logs as text.
+var lostConnection = []string{"failed to connect to", "(SQLSTATE 08", "(SQLSTATE 57P", "unexpected EOF",
+	"connection reset by peer", "connection refused", "broken pipe", "conn closed"}
 
 func (h warnAndAbove) Enabled(ctx context.Context, l slog.Level) bool {
 	return l >= slog.LevelWarn && h.Handler.Enabled(ctx, l)
