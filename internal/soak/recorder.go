@@ -62,7 +62,7 @@ func (c *recorder) sample(ctx context.Context) error {
 	r := row{at: time.Since(c.began)}
 	for _, rep := range c.replicas {
 		r.rssMB = append(r.rssMB, rep.metric("process_resident_memory_bytes")/(1<<20))
-		r.goroutines = append(r.goroutines, rep.metric("go_goroutines"))
+		r.goroutines = append(r.goroutines, rep.floor("go_goroutines"))
 		r.conns = append(r.conns, float64(rep.dbConns()))
 		r.started = append(r.started, rep.startedAt.Sub(c.began))
 	}

@@ -143,6 +143,18 @@ func (r *replica) metric(name string) float64 {
 	return v
 }
 
+// floor is the least of five readings of name a fifth of a second apart:
+// goroutines come and go by the hundred with the work of the moment (a
+// burst of webhooks, a batch in flight), and a leak raises the floor.
+func (r *replica) floor(name string) float64 {
+	least := r.metric(name)
+	for range 4 {
+		time.Sleep(200 * time.Millisecond)
+		least = min(least, r.metric(name))
+	}
+	return least
+}
+
 // dbConns counts the process's open TCP connections to the database's
 // port: its pools, the readiness probe's, the leases' and the listeners',
 // whatever their application_name. Linux only (/proc).
