@@ -242,7 +242,7 @@ func (s *Scheduler) run(leaseCtx context.Context, e *entry, lease lock.Lease) {
 	e.nextCheck = time.Now().Add(e.spec.Delay - e.period)
 	switch {
 	case werr != nil:
-		log.Error("job end not recorded; the next holder will mark the run abandoned", "error", werr)
+		log.Log(context.Background(), lostLevel(werr), "job end not recorded; the next holder will mark the run abandoned", "error", werr)
 		// The row still says running, so the delay counts only from when
 		// a holder marks it abandoned. Look again at the next tick instead
 		// of delay - period from now, or the rest nearly doubles.
@@ -262,7 +262,7 @@ func (s *Scheduler) run(leaseCtx context.Context, e *entry, lease lock.Lease) {
 	case outcome == OutcomeCancelled:
 		level = slog.LevelWarn
 	case outcome != OutcomeSuccess:
-		level = slog.LevelError
+		level = lostLevel(err)
 	}
 	if err != nil {
 		attrs = append(attrs, "error", errText)
@@ -312,4 +312,14 @@ func classify(ctx context.Context, err error, panicked, committed bool) (outcome
 	default:
 		return OutcomeFailure, obs.CodeOf(err)
 	}
+}
+
+// lostLevel is ERROR, or WARN when err is the database connection lost:
+// the worker says once that the database is unreachable, and the next run
+// or holder recovers.
+func lostLevel(err error) slog.Level {
+	if obs.ConnectionLost(err) {
+		return slog.LevelWarn
+	}
+	return slog.LevelError
 }

@@ -4,9 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"io"
 	"log/slog"
-	"net"
 	"net/http"
 	"slices"
 	"strings"
@@ -14,12 +12,13 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/riverqueue/river"
 	"github.com/riverqueue/river/riverdriver/riverpgxv5"
 	"github.com/riverqueue/river/rivertype"
+
+	"github.com/worker-dev/worker/internal/obs"
 )
 
 // Options configure a Runtime.
@@ -296,46 +295,28 @@ func (h warnAndAbove) Handle(ctx context.Context, r slog.Record) error {
 }
 
 // connectionLost reports whether r's error (River's "err" or "error"
-// attribute, an error or its text) says the database connection failed or
-// was ended by the server: refused, reset, cut off, or a server shutting
-// down, starting up or ending sessions (SQLSTATE class 08 and 57P).
+// attribute, an error or its text) says the database connection was lost,
+// or r is the batch completer giving up after its retries, which only a
+// database that does not answer makes it do (its tasks are rescued after
+// tasks.rescue_after).
 func connectionLost(r slog.Record) bool {
+	if strings.HasSuffix(r.Message, "Too many errors; giving up") {
+		return true
+	}
 	lost := false
 	r.Attrs(func(a slog.Attr) bool {
 		if a.Key != "err" && a.Key != "error" {
 			return true
 		}
-		var text string
-		switch v := a.Value.Any().(type) {
-		case error:
-			var pgErr *pgconn.PgError
-			var netErr net.Error
-			if errors.As(v, &pgErr) {
-				lost = strings.HasPrefix(pgErr.Code, "08") || strings.HasPrefix(pgErr.Code, "57P")
-				return false
-			}
-			if errors.As(v, &netErr) || errors.Is(v, io.ErrUnexpectedEOF) || pgconn.Timeout(v) {
-				lost = true
-				return false
-			}
-			text = v.Error()
-		default:
-			text = a.Value.String()
-		}
-		for _, s := range lostConnection {
-			if strings.Contains(text, s) {
-				lost = true
-			}
+		if err, ok := a.Value.Any().(error); ok {
+			lost = obs.ConnectionLost(err)
+		} else {
+			lost = obs.ConnectionLostText(a.Value.String())
 		}
 		return false
 	})
 	return lost
 }
-
-// lostConnection are the texts of pgx's errors for a failed or ended
-// connection, for an error River logs as text.
-var lostConnection = []string{"failed to connect to", "(SQLSTATE 08", "(SQLSTATE 57P", "unexpected EOF",
-	"connection reset by peer", "connection refused", "broken pipe", "conn closed"}
 
 func (h warnAndAbove) Enabled(ctx context.Context, l slog.Level) bool {
 	return l >= slog.LevelWarn && h.Handler.Enabled(ctx, l)
