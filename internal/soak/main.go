@@ -126,6 +126,9 @@ func run(ctx context.Context, d time.Duration, out string) (bool, error) {
 			return false, err
 		}
 		defer r.kill()
+		stopWatch := make(chan struct{})
+		defer close(stopWatch)
+		go r.watchGoroutines(stopWatch)
 	}
 	prod := load.StartProducer(pool, aggregates, eventsPerSec)
 	send := load.StartSender(hooks, key, inboxPerSec)
@@ -161,7 +164,9 @@ loop:
 					return false, fmt.Errorf("replica-%d exited by itself (see %s)", r.i, r.logPath)
 				}
 			}
-			if time.Now().After(nextRestart) {
+			// Not in the last minute: a replica restarted then would be
+			// judged on no sample.
+			if time.Now().After(nextRestart) && time.Until(began.Add(d)) > sampleEvery {
 				r := rs[turn%len(rs)]
 				fmt.Fprintf(os.Stderr, "soak: %s: restarting replica-%d\n", time.Since(began).Round(time.Second), r.i)
 				if err := r.restart(); err != nil {

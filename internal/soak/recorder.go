@@ -61,8 +61,9 @@ func (c *recorder) close() {
 func (c *recorder) sample(ctx context.Context) error {
 	r := row{at: time.Since(c.began)}
 	for _, rep := range c.replicas {
-		r.rssMB = append(r.rssMB, rep.metric("process_resident_memory_bytes")/(1<<20))
-		r.goroutines = append(r.goroutines, rep.floor("go_goroutines"))
+		rss, _ := rep.metric("process_resident_memory_bytes")
+		r.rssMB = append(r.rssMB, rss/(1<<20))
+		r.goroutines = append(r.goroutines, rep.floor())
 		r.conns = append(r.conns, float64(rep.dbConns()))
 		r.started = append(r.started, rep.startedAt.Sub(c.began))
 	}
@@ -157,7 +158,7 @@ func (c *recorder) growth(d time.Duration) []growth {
 			g.from, g.to, g.judged = v(*first), v(*last), true
 			g.fromMinute = int(first.at.Round(time.Minute) / time.Minute)
 		} else if g.note == "" {
-			g.note = "fewer than two samples in the window"
+			g.note = fmt.Sprintf("not judged: fewer than two samples from minute %.0f on", start.Minutes())
 		}
 		out = append(out, g)
 	}
@@ -169,13 +170,9 @@ func (c *recorder) growth(d time.Duration) []growth {
 		judge(fmt.Sprintf("db_conns_%d", i), start, func(r row) float64 { return r.conns[i] }, "")
 	}
 	judge("outbox_backlog", from, func(r row) float64 { return r.backlog }, "")
-	steady := retention + 2*partitionEvery
-	note := ""
-	if from < steady {
-		note = fmt.Sprintf("not judged: the window starts before retention (%s) has come round", retention)
-	}
-	judge("partitions", max(from, steady), func(r row) float64 { return r.partitions }, note)
-	judge("tables_mb", max(from, steady), func(r row) float64 { return r.tableMB }, note)
-	judge("indexes_mb", max(from, steady), func(r row) float64 { return r.indexMB }, note)
+	steady := max(from, retention+2*partitionEvery)
+	judge("partitions", steady, func(r row) float64 { return r.partitions }, "")
+	judge("tables_mb", steady, func(r row) float64 { return r.tableMB }, "")
+	judge("indexes_mb", steady, func(r row) float64 { return r.indexMB }, "")
 	return out
 }

@@ -12,6 +12,7 @@ import (
 	"regexp"
 	"strconv"
 	"strings"
+	"sync"
 	"syscall"
 	"time"
 
@@ -28,6 +29,9 @@ type replica struct {
 	done               chan struct{}
 	startedAt          time.Time
 	dbPort             int
+
+	mu    sync.Mutex
+	least float64 // go_goroutines' least reading since the last floor; 0 for none
 }
 
 func newReplica(i int, bin, dir, dbURL, sinkURL string, key []byte) (*replica, error) {
@@ -133,26 +137,46 @@ func (r *replica) get(path string) (int, string) {
 }
 
 // metric reads one unlabelled series from the ops port's /metrics.
-func (r *replica) metric(name string) float64 {
+func (r *replica) metric(name string) (float64, bool) {
 	_, body := r.get("/metrics")
 	m := regexp.MustCompile(`(?m)^` + regexp.QuoteMeta(name) + ` (\S+)$`).FindStringSubmatch(body)
 	if m == nil {
-		return 0
+		return 0, false
 	}
-	v, _ := strconv.ParseFloat(m[1], 64)
-	return v
+	v, err := strconv.ParseFloat(m[1], 64)
+	return v, err == nil
 }
 
-// floor is the least of five readings of name a fifth of a second apart:
-// goroutines come and go by the hundred with the work of the moment (a
-// burst of webhooks, a batch in flight), and a leak raises the floor.
-func (r *replica) floor(name string) float64 {
-	least := r.metric(name)
-	for range 4 {
-		time.Sleep(200 * time.Millisecond)
-		least = min(least, r.metric(name))
+// watchGoroutines reads go_goroutines every 2 s until stop, keeping the
+// least reading since the last floor: goroutines come and go by the
+// hundred with the work of the moment (a burst of webhooks, a batch in
+// flight), and a leak raises the floor.
+func (r *replica) watchGoroutines(stop <-chan struct{}) {
+	t := time.NewTicker(2 * time.Second)
+	defer t.Stop()
+	for {
+		select {
+		case <-stop:
+			return
+		case <-t.C:
+		}
+		if v, ok := r.metric("go_goroutines"); ok {
+			r.mu.Lock()
+			if r.least == 0 || v < r.least {
+				r.least = v
+			}
+			r.mu.Unlock()
+		}
 	}
-	return least
+}
+
+// floor is the least goroutine count read since the last call.
+func (r *replica) floor() float64 {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	v := r.least
+	r.least = 0
+	return v
 }
 
 // dbConns counts the process's open TCP connections to the database's
