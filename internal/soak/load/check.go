@@ -11,8 +11,8 @@ import (
 
 // Counts is what the database shows of the exactly-once work.
 type Counts struct {
-	InboxApplied, InboxDoubled, InboxMissing int // of the deliveries taken
-	TaskApplied, TaskDoubled, TaskMissing    int // of the tasks enqueued
+	InboxApplied, InboxDoubled, InboxMissing int // applied of the deliveries taken; doubled of all
+	TaskApplied, TaskDoubled, TaskMissing    int // applied of the tasks enqueued; doubled of all
 	JobRuns                                  int // committed runs of the sql job
 	JobTokenTwice                            int // tokens with more than one committed run
 	JobOverlaps                              int // runs that committed after a later token's run started
@@ -23,10 +23,10 @@ type Counts struct {
 func Applied(ctx context.Context, pool *pgxpool.Pool, inboxSent, tasksSent int) (Counts, error) {
 	var c Counts
 	err := pool.QueryRow(ctx, `SELECT
-		(SELECT count(DISTINCT id) FROM load_inbox_applied),
+		(SELECT count(DISTINCT id) FROM load_inbox_applied WHERE substr(id, 4)::bigint < $1),
 		(SELECT count(*) - count(DISTINCT id) FROM load_inbox_applied),
 		(SELECT count(*) FROM generate_series(0, $1 - 1) k WHERE NOT EXISTS (SELECT 1 FROM load_inbox_applied WHERE id = 'in-' || k)),
-		(SELECT count(DISTINCT n) FROM load_task_effect),
+		(SELECT count(DISTINCT n) FROM load_task_effect WHERE n < $2),
 		(SELECT count(*) - count(DISTINCT n) FROM load_task_effect),
 		(SELECT count(*) FROM load_task_sent s WHERE s.n < $2 AND NOT EXISTS (SELECT 1 FROM load_task_effect e WHERE e.n = s.n))`,
 		inboxSent, tasksSent).Scan(&c.InboxApplied, &c.InboxDoubled, &c.InboxMissing, &c.TaskApplied, &c.TaskDoubled, &c.TaskMissing)
