@@ -136,9 +136,7 @@ func (s *Scheduler) attempt(e *entry) {
 	wait, prev, err := s.st.due(ctx, e.name, e.spec.Delay)
 	if err != nil {
 		if ctx.Err() == nil {
-			// A WARN, as a start not recorded is: it is retried, and a
-			// database that went away is said once (database unreachable).
-			s.log.Warn("job state check failed; will retry", "job", e.name, "error", err)
+			s.log.Log(context.Background(), lostLevel(err), "job state check failed; will retry", "job", e.name, "error", err)
 			e.nextCheck = time.Now().Add(retryAfterError)
 		}
 		return
@@ -202,9 +200,7 @@ func (s *Scheduler) run(leaseCtx context.Context, e *entry, lease lock.Lease) {
 	log := s.log.With("job", e.name, "run_id", runID, "fencing_token", token)
 	ok, err := s.st.start(leaseCtx, e.name, e.spec.Delay, s.opts.InstanceID, token, runID)
 	if err != nil {
-		// A WARN: what stops the start is the database, and the worker
-		// says so once (database unreachable); the scheduler tries again.
-		log.Warn("job start not recorded; run skipped", "error", err)
+		log.Log(context.Background(), lostLevel(err), "job start not recorded; run skipped", "error", err)
 		e.nextCheck = time.Now().Add(retryAfterError)
 		return
 	}
