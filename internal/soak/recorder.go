@@ -129,9 +129,9 @@ func slack(name string) float64 {
 	return 0
 }
 
-// growth compares, for each resource, its first sample in the window
+// growth compares, for each resource, its first samples in the window
 // (from minute 10, or the midpoint of a run of 20 minutes or less) with
-// its last. A replica's figures count from a minute after its last start,
+// its last ones. A replica's figures count from a minute after its last start,
 // when its pools and caches have filled; the table sizes and the partition
 // count only once retention has come round (they grow until then by
 // design).
@@ -143,20 +143,26 @@ func (c *recorder) growth(d time.Duration) []growth {
 	var out []growth
 	judge := func(name string, start time.Duration, v func(row) float64, note string) {
 		g := growth{name: name, note: note}
-		var first, last *row
-		for i := range c.rows {
-			r := &c.rows[i]
-			if r.at+time.Second < start {
-				continue
+		var in []row
+		for _, r := range c.rows {
+			if r.at+time.Second >= start {
+				in = append(in, r)
 			}
-			if first == nil {
-				first = r
-			}
-			last = r
 		}
-		if first != nil && last != first && note == "" {
-			g.from, g.to, g.judged = v(*first), v(*last), true
-			g.fromMinute = int(first.at.Round(time.Minute) / time.Minute)
+		// The least of the first k samples against the least of the last
+		// k (k up to 3): a level that moves with the work of the moment
+		// (idle connections of a client, a backlog) is not a leak, and a
+		// leak raises the floor.
+		floor := func(rows []row) float64 {
+			least := v(rows[0])
+			for _, r := range rows[1:] {
+				least = min(least, v(r))
+			}
+			return least
+		}
+		if k := min(3, len(in)/2); k > 0 && note == "" {
+			g.from, g.to, g.judged = floor(in[:k]), floor(in[len(in)-k:]), true
+			g.fromMinute = int(in[0].at.Round(time.Minute) / time.Minute)
 		} else if g.note == "" {
 			g.note = fmt.Sprintf("not judged: fewer than two samples from minute %.0f on", start.Minutes())
 		}

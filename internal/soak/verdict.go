@@ -52,7 +52,7 @@ func (v verdict) print(w io.Writer) bool {
 				mark = "GREW"
 				failed = append(failed, fmt.Sprintf("%s grew from %.1f to %.1f", g.name, g.from, g.to))
 			}
-			fmt.Fprintf(w, "    %-16s minute %d: %.1f, end: %.1f (%+.1f%%) %s\n", g.name, g.fromMinute, g.from, g.to, change, mark)
+			fmt.Fprintf(w, "    %-16s from minute %d: %.1f, at the end: %.1f (%+.1f%%) %s\n", g.name, g.fromMinute, g.from, g.to, change, mark)
 		}
 	}
 	if len(failed) > 0 {
