@@ -136,7 +136,7 @@ func (s *Scheduler) attempt(e *entry) {
 	wait, prev, err := s.st.due(ctx, e.name, e.spec.Delay)
 	if err != nil {
 		if ctx.Err() == nil {
-			s.log.Error("job state check failed; will retry", "job", e.name, "error", err)
+			s.log.Log(context.Background(), lostLevel(err), "job state check failed; will retry", "job", e.name, "error", err)
 			e.nextCheck = time.Now().Add(retryAfterError)
 		}
 		return
@@ -200,7 +200,7 @@ func (s *Scheduler) run(leaseCtx context.Context, e *entry, lease lock.Lease) {
 	log := s.log.With("job", e.name, "run_id", runID, "fencing_token", token)
 	ok, err := s.st.start(leaseCtx, e.name, e.spec.Delay, s.opts.InstanceID, token, runID)
 	if err != nil {
-		log.Error("job start not recorded; run skipped", "error", err)
+		log.Log(context.Background(), lostLevel(err), "job start not recorded; run skipped", "error", err)
 		e.nextCheck = time.Now().Add(retryAfterError)
 		return
 	}
@@ -238,7 +238,7 @@ func (s *Scheduler) run(leaseCtx context.Context, e *entry, lease lock.Lease) {
 	e.nextCheck = time.Now().Add(e.spec.Delay - e.period)
 	switch {
 	case werr != nil:
-		log.Error("job end not recorded; the next holder will mark the run abandoned", "error", werr)
+		log.Log(context.Background(), lostLevel(werr), "job end not recorded; the next holder will mark the run abandoned", "error", werr)
 		// The row still says running, so the delay counts only from when
 		// a holder marks it abandoned. Look again at the next tick instead
 		// of delay - period from now, or the rest nearly doubles.
@@ -258,7 +258,7 @@ func (s *Scheduler) run(leaseCtx context.Context, e *entry, lease lock.Lease) {
 	case outcome == OutcomeCancelled:
 		level = slog.LevelWarn
 	case outcome != OutcomeSuccess:
-		level = slog.LevelError
+		level = lostLevel(err)
 	}
 	if err != nil {
 		attrs = append(attrs, "error", errText)
@@ -308,4 +308,14 @@ func classify(ctx context.Context, err error, panicked, committed bool) (outcome
 	default:
 		return OutcomeFailure, obs.CodeOf(err)
 	}
+}
+
+// lostLevel is ERROR, or WARN when err is the database connection lost:
+// the worker says once that the database is unreachable, and the next run
+// or holder recovers.
+func lostLevel(err error) slog.Level {
+	if obs.ConnectionLost(err) {
+		return slog.LevelWarn
+	}
+	return slog.LevelError
 }

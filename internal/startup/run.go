@@ -137,6 +137,9 @@ func (runCmd) Run(e *cmdEnv) error {
 			return migrateError(cfg, err)
 		}
 	}
+	dbh := &dbHealth{pool: probePool, log: log}
+	_ = dbh.Start(ctx)
+	defer func() { _ = dbh.Shutdown(context.Background()) }()
 	schema := &schemaGuard{pool: probePool, log: log}
 	schema.start()
 	defer schema.shutdown()

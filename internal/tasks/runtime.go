@@ -17,6 +17,8 @@ import (
 	"github.com/riverqueue/river"
 	"github.com/riverqueue/river/riverdriver/riverpgxv5"
 	"github.com/riverqueue/river/rivertype"
+
+	"github.com/worker-dev/worker/internal/obs"
 )
 
 // Options configure a Runtime.
@@ -277,8 +279,44 @@ func publishConfig(ctx context.Context, pool *pgxpool.Pool, cfg *Config, goKinds
 
 // warnAndAbove keeps River's own log lines at warning and above. River logs
 // every retry and discard at info, without the task's propagated context;
-// the observer logs those, with it.
+// the observer logs those, with it. River's ERRORs about a lost database
+// connection become WARNs: its services retry by themselves, and the
+// worker says once that the database is unreachable (one ERROR per
+// outage, not one per River service and attempt).
 type warnAndAbove struct{ slog.Handler }
+
+func (h warnAndAbove) Handle(ctx context.Context, r slog.Record) error {
+	if r.Level >= slog.LevelError && connectionLost(r) {
+		lowered := slog.NewRecord(r.Time, slog.LevelWarn, r.Message, r.PC)
+		r.Attrs(func(a slog.Attr) bool { lowered.AddAttrs(a); return true })
+		r = lowered
+	}
+	return h.Handler.Handle(ctx, r)
+}
+
+// connectionLost reports whether r's error (River's "err" or "error"
+// attribute, an error or its text) says the database connection was lost,
+// or r is the batch completer giving up after its retries, which only a
+// database that does not answer makes it do (its tasks are rescued after
+// tasks.rescue_after).
+func connectionLost(r slog.Record) bool {
+	if strings.HasSuffix(r.Message, "Too many errors; giving up") {
+		return true
+	}
+	lost := false
+	r.Attrs(func(a slog.Attr) bool {
+		if a.Key != "err" && a.Key != "error" {
+			return true
+		}
+		if err, ok := a.Value.Any().(error); ok {
+			lost = obs.ConnectionLost(err)
+		} else {
+			lost = obs.ConnectionLostText(a.Value.String())
+		}
+		return false
+	})
+	return lost
+}
 
 func (h warnAndAbove) Enabled(ctx context.Context, l slog.Level) bool {
 	return l >= slog.LevelWarn && h.Handler.Enabled(ctx, l)
