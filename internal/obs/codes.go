@@ -23,6 +23,9 @@ const (
 	// answer: no job takes its lease. Logged once when the outage has
 	// lasted a lease ttl; retried by itself until it ends.
 	CodeLockProviderUnavailable = "LOCK_PROVIDER_UNAVAILABLE"
+	// PostgreSQL does not answer a new connection: nothing works until it
+	// does. Logged once an outage; every part resumes by itself.
+	CodeDatabaseUnavailable = "DATABASE_UNAVAILABLE"
 )
 
 // Coded is implemented by errors that carry one of the codes above.

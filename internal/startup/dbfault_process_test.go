@@ -132,6 +132,11 @@ func TestDatabaseFaults(t *testing.T) {
 		if len(errs) != len(down) {
 			t.Errorf("%s: ERROR lines %q; want only the database's, one per outage", replicaID(i), errs)
 		}
+		for _, l := range down {
+			if l["level"] != "ERROR" || l["error.code"] != "DATABASE_UNAVAILABLE" {
+				t.Errorf("%s: outage line %v; want an ERROR with error.code DATABASE_UNAVAILABLE", replicaID(i), l)
+			}
+		}
 	}
 }
 

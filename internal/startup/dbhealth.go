@@ -7,6 +7,8 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/worker-dev/worker/internal/obs"
 )
 
 // dbHealthEvery is how often dbHealth pings the database, and
@@ -75,7 +77,7 @@ func (h *dbHealth) run(ctx context.Context) {
 		case err != nil && downSince.IsZero():
 			downSince = time.Now()
 			h.log.Error("database unreachable; jobs, the outbox, the inbox and tasks wait for it and resume by themselves when it answers",
-				"error", err)
+				"error.code", obs.CodeDatabaseUnavailable, "error", err)
 		}
 		select {
 		case <-ctx.Done():
