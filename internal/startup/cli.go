@@ -155,7 +155,7 @@ func (configPrintCmd) Run(e *cmdEnv) error {
 		return err
 	}
 	warnMisspeltEnv(log, cfg)
-	return PrintConfig(e.Stdout, cfg)
+	return printConfig(e, cfg)
 }
 
 type jobsListCmd struct{ outputFlag }

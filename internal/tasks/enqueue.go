@@ -63,7 +63,8 @@ const rejectedState = "WK001"
 // inserter is an insert-only River client: no pool, no workers. InsertTx
 // runs on the caller's transaction.
 var inserter = sync.OnceValues(func() (*river.Client[pgx.Tx], error) {
-	return river.NewClient(riverpgxv5.New(nil), &river.Config{Logger: slog.New(slog.DiscardHandler)})
+	return river.NewClient(riverpgxv5.New(nil), &river.Config{Logger: slog.New(slog.DiscardHandler),
+		Middleware: []rivertype.Middleware{insertTracing()}})
 })
 
 // Enqueue inserts a task in the caller's transaction, through River's
@@ -98,7 +99,7 @@ func Enqueue(ctx context.Context, tx pgx.Tx, args river.JobArgs, opts *river.Ins
 		}
 		return nil, err
 	}
-	if o.Metadata, err = MetaFrom(ctx).mergeInto(o.Metadata); err != nil {
+	if o.Metadata, err = MetaFrom(ctx).traced(ctx).mergeInto(o.Metadata); err != nil {
 		return nil, err
 	}
 	return client.InsertTx(ctx, tx, args, &o)
