@@ -168,7 +168,9 @@ func (h traceHandler) WithAttrs(as []slog.Attr) slog.Handler {
 	return traceHandler{h.Handler.WithAttrs(as)}
 }
 
-func (h traceHandler) WithGroup(name string) slog.Handler { return traceHandler{h.Handler.WithGroup(name)} }
+func (h traceHandler) WithGroup(name string) slog.Handler {
+	return traceHandler{h.Handler.WithGroup(name)}
+}
 
 type ctxKey struct{}
 
