@@ -250,7 +250,7 @@ func (s *Scheduler) run(leaseCtx context.Context, e *entry, lease lock.Lease) {
 	}
 
 	s.m.count(e.name, outcome)
-	s.m.duration.WithLabelValues(e.name).Observe(elapsed.Seconds())
+	obs.ObserveCtx(ctx, s.m.duration.WithLabelValues(e.name), elapsed.Seconds())
 	if outcome == OutcomeSuccess {
 		s.m.lastSuccess.WithLabelValues(e.name).Set(float64(time.Now().UnixNano()) / 1e9)
 	}

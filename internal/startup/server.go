@@ -154,7 +154,10 @@ func newOpsServer(addr string, reg *prometheus.Registry, ready *readiness, ui ht
 	if ui != nil {
 		mux.Handle(uiPrefix+"/", ui)
 	}
-	mux.Handle("GET /metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{Registry: reg, MaxRequestsInFlight: opsMaxScrapes}))
+	// OpenMetrics, to a scraper that asks for it, carries the duration
+	// histograms' exemplars: the trace ids of traced runs.
+	mux.Handle("GET /metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{Registry: reg, MaxRequestsInFlight: opsMaxScrapes,
+		EnableOpenMetrics: true}))
 	mux.HandleFunc("GET /livez", func(w http.ResponseWriter, _ *http.Request) {
 		_, _ = w.Write([]byte("ok\n"))
 	})

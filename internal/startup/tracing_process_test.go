@@ -4,6 +4,9 @@ import (
 	"bytes"
 	"encoding/hex"
 	"fmt"
+	"io"
+	"net/http"
+	"regexp"
 	"strings"
 	"syscall"
 	"testing"
@@ -24,7 +27,8 @@ import (
 // it back from the broker (a CONSUMER span, the publish span its parent:
 // the message carried the publish span's context), the inbox's river
 // handler enqueues a task (otelriver's insert span, the consumer span its
-// parent) and the task runs (a CONSUMER span under the insert span). A
+// parent) and the task runs (a CONSUMER span under the insert span); the
+// producer's tracestate reaches the inbox through each binding. A
 // job run's span arrives too. The receiver decodes OTLP itself; the NATS
 // run exports over gRPC, the others over HTTP.
 func TestTracingThroughEachBroker(t *testing.T) {
@@ -94,7 +98,7 @@ jobs:
 			// The producer's transaction, inside its own span.
 			traceID, producerSpan := "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
 			if _, err := db.Pool.Exec(t.Context(), `INSERT INTO outbox_event (aggregate_type, aggregate_id, event_type, payload, headers)
-				VALUES ('order', '42', 'order.paid', '{"amount": 7}', jsonb_build_object('traceparent', $1::text))`,
+				VALUES ('order', '42', 'order.paid', '{"amount": 7}', jsonb_build_object('traceparent', $1::text, 'tracestate', 'shop=t61rcWkgMzE'))`,
 				"00-"+traceID+"-"+producerSpan+"-01"); err != nil {
 				t.Fatal(err)
 			}
@@ -117,6 +121,26 @@ jobs:
 				return s.GetName() == "job tick" && len(s.GetParentSpanId()) == 0 && hasAttr(s, "worker.job.outcome", "success") &&
 					hasAttr(s, "worker.job.name", "tick")
 			})
+			// The job duration histogram links to the run's trace.
+			req, err := http.NewRequestWithContext(t.Context(), http.MethodGet, "http://"+p.addr+"/metrics", nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			req.Header.Set("Accept", "application/openmetrics-text; version=1.0.0")
+			resp, err := http.DefaultClient.Do(req)
+			if err != nil {
+				t.Fatal(err)
+			}
+			metrics, _ := io.ReadAll(resp.Body)
+			resp.Body.Close()
+			if !regexp.MustCompile(`job_duration_seconds_bucket\{job_name="tick",le="[^"]+"\} \d+ # \{trace_id="[0-9a-f]{32}"\}`).Match(metrics) {
+				t.Errorf("no job_duration_seconds exemplar with a trace_id in the OpenMetrics exposition")
+			}
+			// tracestate travels too: the publish span inherits the
+			// producer's, and the consumer reads it from the message.
+			if got := process.GetTraceState(); got != "shop=t61rcWkgMzE" {
+				t.Errorf("the inbox span's tracestate is %q, want the producer's shop=t61rcWkgMzE", got)
+			}
 			if !hasAttr(process, "messaging.system", b.name) || !hasAttr(publish, "messaging.system", b.name) {
 				t.Errorf("messaging.system: publish %v, process %v; want %s", publish.GetAttributes(), process.GetAttributes(), b.name)
 			}

@@ -92,7 +92,7 @@ func classify(ctx, runCtx context.Context, err error) string {
 func (o *observer) report(ctx, runCtx context.Context, log *slog.Logger, job *rivertype.JobRow, err error, timeout, took time.Duration) {
 	outcome := classify(ctx, runCtx, err)
 	o.m.runs.WithLabelValues(job.Kind, outcome).Inc()
-	o.m.duration.WithLabelValues(job.Kind).Observe(took.Seconds())
+	obs.ObserveCtx(ctx, o.m.duration.WithLabelValues(job.Kind), took.Seconds())
 	log = log.With("outcome", outcome, "duration_ms", took.Milliseconds())
 	switch outcome {
 	case OutcomeSuccess:
