@@ -235,3 +235,36 @@ func hasAttr(s *tracepb.Span, key, value string) bool {
 	}
 	return false
 }
+
+// config print ends with the tracing the OTEL_* variables put in force,
+// and a value the worker does not know stops it with exit 78, naming the
+// variable.
+func TestTracingConfigPrint(t *testing.T) {
+	t.Parallel()
+	for _, c := range []struct {
+		name string
+		env  []string
+		code int
+		want string
+	}{
+		{"default", nil, 0, "# tracing (OTEL_* variables): off (no OTEL_TRACES_EXPORTER nor OTLP endpoint set)\n"},
+		{"endpoint", []string{"OTEL_EXPORTER_OTLP_ENDPOINT=http://collector:4317", "OTEL_EXPORTER_OTLP_PROTOCOL=grpc"}, 0,
+			"# tracing (OTEL_* variables): on: exporter=otlp protocol=grpc endpoint=http://collector:4317 sampler=parentbased_always_on\n"},
+		{"disabled", []string{"OTEL_EXPORTER_OTLP_ENDPOINT=http://collector:4318", "OTEL_SDK_DISABLED=true"}, 0,
+			"# tracing (OTEL_* variables): off (OTEL_SDK_DISABLED=true)\n"},
+		{"unknown exporter", []string{"OTEL_TRACES_EXPORTER=zipkin"}, 78, `OTEL_TRACES_EXPORTER=\"zipkin\": want otlp or none`},
+		{"unknown sampler", []string{"OTEL_TRACES_EXPORTER=otlp", "OTEL_TRACES_SAMPLER=sometimes"}, 78, `OTEL_TRACES_SAMPLER=\"sometimes\"`},
+		{"unknown protocol", []string{"OTEL_TRACES_EXPORTER=otlp", "OTEL_EXPORTER_OTLP_PROTOCOL=http/json"}, 78, `OTEL_EXPORTER_OTLP_PROTOCOL=\"http/json\"`},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			t.Parallel()
+			code, stdout, stderr := runCLI(t, append([]string{writeConfig(t, "{}\n")}, c.env...), "config", "print")
+			if code != c.code {
+				t.Fatalf("exit %d, want %d\n%s%s", code, c.code, stdout, stderr)
+			}
+			if !strings.Contains(stdout+stderr, c.want) {
+				t.Errorf("output lacks %q:\n%s%s", c.want, stdout, stderr)
+			}
+		})
+	}
+}
