@@ -67,3 +67,16 @@ func TestRead(t *testing.T) {
 		}
 	}
 }
+
+// Describe masks an endpoint's credentials, as the logs do.
+func TestDescribeMasksTheEndpoint(t *testing.T) {
+	s, err := Read(func(k string) string {
+		return map[string]string{"OTEL_EXPORTER_OTLP_ENDPOINT": "https://user:secret@collector:4318"}[k]
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if d := s.Describe(); d != "on: exporter=otlp protocol=http/protobuf endpoint=https://xxxxx@collector:4318 sampler=parentbased_always_on" {
+		t.Errorf("Describe: %s", d)
+	}
+}

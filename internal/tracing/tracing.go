@@ -29,6 +29,8 @@ import (
 	"go.opentelemetry.io/otel/sdk/resource"
 	sdktrace "go.opentelemetry.io/otel/sdk/trace"
 	"go.opentelemetry.io/otel/trace"
+
+	"github.com/worker-dev/worker/internal/obs"
 )
 
 // The variables this package decides on itself; the SDK and the OTLP
@@ -106,13 +108,13 @@ func Read(getenv func(string) string) (Settings, error) {
 }
 
 // Describe is one line saying what is in force, for config print and the
-// startup line.
+// startup line. The endpoint's credentials are masked, as everywhere.
 func (s Settings) Describe() string {
 	if !s.On {
 		return "off (" + s.Why + ")"
 	}
 	return fmt.Sprintf("on: exporter=otlp protocol=%s endpoint=%s sampler=%s", s.Protocol,
-		first(s.Endpoint, "<exporter default>"), first(s.Sampler, "parentbased_always_on"))
+		obs.MaskDSN(first(s.Endpoint, "<exporter default>")), first(s.Sampler, "parentbased_always_on"))
 }
 
 // Setup builds the tracer provider s asks for and installs it as the
