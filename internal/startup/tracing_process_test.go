@@ -236,6 +236,37 @@ func hasAttr(s *tracepb.Span, key, value string) bool {
 	return false
 }
 
+// The river sink: the task the relay writes for an event runs in a span
+// under the event's publish span, itself under the producer's span.
+func TestTracingThroughTheRiverSink(t *testing.T) {
+	t.Parallel()
+	rcv := startOTLPReceiver(t)
+	db := pgtest.New(t)
+	cfg := writeConfig(t, `outbox:
+  sink: river
+  river:
+    routes: {"*": ship}
+tasks:
+  kinds:
+    - {name: ship, type: sql, sql: SELECT 1}
+`)
+	p := startWorker(t, []string{"APP_DATABASE_URL=" + db.URL, cfg,
+		"OTEL_EXPORTER_OTLP_ENDPOINT=" + rcv.httpURL, "OTEL_BSP_SCHEDULE_DELAY=100"})
+	p.waitReady(t, 30*time.Second)
+	traceID, producerSpan := "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+	if _, err := db.Pool.Exec(t.Context(), `INSERT INTO outbox_event (aggregate_type, aggregate_id, event_type, payload, headers)
+		VALUES ('order', '42', 'order.paid', '{}', jsonb_build_object('traceparent', $1::text))`, "00-"+traceID+"-"+producerSpan+"-01"); err != nil {
+		t.Fatal(err)
+	}
+	parent, _ := hex.DecodeString(producerSpan)
+	publish := rcv.waitSpan(t, "relay publish, child of the producer's span", 30*time.Second, func(s *tracepb.Span) bool {
+		return s.GetKind() == tracepb.Span_SPAN_KIND_PRODUCER && bytes.Equal(s.GetParentSpanId(), parent) && hasAttr(s, "messaging.system", "river")
+	})
+	rcv.waitSpan(t, "task run, child of the publish span", 30*time.Second, func(s *tracepb.Span) bool {
+		return s.GetName() == "process ship" && hex.EncodeToString(s.GetTraceId()) == traceID && bytes.Equal(s.GetParentSpanId(), publish.GetSpanId())
+	})
+}
+
 // config print ends with the tracing the OTEL_* variables put in force,
 // and a value the worker does not know stops it with exit 78, naming the
 // variable.

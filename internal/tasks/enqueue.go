@@ -61,10 +61,18 @@ func CheckKindName(name string) error {
 const rejectedState = "WK001"
 
 // inserter is an insert-only River client: no pool, no workers. InsertTx
-// runs on the caller's transaction.
+// runs on the caller's transaction. An enqueue through it is traced
+// (insertTracing).
 var inserter = sync.OnceValues(func() (*river.Client[pgx.Tx], error) {
 	return river.NewClient(riverpgxv5.New(nil), &river.Config{Logger: slog.New(slog.DiscardHandler),
 		Middleware: []rivertype.Middleware{insertTracing()}})
+})
+
+// sinkInserter is inserter without tracing, for the river outbox sink:
+// each task's metadata already carries its event's publish span, which an
+// insert span of the whole batch would replace.
+var sinkInserter = sync.OnceValues(func() (*river.Client[pgx.Tx], error) {
+	return river.NewClient(riverpgxv5.New(nil), &river.Config{Logger: slog.New(slog.DiscardHandler)})
 })
 
 // Enqueue inserts a task in the caller's transaction, through River's

@@ -120,7 +120,7 @@ func (s *OutboxSink) PublishTx(ctx context.Context, tx pgx.Tx, events []outbox.E
 	if len(params) == 0 {
 		return errs, nil
 	}
-	client, err := inserter()
+	client, err := sinkInserter()
 	if err != nil {
 		return nil, err
 	}
