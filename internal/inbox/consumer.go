@@ -20,6 +20,7 @@ import (
 // several goroutines at once (webhook requests); each call owns its batch.
 type Consumer struct {
 	name    string
+	kind    string // the source's kind: nats, rabbitmq, kafka, webhook
 	pool    *pgxpool.Pool
 	handler Handler
 	key     KeySpec
@@ -62,7 +63,7 @@ func NewConsumer(pool *pgxpool.Pool, src SourceConfig, cfg Config, h Handler, ow
 	log = log.With("inbox_source", src.Name)
 	m.initSource(src.Name)
 	return &Consumer{
-		name: src.Name, pool: pool, handler: h, key: key, cfg: cfg, owner: owner, log: log, m: m,
+		name: src.Name, kind: src.Kind, pool: pool, handler: h, key: key, cfg: cfg, owner: owner, log: log, m: m,
 		health:      newHealth(src.Name, log, m),
 		external:    src.Effects == EffectsExternal,
 		lanes:       max(src.Concurrency, 1),

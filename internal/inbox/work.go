@@ -8,8 +8,10 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/worker-dev/worker/internal/obs"
+	"github.com/worker-dev/worker/internal/tracing"
 )
 
 // round runs the work of claims once: every message's handler in one work
@@ -215,10 +217,15 @@ func (b *batchState) workEach(ctx context.Context, tx pgx.Tx, run []*claim, isol
 			continue
 		}
 		m.Attempt = cl.attempts + 1
+		hctx, span := c.startProcess(ctx, m)
 		var herr error
 		if isolate {
-			herr = pgx.BeginFunc(ctx, tx, func(sp pgx.Tx) error { return c.handler.Handle(ctx, sp, m) })
-		} else if herr = c.handler.Handle(ctx, tx, m); herr != nil {
+			herr = pgx.BeginFunc(hctx, tx, func(sp pgx.Tx) error { return c.handler.Handle(hctx, sp, m) })
+		} else {
+			herr = c.handler.Handle(hctx, tx, m)
+		}
+		tracing.End(span, herr)
+		if herr != nil && !isolate {
 			return &handlerFailure{herr}
 		}
 		if herr != nil {
@@ -267,17 +274,28 @@ func (b *batchState) workEach(ctx context.Context, tx pgx.Tx, run []*claim, isol
 func (b *batchState) workPipelined(ctx context.Context, tx pgx.Tx, run []*claim, q batchQueuer, res *workResult) error {
 	c := b.c
 	batch := &pgx.Batch{}
-	for _, cl := range run {
+	spans := make([]trace.Span, len(run))
+	for n, cl := range run {
 		m := cl.d.Message
 		m.Attempt = cl.attempts + 1
+		_, spans[n] = c.startProcess(ctx, m)
 		q.queue(batch, m)
 	}
+	// A statement's failure fails the whole round trip: every span ends
+	// with the first error, and the isolated run that follows has its own.
+	var berr error
+	defer func() {
+		for _, span := range spans {
+			tracing.End(span, berr)
+		}
+	}()
 	s, i := keyArrays(claimDeliveries(run))
 	batch.Queue(markProcessed, c.name, s, i, c.owner, b.token)
 	br := tx.SendBatch(ctx, batch)
 	defer br.Close()
 	for range run {
 		if _, err := br.Exec(); err != nil {
+			berr = err
 			if tx.Conn().IsClosed() || ctx.Err() != nil {
 				return err // the database or the deadline, not a message
 			}

@@ -211,6 +211,7 @@ func (s *Scheduler) run(leaseCtx context.Context, e *entry, lease lock.Lease) {
 
 	ctx, cancel := context.WithTimeoutCause(leaseCtx, e.spec.Timeout, errTimeout)
 	defer cancel()
+	ctx, span := startRun(ctx, e.name, runID, token)
 	ctx, ri := withRun(ctx, lease, runID)
 	ctx = obs.WithLogger(ctx, log)
 	e.run.Store(true)
@@ -222,8 +223,9 @@ func (s *Scheduler) run(leaseCtx context.Context, e *entry, lease lock.Lease) {
 	e.run.Store(false)
 
 	outcome, code := classify(ctx, err, stack != nil, ri.committed.Load())
+	defer endRun(ctx, span, outcome, code, err)
 	if outcome == OutcomeSuccess && errors.Is(context.Cause(ctx), lock.ErrLeaseLost) {
-		log.Warn("job lease lost after the run's fenced transaction committed; the run counts as a success")
+		log.WarnContext(ctx, "job lease lost after the run's fenced transaction committed; the run counts as a success")
 	}
 	var errText string
 	if err != nil {
@@ -248,7 +250,7 @@ func (s *Scheduler) run(leaseCtx context.Context, e *entry, lease lock.Lease) {
 	}
 
 	s.m.count(e.name, outcome)
-	s.m.duration.WithLabelValues(e.name).Observe(elapsed.Seconds())
+	obs.ObserveCtx(ctx, s.m.duration.WithLabelValues(e.name), elapsed.Seconds())
 	if outcome == OutcomeSuccess {
 		s.m.lastSuccess.WithLabelValues(e.name).Set(float64(time.Now().UnixNano()) / 1e9)
 	}
@@ -269,7 +271,7 @@ func (s *Scheduler) run(leaseCtx context.Context, e *entry, lease lock.Lease) {
 	if stack != nil {
 		attrs = append(attrs, "stack", string(stack))
 	}
-	log.Log(context.Background(), level, "job run finished", attrs...)
+	log.Log(ctx, level, "job run finished", attrs...) // ctx: the line carries the run's trace_id and span_id
 }
 
 // call runs the job, turning a panic into an error and its stack.

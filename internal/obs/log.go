@@ -8,6 +8,8 @@ import (
 	"regexp"
 	"slices"
 	"strings"
+
+	"go.opentelemetry.io/otel/trace"
 )
 
 // NewLogger builds the process logger. Every line carries instance_id.
@@ -33,7 +35,7 @@ func NewLogger(w io.Writer, format, level, instanceID string) (*slog.Logger, err
 	default:
 		return nil, fmt.Errorf("log format %q: want json or text", format)
 	}
-	log := slog.New(h)
+	log := slog.New(traceHandler{h})
 	if instanceID == "" {
 		// Not known yet (a command failing before its configuration is
 		// read): an empty field would only mislead a search by instance.
@@ -148,6 +150,26 @@ func MaskDSN(s string) string {
 	s = urlUserInfo.ReplaceAllString(s, "${1}"+Masked+"@")
 	s = urlQuery.ReplaceAllString(s, "${1}?"+Masked)
 	return kvSecret.ReplaceAllString(s, "${1}"+Masked)
+}
+
+// traceHandler adds trace_id and span_id to a line logged with a context
+// that carries a span (InfoContext, Log): the line can then be found from
+// the trace, and the trace from the line.
+type traceHandler struct{ slog.Handler }
+
+func (h traceHandler) Handle(ctx context.Context, r slog.Record) error {
+	if sc := trace.SpanContextFromContext(ctx); sc.IsValid() {
+		r.AddAttrs(slog.String("trace_id", sc.TraceID().String()), slog.String("span_id", sc.SpanID().String()))
+	}
+	return h.Handler.Handle(ctx, r)
+}
+
+func (h traceHandler) WithAttrs(as []slog.Attr) slog.Handler {
+	return traceHandler{h.Handler.WithAttrs(as)}
+}
+
+func (h traceHandler) WithGroup(name string) slog.Handler {
+	return traceHandler{h.Handler.WithGroup(name)}
 }
 
 type ctxKey struct{}

@@ -168,7 +168,10 @@ func New(addr string, reg *prometheus.Registry, ready *Readiness, ui http.Handle
 	if ui != nil {
 		mux.Handle(UIPrefix+"/", ui)
 	}
-	mux.Handle("GET /metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{Registry: reg, MaxRequestsInFlight: opsMaxScrapes}))
+	// OpenMetrics, to a scraper that asks for it, carries the duration
+	// histograms' exemplars: the trace ids of traced runs.
+	mux.Handle("GET /metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{Registry: reg, MaxRequestsInFlight: opsMaxScrapes,
+		EnableOpenMetrics: true}))
 	mux.HandleFunc("GET /livez", func(w http.ResponseWriter, _ *http.Request) {
 		_, _ = w.Write([]byte("ok\n"))
 	})

@@ -8,6 +8,8 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+
+	"github.com/worker-dev/worker/internal/tracing"
 )
 
 // NewEvent is what a producer appends. Only the first four fields are
@@ -39,14 +41,30 @@ RETURNING event_id::text`
 // Appending locks e's aggregate until tx ends (see the migration), so keep
 // the transaction short after appending, and append to several aggregates in
 // a consistent order.
+//
+// Appended inside a traced context (an inbox handler's, a job's, the
+// caller's own span), the event's traceparent and tracestate headers carry
+// that span's context, unless the caller set a traceparent itself: the
+// relay's publish of it then continues the same trace.
 func Append(ctx context.Context, tx pgx.Tx, e NewEvent) (eventID string, err error) {
+	e.Headers = traceHeaders(ctx, e.Headers)
 	return appendWith(e, func(args ...any) scanner { return tx.QueryRow(ctx, appendSQL, args...) })
 }
 
 // AppendStd is Append for a database/sql transaction (through pgx's
 // stdlib driver or any other PostgreSQL driver), with the same rules.
 func AppendStd(ctx context.Context, tx *sql.Tx, e NewEvent) (eventID string, err error) {
+	e.Headers = traceHeaders(ctx, e.Headers)
 	return appendWith(e, func(args ...any) scanner { return tx.QueryRowContext(ctx, appendSQL, args...) })
+}
+
+// traceHeaders is h with ctx's span context in it, unless h names its own
+// traceparent.
+func traceHeaders(ctx context.Context, h map[string]string) map[string]string {
+	if h[tracing.Traceparent] != "" {
+		return h
+	}
+	return tracing.Inject(ctx, h)
 }
 
 // scanner is the row that pgx and database/sql both return.

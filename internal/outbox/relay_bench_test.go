@@ -7,6 +7,8 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"net/http"
+	"net/http/httptest"
 	"os"
 	"slices"
 	"strings"
@@ -25,6 +27,7 @@ import (
 //	go test -run '^$' -bench RelayScale -timeout 60m ./internal/outbox
 //	go test -run '^$' -bench RelayLatency ./internal/outbox
 //	go test -run '^$' -bench RelayHungWebhook ./internal/outbox
+//	go test -run '^$' -bench RelayScale ./internal/outbox -args -phases r1,r1otel,wh0,wh0otel
 //
 // Flags after the package: -rounds N (default 3), -phases a,b (a subset
 // of the scale phases), -latency-rate and -latency-for. The broker phases
@@ -58,6 +61,7 @@ type scalePhase struct {
 	delay   time.Duration
 	backlog string // the saved backlog it drains: benchTable (default), slowTable or brokerTable
 	extra   bool   // run only when -phases names it
+	traced  bool   // tracing on: every span sampled, exported over OTLP/HTTP to a local receiver
 }
 
 // The saved backlogs.
@@ -89,10 +93,23 @@ var scalePhases = []scalePhase{
 	{key: "nats", name: "NATS, 1 relay, batch 500, 100,000 events", procs: 1, env: relays(1, batch500...), broker: SinkNATS, backlog: brokerTable},
 	{key: "rabbitmq", name: "RabbitMQ, 1 relay, batch 500, 100,000 events", procs: 1, env: relays(1, batch500...), broker: SinkRabbitMQ, backlog: brokerTable},
 	{key: "kafka", name: "Kafka (kfake), 1 relay, batch 500, 100,000 events", procs: 1, env: relays(1, batch500...), broker: SinkKafka, backlog: brokerTable},
+	{key: "r1otel", name: "1 relay, batch 500, tracing on", procs: 1, env: relays(1, batch500...), traced: true, extra: true},
+	{key: "wh0otel", name: "webhook 0 ms, 1 relay, batch 500, tracing on", procs: 1, env: relays(1, batch500...), webhook: true, traced: true, extra: true},
 	{key: "r1gc100", name: "1 relay, batch 500, GOGC=100", procs: 1, env: relays(1, batch500[0], goDefaultGC), extra: true},
 	{key: "wh0gc100", name: "webhook 0 ms, 1 relay, batch 500, GOGC=100", procs: 1, env: relays(1, batch500[0], goDefaultGC), webhook: true, extra: true},
 	{key: "wh0r4", name: "webhook 0 ms, 4 relays, batch 500", procs: 1, env: relays(4, batch500...), webhook: true, extra: true},
 	{key: "wh20r4", name: "webhook 20 ms, 4 relays, 2,000 events / 200 aggregates", procs: 1, env: relays(4), webhook: true, delay: 20 * time.Millisecond, backlog: slowTable, extra: true},
+}
+
+// newOTLPSink is the local OTLP/HTTP receiver of the traced phases: it
+// takes every export and answers success (an empty
+// ExportTraceServiceResponse), so the worker pays for building, batching
+// and sending its spans, and the receiver for nothing else.
+func newOTLPSink() *httptest.Server {
+	return httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		_, _ = io.Copy(io.Discard, r.Body)
+		w.Header().Set("Content-Type", "application/x-protobuf")
+	}))
 }
 
 // phaseRun is one phase in one round, with the ceiling run next to it.
@@ -177,6 +194,11 @@ func runScalePhase(tb testing.TB, db *pgtest.DB, ph scalePhase, idle time.Durati
 		broker = startBroker(tb, ph.broker)
 		defer broker.close()
 		env = append(slices.Clone(env), broker.env...)
+	}
+	if ph.traced {
+		otlp := newOTLPSink()
+		defer otlp.Close()
+		env = append(slices.Clone(env), "OTEL_EXPORTER_OTLP_ENDPOINT="+otlp.URL, "OTEL_TRACES_SAMPLER=always_on")
 	}
 	instance := "bench-" + ph.key + "-"
 	cpu0 := testkit.SelfCPU(tb)

@@ -156,7 +156,7 @@ func (configPrintCmd) Run(e *cmdEnv) error {
 		return err
 	}
 	warnMisspeltEnv(log, cfg)
-	return config.Print(e.Stdout, cfg.Config)
+	return printConfig(e, cfg)
 }
 
 type jobsListCmd struct{ outputFlag }

@@ -68,6 +68,12 @@ func (runCmd) Run(e *cmdEnv) error {
 		warnMisspeltEnv(log, cfg)
 		return err
 	}
+	stopTracing, err := startTracing(e, cfg)
+	if err != nil {
+		warnMisspeltEnv(log, cfg)
+		return err
+	}
+	defer stopTracing()
 
 	// Signals are watched from the start, so SIGTERM during a slow database
 	// connect ends the wait instead of being lost.

@@ -98,7 +98,7 @@ func wire(ctx context.Context, cfg *runConfig, pool *pgxpool.Pool, log *slog.Log
 		if err != nil {
 			return nil, cleanup, err
 		}
-		relay, err := outbox.NewRelay(pool, sink, cfg.Outbox, cfg.Instance.ID, log, reg)
+		relay, err := outbox.NewRelay(pool, outbox.Traced(sink), cfg.Outbox, cfg.Instance.ID, log, reg)
 		if err != nil {
 			if c, ok := sink.(closer); ok {
 				_ = c.Close(ctx)

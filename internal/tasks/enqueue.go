@@ -62,8 +62,17 @@ func CheckKindName(name string) error {
 const rejectedState = "WK001"
 
 // inserter is an insert-only River client: no pool, no workers. InsertTx
-// runs on the caller's transaction.
+// runs on the caller's transaction. An enqueue through it is traced
+// (insertTracing).
 var inserter = sync.OnceValues(func() (*river.Client[pgx.Tx], error) {
+	return river.NewClient(riverpgxv5.New(nil), &river.Config{Logger: slog.New(slog.DiscardHandler),
+		Middleware: []rivertype.Middleware{insertTracing()}})
+})
+
+// sinkInserter is inserter without tracing, for the river outbox sink:
+// each task's metadata already carries its event's publish span, which an
+// insert span of the whole batch would replace.
+var sinkInserter = sync.OnceValues(func() (*river.Client[pgx.Tx], error) {
 	return river.NewClient(riverpgxv5.New(nil), &river.Config{Logger: slog.New(slog.DiscardHandler)})
 })
 
@@ -99,7 +108,7 @@ func Enqueue(ctx context.Context, tx pgx.Tx, args river.JobArgs, opts *river.Ins
 		}
 		return nil, err
 	}
-	if o.Metadata, err = MetaFrom(ctx).mergeInto(o.Metadata); err != nil {
+	if o.Metadata, err = MetaFrom(ctx).traced(ctx).mergeInto(o.Metadata); err != nil {
 		return nil, err
 	}
 	return client.InsertTx(ctx, tx, args, &o)
@@ -152,9 +161,11 @@ func InsertParams(k Kind, args json.RawMessage, m Meta) (river.InsertManyParams,
 	}, nil
 }
 
-// InsertManyTx inserts params in tx through River's InsertManyTx.
+// InsertManyTx inserts params in tx through River's InsertManyTx, for the
+// river outbox sink: untraced (sinkInserter), since each task's metadata
+// carries its event's publish span already.
 func InsertManyTx(ctx context.Context, tx pgx.Tx, params []river.InsertManyParams) error {
-	client, err := inserter()
+	client, err := sinkInserter()
 	if err != nil {
 		return err
 	}

@@ -11,6 +11,7 @@ import (
 	"github.com/riverqueue/river/rivertype"
 
 	"github.com/worker-dev/worker/internal/obs"
+	"github.com/worker-dev/worker/internal/tracing"
 )
 
 // observer wraps every task run (a River worker middleware). It gives the
@@ -28,8 +29,13 @@ type observer struct {
 
 func (o *observer) Work(ctx context.Context, job *rivertype.JobRow, doInner func(context.Context) error) (err error) {
 	meta := metaFromJob(job.Metadata)
+	ctx, span := startRun(ctx, job, &meta)
+	defer func() { tracing.End(span, err) }()
 	log := o.log.With("task_id", job.ID, "task_kind", job.Kind, "queue", job.Queue, "attempt", job.Attempt,
 		"max_attempts", job.MaxAttempts).With(meta.logAttrs()...)
+	if span.IsRecording() {
+		log = log.With("span_id", span.SpanContext().SpanID().String())
+	}
 	ctx = obs.WithLogger(WithMeta(ctx, meta), log)
 	if job.AttemptedAt != nil {
 		o.m.wait.WithLabelValues(job.Queue).Observe(max(job.AttemptedAt.Sub(job.ScheduledAt), 0).Seconds())
@@ -86,7 +92,7 @@ func classify(ctx, runCtx context.Context, err error) string {
 func (o *observer) report(ctx, runCtx context.Context, log *slog.Logger, job *rivertype.JobRow, err error, timeout, took time.Duration) {
 	outcome := classify(ctx, runCtx, err)
 	o.m.runs.WithLabelValues(job.Kind, outcome).Inc()
-	o.m.duration.WithLabelValues(job.Kind).Observe(took.Seconds())
+	obs.ObserveCtx(ctx, o.m.duration.WithLabelValues(job.Kind), took.Seconds())
 	log = log.With("outcome", outcome, "duration_ms", took.Milliseconds())
 	switch outcome {
 	case OutcomeSuccess:
