@@ -17,9 +17,10 @@
 -- The V1 table keeps its history until retention drops it; its constraint
 -- is renamed first, since an index's name is unique in the schema.
 --
--- Producers wait while the existing event_ids are copied (one row each,
--- about a second per few hundred thousand events): the table lock keeps
--- an insert from slipping between the copy and the new trigger.
+-- Producers wait while the existing event_ids are copied, one narrow row
+-- each (tens of thousands a second): the table lock keeps an insert from
+-- slipping between the copy and the new trigger. Relays only read
+-- outbox_event and carry on.
 SET LOCAL lock_timeout = '2s';
 LOCK TABLE outbox_event IN SHARE ROW EXCLUSIVE MODE;
 
