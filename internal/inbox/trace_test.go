@@ -2,6 +2,7 @@ package inbox_test
 
 import (
 	"context"
+	"sync"
 	"testing"
 	"time"
 
@@ -15,13 +16,21 @@ import (
 	"github.com/worker-dev/worker/internal/tracing"
 )
 
+// spanRecorder records the spans of every test in the process. The
+// provider is installed once: the package's tracer follows the first
+// global provider set, not a later one.
+var spanRecorder = sync.OnceValue(func() *tracetest.SpanRecorder {
+	rec := tracetest.NewSpanRecorder()
+	tracing.Use(sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(rec)))
+	return rec
+})
+
 // A message carrying a sender's traceparent is processed in a CONSUMER
 // span that continues the sender's trace; the Go handler's ctx carries that
 // span, and the event it appends carries the span on in its traceparent.
 func TestConsumerSpanContinuesTheSendersTrace(t *testing.T) {
 	t.Parallel()
-	rec := tracetest.NewSpanRecorder()
-	tracing.Use(sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(rec)))
+	rec := spanRecorder()
 	db := workDB(t)
 	ctx := context.Background()
 	var inHandler trace.SpanContext
@@ -39,10 +48,14 @@ func TestConsumerSpanContinuesTheSendersTrace(t *testing.T) {
 	}
 	c.Process(ctx, []*inbox.Delivery{d})
 
+	// The provider is global, so the recorder also sees the spans of the
+	// tests running beside this one: this message's is the one with its id.
 	var span sdktrace.ReadOnlySpan
 	for _, s := range rec.Ended() {
-		if s.Name() == "process test" {
-			span = s
+		for _, a := range s.Attributes() {
+			if s.Name() == "process test" && a.Key == "messaging.message.id" && a.Value.AsString() == "order-1" {
+				span = s
+			}
 		}
 	}
 	if span == nil {

@@ -21,10 +21,12 @@ const (
 	killAggregates = 100
 	killRate       = 300 // events a second
 	// The aim is 2s (a dead replica's events reclaimed at once, where
-	// the bug this guards against held them for in_flight_timeout, 30s);
-	// the test runs beside others, so it allows 3s and logs each kill's
-	// stall.
-	killMaxStall = 3 * time.Second
+	// the bug this guards against held them for in_flight_timeout, 30s),
+	// met when the test runs alone (0.55-1.37s). Beside the rest of the
+	// suite on 2 cores, every aggregate waited up to 3.65s at once after
+	// some kills: the machine, not the reclaim. So it allows 5s, still
+	// far from the 30s of the bug, and logs each kill's stall.
+	killMaxStall = 5 * time.Second
 )
 
 // TestKillsUnderLoadStallNoAggregate: two replicas publish to a webhook
