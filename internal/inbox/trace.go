@@ -27,7 +27,6 @@ func (c *Consumer) startProcess(ctx context.Context, m Message) (context.Context
 			attribute.String("messaging.destination.name", m.Origin),
 			attribute.String("messaging.consumer.group.name", c.name),
 			attribute.String("messaging.message.id", m.ID),
-			attribute.String("cloudevents.event_id", m.ID),
 			attribute.String("cloudevents.event_source", m.Source),
 			attribute.String("cloudevents.event_type", m.Type),
 			attribute.Int("worker.inbox.attempt", m.Attempt),
