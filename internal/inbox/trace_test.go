@@ -16,21 +16,28 @@ import (
 	"github.com/worker-dev/worker/internal/tracing"
 )
 
-// spanRecorder records the spans of every test in the process. The
-// provider is installed once: the package's tracer follows the first
-// global provider set, not a later one.
-var spanRecorder = sync.OnceValue(func() *tracetest.SpanRecorder {
-	rec := tracetest.NewSpanRecorder()
-	tracing.Use(sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(rec)))
-	return rec
-})
+var (
+	spansOnce sync.Once
+	spans     *tracetest.SpanRecorder
+)
+
+// recordSpans turns tracing on, once for the package: OpenTelemetry's
+// global provider delegates to the first one set, so the tests share its
+// recorder and pick their own spans out by trace.
+func recordSpans() *tracetest.SpanRecorder {
+	spansOnce.Do(func() {
+		spans = tracetest.NewSpanRecorder()
+		tracing.Use(sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(spans)))
+	})
+	return spans
+}
 
 // A message carrying a sender's traceparent is processed in a CONSUMER
 // span that continues the sender's trace; the Go handler's ctx carries that
 // span, and the event it appends carries the span on in its traceparent.
 func TestConsumerSpanContinuesTheSendersTrace(t *testing.T) {
 	t.Parallel()
-	rec := spanRecorder()
+	rec := recordSpans()
 	db := workDB(t)
 	ctx := context.Background()
 	var inHandler trace.SpanContext
@@ -48,14 +55,12 @@ func TestConsumerSpanContinuesTheSendersTrace(t *testing.T) {
 	}
 	c.Process(ctx, []*inbox.Delivery{d})
 
-	// The provider is global, so the recorder also sees the spans of the
-	// tests running beside this one: this message's is the one with its id.
+	// The recorder also sees the spans of the tests running beside this
+	// one: this message's is the one in the sender's trace.
 	var span sdktrace.ReadOnlySpan
 	for _, s := range rec.Ended() {
-		for _, a := range s.Attributes() {
-			if s.Name() == "process test" && a.Key == "messaging.message.id" && a.Value.AsString() == "order-1" {
-				span = s
-			}
+		if s.Name() == "process test" && s.Parent().TraceID().String() == sender {
+			span = s
 		}
 	}
 	if span == nil {
@@ -74,5 +79,58 @@ func TestConsumerSpanContinuesTheSendersTrace(t *testing.T) {
 	}
 	if want := "00-" + sender + "-" + span.SpanContext().SpanID().String() + "-01"; tp != want {
 		t.Errorf("the appended event's traceparent is %q, want the process span's %q", tp, want)
+	}
+}
+
+// Two messages from two traces worked in one transaction: each has its
+// process span in its sender's trace, and the transaction has a span of
+// its own that links both.
+func TestBatchSpanLinksEachMessage(t *testing.T) {
+	t.Parallel()
+	rec := recordSpans()
+	db := workDB(t)
+	c := newConsumer(t, db, "a", testConfig(), inbox.HandlerFunc(func(context.Context, pgx.Tx, inbox.Message) error { return nil }))
+	senders := map[string]string{"5bf92f3577b34da6a3ce929d0e0e4736": "order-7", "6bf92f3577b34da6a3ce929d0e0e4736": "order-8"}
+	var batch []*inbox.Delivery
+	for sender, id := range senders {
+		batch = append(batch, &inbox.Delivery{
+			Message: inbox.Message{Source: "orders", ID: id, Body: []byte(`{}`), Origin: "orders.paid",
+				Headers: map[string]string{"traceparent": "00-" + sender + "-00f067aa0ba902b7-01"}},
+			Settle: func(context.Context, inbox.Outcome, time.Duration) error { return nil },
+		})
+	}
+	c.Process(context.Background(), batch)
+
+	process := map[trace.SpanID]bool{} // the two messages' process spans
+	var batchSpans []sdktrace.ReadOnlySpan
+	for _, s := range rec.Ended() {
+		if _, ok := senders[s.Parent().TraceID().String()]; ok && s.Name() == "process test" {
+			process[s.SpanContext().SpanID()] = true
+		}
+		if s.Name() == "process test batch" {
+			for _, l := range s.Links() {
+				if _, ok := senders[l.SpanContext.TraceID().String()]; ok {
+					batchSpans = append(batchSpans, s)
+					break
+				}
+			}
+		}
+	}
+	if len(process) != 2 || len(batchSpans) != 1 {
+		t.Fatalf("%d process spans in the senders' traces, %d batch spans linking them; want 2 and 1", len(process), len(batchSpans))
+	}
+	b := batchSpans[0]
+	if len(b.Links()) != 2 || b.Parent().IsValid() {
+		t.Fatalf("the batch span has %d links and parent %v; want 2 and none", len(b.Links()), b.Parent())
+	}
+	for _, l := range b.Links() {
+		if !process[l.SpanContext.SpanID()] {
+			t.Errorf("the batch span links %v, not a message's process span", l.SpanContext)
+		}
+	}
+	for _, a := range b.Attributes() {
+		if a.Key == "messaging.batch.message_count" && a.Value.AsInt64() != 2 {
+			t.Errorf("messaging.batch.message_count = %d, want 2", a.Value.AsInt64())
+		}
 	}
 }

@@ -186,22 +186,28 @@ func (h *handlerFailure) Error() string { return h.err.Error() }
 // the caller runs again with isolate: a savepoint per message.
 func (b *batchState) work(ctx context.Context, run []*claim, kind roundKind, isolate bool) (res workResult, err error) {
 	c := b.c
+	var span trace.Span // the transaction's, through its commit
 	err = pgx.BeginFunc(ctx, c.pool, func(tx pgx.Tx) error {
 		res = workResult{}
 		todo, err := b.take(ctx, tx, run, kind, &res)
 		if err != nil || len(todo) == 0 {
 			return err
 		}
+		var bctx context.Context
+		bctx, span = c.startBatch(ctx, len(todo))
 		if q, ok := c.handler.(batchQueuer); ok && !isolate {
-			err = b.workPipelined(ctx, tx, todo, q, &res)
+			err = b.workPipelined(bctx, tx, todo, q, &res)
 		} else {
-			err = b.workEach(ctx, tx, todo, isolate, &res)
+			err = b.workEach(bctx, tx, todo, isolate, &res)
 		}
 		if err == nil && c.inWork != nil {
 			c.inWork(len(todo))
 		}
 		return err
 	})
+	if span != nil {
+		tracing.End(span, err)
+	}
 	return res, err
 }
 
@@ -218,6 +224,7 @@ func (b *batchState) workEach(ctx context.Context, tx pgx.Tx, run []*claim, isol
 		}
 		m.Attempt = cl.attempts + 1
 		hctx, span := c.startProcess(ctx, m)
+		linkBatch(ctx, span)
 		var herr error
 		if isolate {
 			herr = pgx.BeginFunc(hctx, tx, func(sp pgx.Tx) error { return c.handler.Handle(hctx, sp, m) })
@@ -279,6 +286,7 @@ func (b *batchState) workPipelined(ctx context.Context, tx pgx.Tx, run []*claim,
 		m := cl.d.Message
 		m.Attempt = cl.attempts + 1
 		_, spans[n] = c.startProcess(ctx, m)
+		linkBatch(ctx, spans[n])
 		q.queue(batch, m)
 	}
 	// A statement's failure fails the whole round trip: every span ends

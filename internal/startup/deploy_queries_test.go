@@ -358,10 +358,19 @@ func TestDashboardIsImportable(t *testing.T) {
 			Targets    []struct {
 				Datasource struct{ Type, UID string }
 				Expr       string
+				Exemplar   bool
+			}
+			FieldConfig struct {
+				Defaults struct {
+					Links []struct{ Title, URL string }
+				}
 			}
 		}
 		Templating struct {
-			List []struct{ Name, Type string }
+			List []struct {
+				Name, Type string
+				Query      json.RawMessage // a query variable's is an object
+			}
 		}
 	}
 	readJSON(t, filepath.Join(deployDir, "grafana/worker-dashboard.json"), &dash)
@@ -372,6 +381,12 @@ func TestDashboardIsImportable(t *testing.T) {
 	vars := map[string]string{}
 	for _, v := range dash.Templating.List {
 		vars[v.Name] = v.Type
+		if v.Name == "traces" && string(v.Query) != `"tempo"` {
+			t.Errorf("variable traces picks %q data sources, want tempo", v.Query)
+		}
+	}
+	if vars["traces"] != "datasource" {
+		t.Errorf("variables %v; want a datasource variable traces for the trace links", vars)
 	}
 	if vars["datasource"] != "datasource" || vars["instance"] != "query" || vars["job_name"] != "query" {
 		t.Errorf("variables %v; want a datasource variable and label_values queries for instance and job_name", vars)
@@ -399,6 +414,21 @@ func TestDashboardIsImportable(t *testing.T) {
 			}
 			if strings.Contains(tg.Expr, "$job_name") && !slices.Contains(byJobName, p.Title) {
 				byJobName = append(byJobName, p.Title)
+			}
+		}
+		// The duration panels whose histograms carry a trace id as exemplar
+		// (obs.ObserveCtx) show them, and link to the traces of the series
+		// by the span attribute docs/tracing.md names.
+		if traced, ok := map[string]string{"Duration p50 / p99": "span.worker.job.name = \\\"${__field.labels.job_name}\\\"",
+			"Task duration p50 / p99": "span.worker.task.kind = \\\"${__field.labels.task_kind}\\\""}[p.Title]; ok {
+			for _, tg := range p.Targets {
+				if !tg.Exemplar {
+					t.Errorf("panel %q: a query does not ask for exemplars", p.Title)
+				}
+			}
+			links := p.FieldConfig.Defaults.Links
+			if len(links) != 1 || !strings.Contains(links[0].URL, `"datasource":"${traces}"`) || !strings.Contains(links[0].URL, traced) {
+				t.Errorf("panel %q: links %v; want one to the ${traces} data source, querying %s", p.Title, links, traced)
 			}
 		}
 		// A job that never succeeded reports 0; dropping it (`> 0` alone)

@@ -117,6 +117,9 @@ jobs:
 				inTrace(tracepb.Span_SPAN_KIND_PRODUCER, "river.insert_many", process.GetSpanId()))
 			rcv.waitSpan(t, "task run, child of the insert span", 30*time.Second,
 				inTrace(tracepb.Span_SPAN_KIND_CONSUMER, "process ship", insert.GetSpanId()))
+			if b.name == "webhook" {
+				writeTracePicture(t, rcv, traceID)
+			}
 			rcv.waitSpan(t, "job run", 30*time.Second, func(s *tracepb.Span) bool {
 				return s.GetName() == "job tick" && len(s.GetParentSpanId()) == 0 && hasAttr(s, "worker.job.outcome", "success") &&
 					hasAttr(s, "worker.job.name", "tick")
