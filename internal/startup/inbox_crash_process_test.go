@@ -113,13 +113,22 @@ inbox:
 				}
 			}
 			t.Logf("inbox rows: %s; sessions: %s; b: %v", states, waits, received)
-			if conn, err := amqp.Dial(url); err == nil {
-				if ch, err := conn.Channel(); err == nil {
-					q, err := ch.QueueDeclarePassive(queue, true, false, false, false, amqp.Table{amqp.QueueTypeArg: amqp.QueueTypeQuorum, amqp.SingleActiveConsumerArg: true})
-					t.Logf("queue: %d ready, %d consumers (%v)", q.Messages, q.Consumers, err)
+			ready := func(when string) {
+				if conn, err := amqp.Dial(url); err == nil {
+					if ch, err := conn.Channel(); err == nil {
+						q, err := ch.QueueDeclarePassive(queue, true, false, false, false, amqp.Table{amqp.QueueTypeArg: amqp.QueueTypeQuorum, amqp.SingleActiveConsumerArg: true})
+						t.Logf("queue %s: %d ready, %d consumers (%v)", when, q.Messages, q.Consumers, err)
+					}
+					_ = conn.Close()
 				}
-				_ = conn.Close()
 			}
+			ready("with b consuming")
+			// What b held unacknowledged goes back to the queue with its
+			// connection: ready then tells held from never there.
+			_ = b.cmd.Process.Kill()
+			<-b.done
+			time.Sleep(time.Second)
+			ready("after b was killed")
 		}
 	}()
 	testkit.Eventually(t, 20*time.Second, "every message applied", func() bool {
@@ -214,16 +223,31 @@ func publishOrdered(t *testing.T, url, queue string, n, keys int, extra map[int]
 	if err != nil {
 		t.Fatal(err)
 	}
+	// Confirmed, so that every message is in the queue before the test
+	// goes on: an unconfirmed publish may still be on its way when the
+	// connection closes.
+	if err := ch.Confirm(false); err != nil {
+		t.Fatal(err)
+	}
+	confirms := make([]*amqp.DeferredConfirmation, 0, n)
 	for i := range n {
 		h := amqp.Table{"cloudEvents:id": "m-" + strconv.Itoa(i), "cloudEvents:source": "order", "cloudEvents:subject": "o-" + strconv.Itoa(i%keys)}
 		for k, v := range extra[i] {
 			h[k] = v
 		}
-		err := ch.PublishWithContext(t.Context(), queue, "order.step", false, false, amqp.Publishing{
+		dc, err := ch.PublishWithDeferredConfirmWithContext(t.Context(), queue, "order.step", false, false, amqp.Publishing{
 			Headers: h, Body: []byte(`{"seq":` + strconv.Itoa(i/keys) + `}`), DeliveryMode: amqp.Persistent,
 		})
 		if err != nil {
 			t.Fatal(err)
+		}
+		confirms = append(confirms, dc)
+	}
+	ctx, cancel := context.WithTimeout(t.Context(), 30*time.Second)
+	defer cancel()
+	for i, dc := range confirms {
+		if ok, err := dc.WaitContext(ctx); !ok || err != nil {
+			t.Fatalf("message %d was not confirmed by the queue (acked %v): %v", i, ok, err)
 		}
 	}
 }
