@@ -134,8 +134,8 @@ func slack(name string) float64 {
 
 // growth compares, for each resource, its first samples in the window
 // (from minute 10, or the midpoint of a run of 20 minutes or less) with
-// its last ones. A replica's figures count from a minute after its last start,
-// when its pools and caches have filled; the table sizes and the partition
+// its last ones. A replica's figures count from when its pools and
+// caches have filled, a minute after the run's start or 3 after a restart; the table sizes and the partition
 // count only once retention has come round (they grow until then by
 // design).
 func (c *recorder) growth(d time.Duration) []growth {
@@ -173,7 +173,15 @@ func (c *recorder) growth(d time.Duration) []growth {
 	}
 	last := c.rows[len(c.rows)-1]
 	for i := range c.replicas {
-		start := max(from, last.started[i]+time.Minute)
+		// A replica restarted mid-run is judged from 3 minutes after its
+		// start: a minute after it, it was still opening its connections
+		// (25 goroutines and 46 MB, where it settles at 130-190 and 50-55
+		// MB), so its first sample read as the floor of a growth.
+		warm := time.Minute
+		if last.started[i] > time.Minute {
+			warm = 3 * time.Minute
+		}
+		start := max(from, last.started[i]+warm)
 		judge(fmt.Sprintf("rss_mb_%d", i), start, func(r row) float64 { return r.rssMB[i] }, "")
 		judge(fmt.Sprintf("goroutines_%d", i), start, func(r row) float64 { return r.goroutines[i] }, "")
 		judge(fmt.Sprintf("db_conns_%d", i), start, func(r row) float64 { return r.conns[i] }, "")
