@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
+	"math/rand/v2"
 	"net"
 	"net/http"
 	"net/url"
@@ -13,6 +14,7 @@ import (
 	"path/filepath"
 	"regexp"
 	"strings"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -61,13 +63,30 @@ type proc struct {
 
 func freeAddr(t *testing.T) string {
 	t.Helper()
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
+	// A port the kernel handed out for :0 is an ephemeral one: between
+	// its close here and the worker's bind, an outgoing connection of any
+	// process may take it (bind: address already in use, exit 71). Ports
+	// below the ephemeral range (32768 and up) are never handed out so;
+	// this process takes each at most once.
+	for range 2000 {
+		port := 20000 + int(nextPort.Add(1))%12000
+		l, err := net.Listen("tcp", fmt.Sprintf("127.0.0.1:%d", port))
+		if err != nil {
+			continue
+		}
+		l.Close()
+		return l.Addr().String()
 	}
-	defer l.Close()
-	return l.Addr().String()
+	t.Fatal("no free port in 20000-31999")
+	return ""
 }
+
+// nextPort starts each test process at its own place in freeAddr's range.
+var nextPort = func() *atomic.Int64 {
+	var n atomic.Int64
+	n.Store(rand.Int64N(12000))
+	return &n
+}()
 
 // workerConns is the most connections a worker process started with env
 // and args holds (Config.MaxDBConns, or a command's pool), counted in the
