@@ -126,7 +126,7 @@ func (c *Consumer) prepare(d *Delivery) {
 	case d.Message.ID == "" && c.key == (KeySpec{}) && d.NativeID != "":
 		d.Message.ID = d.NativeID
 	default:
-		d.Invalid = c.key.Apply(&d.Message)
+		d.Invalid = ApplyKey(c.key, &d.Message)
 	}
 	if err := checkStorable(&d.Message); err != nil {
 		if d.Invalid == nil {

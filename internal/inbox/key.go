@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"net/textproto"
-	"strings"
 
 	"github.com/worker-dev/worker/internal/broker"
 )
@@ -23,34 +22,13 @@ func CloudEvent(a broker.Attributes) Message {
 	return m
 }
 
-// KeySpec says where a foreign message, one without a CloudEvents id,
-// keeps its dedupe key (inbox.sources[].key).
-type KeySpec struct {
-	Header string // a header or property name, matched without case
-	Field  string // a top-level field of a JSON object body
-}
-
-// ParseKey reads "header:<name>", "field:<name>" or "".
-func ParseKey(s string) (KeySpec, error) {
-	kind, name, _ := strings.Cut(s, ":")
-	switch {
-	case s == "":
-		return KeySpec{}, nil
-	case kind == "header" && name != "":
-		return KeySpec{Header: name}, nil
-	case kind == "field" && name != "":
-		return KeySpec{Field: name}, nil
-	}
-	return KeySpec{}, fmt.Errorf("%q: want header:<name> or field:<name>, or nothing to use the CloudEvents id only", s)
-}
-
 // ErrNoKey is the reason a message without a dedupe key is dead-lettered.
 var ErrNoKey = errors.New("no dedupe key: the message has no CloudEvents id")
 
-// Apply fills m's key from the header or field k names when the source
+// ApplyKey fills m's key from the header or field k names when the source
 // found no CloudEvents id, and returns why m cannot be keyed, if it
 // cannot.
-func (k KeySpec) Apply(m *Message) error {
+func ApplyKey(k KeySpec, m *Message) error {
 	if m.ID != "" {
 		return nil
 	}

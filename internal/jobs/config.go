@@ -10,6 +10,8 @@ import (
 	"slices"
 	"strings"
 	"time"
+
+	"github.com/worker-dev/worker/internal/obs"
 )
 
 // Definition is one job under `jobs:` in configs/worker.yaml.
@@ -40,6 +42,10 @@ var httpMethods = []string{"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPT
 // namePattern keeps job names usable as a lock key, a metric label and a
 // table key: short, printable, no spaces.
 var namePattern = regexp.MustCompile(`^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$`)
+
+// ValidName reports whether name may name a job, configured or registered
+// in Go.
+func ValidName(name string) bool { return namePattern.MatchString(name) }
 
 // minLeaseTTL keeps a configured lease from being so short that its
 // heartbeat (every ttl/3) hammers the database or cannot keep up.
@@ -74,7 +80,7 @@ func (d Definition) validate(i int) error {
 	}
 	if d.Name == "" {
 		bad("name", "is missing; want a unique name such as cleanup-sessions")
-	} else if !namePattern.MatchString(d.Name) {
+	} else if !ValidName(d.Name) {
 		bad("name", "%q is not allowed; want 1-63 letters, digits, '.', '_' or '-', starting with a letter or digit", d.Name)
 	}
 	switch {
@@ -111,7 +117,7 @@ func (d Definition) validate(i int) error {
 		if d.URL == "" {
 			bad("url", "is empty; an http job needs an absolute http:// or https:// URL")
 		} else if u, err := url.Parse(d.URL); err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
-			bad("url", "%q is not an absolute http:// or https:// URL", redactURL(d.URL))
+			bad("url", "%q is not an absolute http:// or https:// URL", obs.RedactURL(d.URL))
 		}
 		if d.Method != "" && !slices.Contains(httpMethods, strings.ToUpper(d.Method)) {
 			bad("method", "%q is not allowed; want one of %s (default GET)", d.Method, strings.Join(httpMethods, ", "))
@@ -159,21 +165,6 @@ func ValidateDefinitions(defs []Definition) error {
 		first[d.Name] = i
 	}
 	return errors.Join(errs...)
-}
-
-// redactURL drops user info and the query, which may carry credentials, so
-// a URL can go into an error message or a log line.
-func redactURL(raw string) string {
-	u, err := url.Parse(raw)
-	if err != nil {
-		return "(unparsable URL)"
-	}
-	u.User = nil
-	if u.RawQuery != "" {
-		u.RawQuery = "..."
-	}
-	u.Fragment = ""
-	return u.String()
 }
 
 // isToken reports whether s is an HTTP token (RFC 9110 section 5.6.2), the

@@ -12,6 +12,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/worker-dev/worker/internal/obs"
 )
 
 // FromDefinitions turns the jobs under `jobs:` in configs/worker.yaml into
@@ -108,7 +109,7 @@ func (j *HTTPJob) Name() string { return j.JobName }
 func (j *HTTPJob) Run(ctx context.Context) error {
 	req, err := http.NewRequestWithContext(ctx, j.Method, j.URL, nil)
 	if err != nil {
-		return fmt.Errorf("%s %s: %w", j.Method, redactURL(j.URL), err)
+		return fmt.Errorf("%s %s: %w", j.Method, obs.RedactURL(j.URL), err)
 	}
 	for k, v := range j.Headers {
 		if http.CanonicalHeaderKey(k) == "Host" {
@@ -131,13 +132,13 @@ func (j *HTTPJob) Run(ctx context.Context) error {
 		if errors.As(err, &ue) {
 			err = ue.Err
 		}
-		return fmt.Errorf("%s %s: %w", j.Method, redactURL(j.URL), err)
+		return fmt.Errorf("%s %s: %w", j.Method, obs.RedactURL(j.URL), err)
 	}
 	// Drain a bounded amount so the connection can be reused.
 	_, _ = io.Copy(io.Discard, io.LimitReader(resp.Body, 64<<10))
 	_ = resp.Body.Close()
 	if resp.StatusCode < 200 || resp.StatusCode > 299 {
-		return fmt.Errorf("%s %s: status %s; want 2xx", j.Method, redactURL(j.URL), resp.Status)
+		return fmt.Errorf("%s %s: status %s; want 2xx", j.Method, obs.RedactURL(j.URL), resp.Status)
 	}
 	return nil
 }

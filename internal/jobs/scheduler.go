@@ -202,7 +202,7 @@ func prepare(opts Options, specs []Spec) ([]*entry, error) {
 			errs = append(errs, fmt.Errorf("jobs: job %q: %s", name, fmt.Sprintf(format, args...)))
 		}
 		switch {
-		case !namePattern.MatchString(name):
+		case !ValidName(name):
 			bad("name not allowed; want 1-63 letters, digits, '.', '_' or '-', starting with a letter or digit")
 		case seen[name]:
 			bad("registered twice; every job needs a unique name (it is the lock key)")

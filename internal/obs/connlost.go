@@ -5,8 +5,6 @@ import (
 	"io"
 	"net"
 	"strings"
-
-	"github.com/jackc/pgx/v5/pgconn"
 )
 
 // ConnectionLost reports whether err says the database connection failed
@@ -18,9 +16,12 @@ func ConnectionLost(err error) bool {
 	if err == nil {
 		return false
 	}
-	var pgErr *pgconn.PgError
+	// pgconn.PgError's method, matched by shape so that logging does not
+	// depend on the database driver.
+	var pgErr interface{ SQLState() string }
 	if errors.As(err, &pgErr) {
-		return strings.HasPrefix(pgErr.Code, "08") || strings.HasPrefix(pgErr.Code, "57P")
+		code := pgErr.SQLState()
+		return strings.HasPrefix(code, "08") || strings.HasPrefix(code, "57P")
 	}
 	// A socket's error, not any net.Error: context.DeadlineExceeded is one
 	// too, and a job's own timeout is not the database's outage.

@@ -5,9 +5,7 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
-	"fmt"
 	"log/slog"
-	"regexp"
 	"sync"
 	"time"
 
@@ -29,34 +27,6 @@ func (e *RejectedError) Error() string { return e.Msg }
 
 // Code implements obs.Coded.
 func (e *RejectedError) Code() string { return obs.CodeJobExecutorRejected }
-
-// KindNameRule is River's rule for a kind's name (rivercommon's
-// UserSpecifiedIDOrKindRE, which River checks when a worker is registered,
-// and its river_job.kind length constraint), in an operator's words.
-const KindNameRule = "a kind name is 2 to 127 characters: a letter, digit or _ first, then letters, digits and _ - . : / + [ ] < > ·"
-
-var kindNameRE = regexp.MustCompile(`\A[\w][\w\-\[\]<>\/.·:+]+\z`)
-
-// KindNameError is a task kind name River refuses: a kind River could
-// never run, or could not store.
-type KindNameError struct{ Name string }
-
-func (e *KindNameError) Error() string {
-	name := e.Name
-	if len(name) > 40 {
-		name = fmt.Sprintf("%s… (%d bytes)", name[:40], len(name))
-	}
-	return fmt.Sprintf("task kind %q: %s", name, KindNameRule)
-}
-
-// CheckKindName returns a *KindNameError unless River accepts name as a
-// kind.
-func CheckKindName(name string) error {
-	if len(name) > 127 || !kindNameRE.MatchString(name) {
-		return &KindNameError{Name: name}
-	}
-	return nil
-}
 
 // rejectedState is the SQLSTATE worker_task_admit raises for a full queue.
 const rejectedState = "WK001"

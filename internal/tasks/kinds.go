@@ -112,10 +112,10 @@ func (w *httpWorker) Work(ctx context.Context, job *river.Job[rawArgs]) error {
 		return err
 	case err == nil && code >= 300 && !broker.UnavailableStatus(code) && code < 500:
 		w.endpoint.release(probe)
-		return river.JobCancel(fmt.Errorf("POST %s: status %d %s (permanent)", redact(w.kind.URL), code, http.StatusText(code)))
+		return river.JobCancel(fmt.Errorf("POST %s: status %d %s (permanent)", obs.RedactURL(w.kind.URL), code, http.StatusText(code)))
 	}
 	if err == nil {
-		err = fmt.Errorf("POST %s: status %d %s", redact(w.kind.URL), code, http.StatusText(code))
+		err = fmt.Errorf("POST %s: status %d %s", obs.RedactURL(w.kind.URL), code, http.StatusText(code))
 	}
 	if broker.Unreachable(err) || broker.UnavailableStatus(code) {
 		if !w.endpoint.ownFailure(lastWait) {
@@ -136,7 +136,7 @@ func (w *httpWorker) Work(ctx context.Context, job *river.Job[rawArgs]) error {
 func (w *httpWorker) post(ctx context.Context, job *river.Job[rawArgs]) (code int, retryAt time.Time, err error) {
 	req, err := http.NewRequestWithContext(ctx, http.MethodPost, w.kind.URL, bytes.NewReader(job.EncodedArgs))
 	if err != nil {
-		return 0, time.Time{}, river.JobCancel(fmt.Errorf("POST %s: %w", redact(w.kind.URL), err))
+		return 0, time.Time{}, river.JobCancel(fmt.Errorf("POST %s: %w", obs.RedactURL(w.kind.URL), err))
 	}
 	for k, v := range w.kind.Headers {
 		req.Header.Set(k, v)
@@ -158,7 +158,7 @@ func (w *httpWorker) post(ctx context.Context, job *river.Job[rawArgs]) (code in
 		if errors.As(err, &ue) {
 			err = ue.Err // url.Error repeats the URL, which may carry a token
 		}
-		return 0, time.Time{}, fmt.Errorf("POST %s: %w", redact(w.kind.URL), err)
+		return 0, time.Time{}, fmt.Errorf("POST %s: %w", obs.RedactURL(w.kind.URL), err)
 	}
 	_, _ = io.Copy(io.Discard, io.LimitReader(resp.Body, 64<<10))
 	_ = resp.Body.Close()
@@ -234,16 +234,6 @@ func retryAfter(v string, now time.Time) (time.Time, bool) {
 		return t, true
 	}
 	return time.Time{}, false
-}
-
-// redact keeps a URL's scheme, host and path: user info and query may
-// carry credentials.
-func redact(raw string) string {
-	u, err := url.Parse(raw)
-	if err != nil {
-		return "(invalid URL)"
-	}
-	return u.Scheme + "://" + u.Host + u.Path
 }
 
 // sqlWorker runs a sql kind: the statement, with the args as $1 (jsonb),

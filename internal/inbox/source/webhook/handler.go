@@ -194,7 +194,7 @@ func (s *Source) delivery(r *http.Request, body []byte) *inbox.Delivery {
 	m.Origin, m.Headers, m.Body = r.URL.Path, headers(r.Header), body
 	d := &inbox.Delivery{Message: m, NativeID: r.Header.Get("Webhook-Id")}
 	if m.ID == "" && s.dedupe != (inbox.KeySpec{}) {
-		d.Invalid = s.dedupe.Apply(&d.Message)
+		d.Invalid = inbox.ApplyKey(s.dedupe, &d.Message)
 	}
 	return d
 }
