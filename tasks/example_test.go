@@ -8,6 +8,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/riverqueue/river"
 
+	"github.com/worker-dev/worker/internal/tasks/tasksconfig"
 	"github.com/worker-dev/worker/tasks"
 )
 
@@ -42,7 +43,7 @@ func (badArgs) Kind() string { return "send receipt" }
 // asked.
 func ExampleKindNameError() {
 	_, err := tasks.Enqueue(context.Background(), nil, badArgs{}, nil)
-	var bad *tasks.KindNameError
+	var bad *tasksconfig.KindNameError
 	fmt.Println(errors.As(err, &bad), bad.Name)
 	// Output: true send receipt
 }

@@ -16,6 +16,7 @@ import (
 	"github.com/riverqueue/river/rivertype"
 
 	itasks "github.com/worker-dev/worker/internal/tasks"
+	"github.com/worker-dev/worker/internal/tasks/tasksconfig"
 )
 
 // Enqueue inserts a task in tx through River's InsertTx: it becomes
@@ -30,7 +31,7 @@ func Enqueue(ctx context.Context, tx pgx.Tx, args river.JobArgs, opts *river.Ins
 	res, err := itasks.Enqueue(ctx, tx, args, opts)
 	var (
 		rejected *itasks.RejectedError
-		badName  *itasks.KindNameError
+		badName  *tasksconfig.KindNameError
 	)
 	switch {
 	case errors.As(err, &rejected):

@@ -6,9 +6,9 @@ import (
 	"strings"
 	"time"
 
-	"github.com/worker-dev/worker/internal/inbox"
-	"github.com/worker-dev/worker/internal/outbox"
-	"github.com/worker-dev/worker/internal/tasks"
+	"github.com/worker-dev/worker/internal/inbox/inboxconfig"
+	"github.com/worker-dev/worker/internal/outbox/outboxconfig"
+	"github.com/worker-dev/worker/internal/tasks/tasksconfig"
 )
 
 // durationBound is the smallest value a duration setting takes: min, or,
@@ -40,7 +40,7 @@ var ownDurationBounds = map[string]durationBound{
 // durationBounds are the bounds of every duration setting, by key.
 func durationBounds() map[string]durationBound {
 	all := maps.Clone(ownDurationBounds)
-	for _, m := range []map[string]time.Duration{outbox.DurationMinimums(), inbox.DurationMinimums(), tasks.DurationMinimums()} {
+	for _, m := range []map[string]time.Duration{outboxconfig.DurationMinimums(), inboxconfig.DurationMinimums(), tasksconfig.DurationMinimums()} {
 		for key, min := range m {
 			if min == time.Nanosecond {
 				all[key] = durationBound{min: 0, above: true} // "positive" reads better than "at least 1ns"

@@ -27,12 +27,11 @@ import (
 	"github.com/knadh/koanf/providers/file"
 	"github.com/knadh/koanf/v2"
 
-	"github.com/worker-dev/worker/internal/inbox"
-	"github.com/worker-dev/worker/internal/jobs"
-	"github.com/worker-dev/worker/internal/lock"
+	"github.com/worker-dev/worker/internal/inbox/inboxconfig"
+	"github.com/worker-dev/worker/internal/jobs/jobsconfig"
 	"github.com/worker-dev/worker/internal/obs"
-	"github.com/worker-dev/worker/internal/outbox"
-	"github.com/worker-dev/worker/internal/tasks"
+	"github.com/worker-dev/worker/internal/outbox/outboxconfig"
+	"github.com/worker-dev/worker/internal/tasks/tasksconfig"
 )
 
 // Config is the effective configuration: built-in defaults, then the YAML
@@ -69,11 +68,11 @@ type Config struct {
 	AsyncExecutor struct {
 		MaxSize int `koanf:"max_size"`
 	} `koanf:"async_executor"`
-	Outbox outbox.Config     `koanf:"outbox"`
-	Inbox  inbox.Config      `koanf:"inbox"`
-	Tasks  tasks.Config      `koanf:"tasks"`
-	UI     UIConfig          `koanf:"ui"`
-	Jobs   []jobs.Definition `koanf:"jobs"`
+	Outbox outboxconfig.Config     `koanf:"outbox"`
+	Inbox  inboxconfig.Config      `koanf:"inbox"`
+	Tasks  tasksconfig.Config      `koanf:"tasks"`
+	UI     UIConfig                `koanf:"ui"`
+	Jobs   []jobsconfig.Definition `koanf:"jobs"`
 
 	// instanceIDDerived is set when instance.id was empty and Load
 	// derived one, so `config print` can say how rather than show a value
@@ -149,7 +148,7 @@ func settings() []setting {
 		{"lock.redis.tls_ca_file", ""},
 		{"lock.redis.tls_cert_file", ""},
 		{"lock.redis.tls_key_file", ""},
-		{"lock.redis.key_prefix", lock.DefaultRedisKeyPrefix},
+		{"lock.redis.key_prefix", defaultRedisKeyPrefix},
 		{"http.addr", ":9090"},
 		{"shutdown.timeout", 20 * time.Second},
 		{"log.level", "info"},
@@ -163,9 +162,9 @@ func settings() []setting {
 	// The outbox and tasks sections are read off their own defaults, so a
 	// field added there is a key here too (and the docs test asks for its
 	// rows).
-	all = append(all, flatten("outbox", reflect.ValueOf(outbox.DefaultConfig()))...)
-	all = append(all, flatten("inbox", reflect.ValueOf(inbox.DefaultConfig()))...)
-	return append(all, flatten("tasks", reflect.ValueOf(tasks.DefaultConfig()))...)
+	all = append(all, flatten("outbox", reflect.ValueOf(outboxconfig.DefaultConfig()))...)
+	all = append(all, flatten("inbox", reflect.ValueOf(inboxconfig.DefaultConfig()))...)
+	return append(all, flatten("tasks", reflect.ValueOf(tasksconfig.DefaultConfig()))...)
 }
 
 func flatten(prefix string, v reflect.Value) []setting {
@@ -325,7 +324,7 @@ func Read(path string, environ []string, opts Options) (*Config, error) {
 		cfg.instanceIDDerived = true
 	}
 	if cfg.Outbox.MaxInFlight == 0 {
-		cfg.Outbox.MaxInFlight = outbox.DefaultMaxInFlight(cfg.Outbox.Sink)
+		cfg.Outbox.MaxInFlight = outboxconfig.DefaultMaxInFlight(cfg.Outbox.Sink)
 	}
 	if err := cfg.validate(source, opts); err != nil {
 		return nil, nameEnvSources(err, fromEnv)
@@ -395,9 +394,9 @@ func checkFileKeys(fk *koanf.Koanf, defaults map[string]any, path string, lines 
 	if errors.As(checkTaskKeys(fk, path), &taskErr) {
 		errs = append(errs, errors.New(taskErr.Msg)) // without a second "invalid configuration:"
 	}
-	errs = append(errs, checkListEntries("jobs", fk.Get("jobs"), reflect.TypeFor[jobs.Definition](), lines)...)
-	errs = append(errs, checkListEntries("tasks.kinds", fk.Get("tasks.kinds"), reflect.TypeFor[tasks.Kind](), lines)...)
-	errs = append(errs, checkListEntries(InboxSourcesKey, fk.Get(InboxSourcesKey), reflect.TypeFor[inbox.SourceConfig](), lines)...)
+	errs = append(errs, checkListEntries("jobs", fk.Get("jobs"), reflect.TypeFor[jobsconfig.Definition](), lines)...)
+	errs = append(errs, checkListEntries("tasks.kinds", fk.Get("tasks.kinds"), reflect.TypeFor[tasksconfig.Kind](), lines)...)
+	errs = append(errs, checkListEntries(InboxSourcesKey, fk.Get(InboxSourcesKey), reflect.TypeFor[inboxconfig.SourceConfig](), lines)...)
 	if len(errs) > 0 {
 		return Errorf("%w", errors.Join(errs...))
 	}
@@ -537,7 +536,7 @@ func (c *Config) validate(source func(string) string, opts Options) error {
 // validateJobs checks every job and reports each one that is wrong, in one
 // error. reserved are the names of the program's own jobs.
 func (c *Config) validateJobs(source func(string) string, reserved []string) error {
-	errs := []error{jobs.ValidateDefinitions(c.Jobs)}
+	errs := []error{jobsconfig.ValidateDefinitions(c.Jobs)}
 	for i, d := range c.Jobs {
 		if slices.Contains(reserved, d.Name) {
 			errs = append(errs, fmt.Errorf("jobs[%d] %q: name is taken by a job built into the worker (%s); choose another",
@@ -613,7 +612,7 @@ func instanceHost() string {
 // isRoutesKey is true for the river sink's routes, a YAML-only map whose
 // keys are event types.
 func isRoutesKey(key string) bool {
-	return key == tasks.RoutesKey || strings.HasPrefix(key, tasks.RoutesKey+".")
+	return key == outboxconfig.RoutesKey || strings.HasPrefix(key, outboxconfig.RoutesKey+".")
 }
 
 // joinRouteKeys undoes koanf's split of keys at dots for the river sink's

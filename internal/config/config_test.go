@@ -15,7 +15,8 @@ import (
 	"github.com/knadh/koanf/v2"
 	yamlv3 "go.yaml.in/yaml/v3"
 
-	"github.com/worker-dev/worker/internal/jobs"
+	"github.com/worker-dev/worker/internal/jobs/jobsconfig"
+	"github.com/worker-dev/worker/internal/lock"
 )
 
 func writeFile(t *testing.T, body string) string {
@@ -270,11 +271,11 @@ func TestTinyLeaseTTLIsRejected(t *testing.T) {
 }
 
 // A configuration error keeps its cause: an invalid job definition still
-// reaches callers as a *jobs.DefinitionError.
+// reaches callers as a *jobsconfig.DefinitionError.
 func TestConfigErrorKeepsItsCause(t *testing.T) {
 	t.Parallel()
 	_, err := Load(writeFile(t, "jobs:\n  - {name: a, kind: sql, sql: SELECT 1}\n"), nil)
-	var de *jobs.DefinitionError
+	var de *jobsconfig.DefinitionError
 	if !isConfigError(err) || !errors.As(err, &de) || de.Key != "delay" {
 		t.Fatalf("got %v , want exit 78 wrapping the definition error for delay", err)
 	}
@@ -453,4 +454,10 @@ func TestMaxInFlightFollowsTheSink(t *testing.T) {
 func isConfigError(err error) bool {
 	var ce *Error
 	return errors.As(err, &ce)
+}
+
+func TestRedisKeyPrefixDefault(t *testing.T) {
+	if defaultRedisKeyPrefix != lock.DefaultRedisKeyPrefix {
+		t.Errorf("lock.redis.key_prefix defaults to %q, the Redis provider to %q", defaultRedisKeyPrefix, lock.DefaultRedisKeyPrefix)
+	}
 }

@@ -11,7 +11,7 @@ import (
 	"github.com/knadh/koanf/providers/file"
 	"github.com/knadh/koanf/v2"
 
-	"github.com/worker-dev/worker/internal/inbox"
+	"github.com/worker-dev/worker/internal/inbox/inboxconfig"
 )
 
 // configs/worker.yaml's commented example of inbox.sources is a valid list
@@ -43,7 +43,7 @@ func TestInboxSourcesExampleIsValidAndComplete(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	cfg := inbox.DefaultConfig()
+	cfg := inboxconfig.DefaultConfig()
 	cfg.Sources = sources
 	if err := cfg.Validate(); err != nil {
 		t.Fatal(err)
@@ -65,7 +65,7 @@ func TestInboxSourcesExampleIsValidAndComplete(t *testing.T) {
 			}
 		}
 	}
-	for _, st := range flatten("", reflect.ValueOf(inbox.DefaultSource())) {
+	for _, st := range flatten("", reflect.ValueOf(inboxconfig.DefaultSource())) {
 		if key := strings.TrimPrefix(st.Key, "."); !written[key] {
 			t.Errorf("the example of inbox.sources does not show the key %s", key)
 		}

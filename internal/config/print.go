@@ -12,7 +12,7 @@ import (
 	"go.yaml.in/yaml/v3"
 
 	"github.com/worker-dev/worker/internal/broker"
-	"github.com/worker-dev/worker/internal/jobs"
+	"github.com/worker-dev/worker/internal/jobs/jobsconfig"
 	"github.com/worker-dev/worker/internal/obs"
 )
 
@@ -22,7 +22,7 @@ import (
 // list (secret:"urls") is masked as the brokers' own errors show it.
 func Print(w io.Writer, cfg *Config) error {
 	eff := *cfg
-	eff.Jobs = make([]jobs.Definition, len(cfg.Jobs))
+	eff.Jobs = make([]jobsconfig.Definition, len(cfg.Jobs))
 	for i, d := range cfg.Jobs {
 		eff.Jobs[i] = effectiveJob(d, cfg.Lock.LeaseTTL)
 	}
@@ -42,16 +42,16 @@ func Print(w io.Writer, cfg *Config) error {
 
 // effectiveJob is d with the defaults the scheduler applies filled in (see
 // jobs.Spec and jobs.FromDefinitions).
-func effectiveJob(d jobs.Definition, leaseTTL time.Duration) jobs.Definition {
+func effectiveJob(d jobsconfig.Definition, leaseTTL time.Duration) jobsconfig.Definition {
 	if d.Timeout == 0 {
-		d.Timeout = jobs.DefaultTimeout
+		d.Timeout = jobsconfig.DefaultTimeout
 	}
 	if d.LeaseTTL == 0 {
 		d.LeaseTTL = leaseTTL
 	}
 	enabled := d.IsEnabled()
 	d.Enabled = &enabled
-	if d.Kind == jobs.KindHTTP {
+	if d.Kind == jobsconfig.KindHTTP {
 		d.Method = strings.ToUpper(cmp.Or(d.Method, http.MethodGet))
 	}
 	return d

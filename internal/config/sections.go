@@ -8,9 +8,14 @@ import (
 	"github.com/go-viper/mapstructure/v2"
 	"github.com/knadh/koanf/v2"
 
-	"github.com/worker-dev/worker/internal/inbox"
-	"github.com/worker-dev/worker/internal/tasks"
+	"github.com/worker-dev/worker/internal/inbox/inboxconfig"
+	"github.com/worker-dev/worker/internal/tasks/tasksconfig"
 )
+
+// defaultRedisKeyPrefix is lock.DefaultRedisKeyPrefix, written out so that
+// reading the configuration does not pull in the lock providers' clients
+// (TestRedisKeyPrefixDefault holds the two alike).
+const defaultRedisKeyPrefix = "worker:lock:"
 
 // RedisLockConfig is lock.redis: the Redis of lock.provider=redis. The TLS
 // files follow the sinks' keys.
@@ -45,10 +50,10 @@ const InboxSourcesKey = "inbox.sources"
 const inboxSourcesEnvPrefix = "APP_INBOX_SOURCES_"
 
 // loadInboxSources reads inbox.sources: each entry starts from
-// inbox.DefaultSource, then its YAML keys, then its environment variables,
+// inboxconfig.DefaultSource, then its YAML keys, then its environment variables,
 // APP_INBOX_SOURCES_<NAME>_<KEY> (name upper-cased, '-' as '_'; key as in
 // the entry, '.' as '_'), so that a secret never has to be in the file.
-func loadInboxSources(k *koanf.Koanf, environ []string) ([]inbox.SourceConfig, error) {
+func loadInboxSources(k *koanf.Koanf, environ []string) ([]inboxconfig.SourceConfig, error) {
 	raw := k.Get(InboxSourcesKey)
 	if raw == nil {
 		return nil, nil
@@ -57,10 +62,10 @@ func loadInboxSources(k *koanf.Koanf, environ []string) ([]inbox.SourceConfig, e
 	if !ok {
 		return nil, Errorf("%s must be a list of source entries", InboxSourcesKey)
 	}
-	keys := flatten("", reflect.ValueOf(inbox.DefaultSource()))
-	var out []inbox.SourceConfig
+	keys := flatten("", reflect.ValueOf(inboxconfig.DefaultSource()))
+	var out []inboxconfig.SourceConfig
 	for i, entry := range list {
-		s := inbox.DefaultSource()
+		s := inboxconfig.DefaultSource()
 		if err := decodeInto(entry, &s); err != nil {
 			return nil, Errorf("%s[%d]: %w", InboxSourcesKey, i, err)
 		}
@@ -82,7 +87,7 @@ func loadInboxSources(k *koanf.Koanf, environ []string) ([]inbox.SourceConfig, e
 			if key == "" {
 				return nil, Errorf("%s is not a key of inbox source %q", name, s.Name)
 			}
-			if f, ok := fieldByKey(reflect.TypeFor[inbox.SourceConfig](), key); ok {
+			if f, ok := fieldByKey(reflect.TypeFor[inboxconfig.SourceConfig](), key); ok {
 				if problem := valueProblem(f.Type, v); problem != "" {
 					return nil, Errorf("%s=%s %s", name, shownValue(f, v), problem)
 				}
@@ -137,7 +142,7 @@ func isTaskListKey(key string) bool {
 // checkTaskKeys rejects unknown keys under tasks.queues.<name>
 // (checkListEntries checks the tasks.kinds entries).
 func checkTaskKeys(fk *koanf.Koanf, path string) error {
-	queueKeys := tagNames(reflect.TypeFor[tasks.Queue]())
+	queueKeys := tagNames(reflect.TypeFor[tasksconfig.Queue]())
 	for _, key := range fk.Keys() {
 		rest, ok := strings.CutPrefix(key, "tasks.queues.")
 		if !ok {

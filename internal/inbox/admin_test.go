@@ -15,6 +15,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/worker-dev/worker/internal/inbox"
+	"github.com/worker-dev/worker/internal/inbox/inboxconfig"
 	"github.com/worker-dev/worker/internal/pgtest"
 	"github.com/worker-dev/worker/internal/testkit"
 )
@@ -29,14 +30,14 @@ func (idleSource) Run(ctx context.Context, h inbox.Handoff) error {
 }
 
 // startRunner runs source "test" with h until the test ends.
-func startRunner(t *testing.T, db *pgtest.DB, cfg inbox.Config, h inbox.Handler) {
+func startRunner(t *testing.T, db *pgtest.DB, cfg inboxconfig.Config, h inbox.Handler) {
 	t.Helper()
 	m, err := inbox.NewMetrics(prometheus.NewRegistry())
 	if err != nil {
 		t.Fatal(err)
 	}
-	src := inbox.SourceConfig{Name: "test", Kind: inbox.KindNATS}
-	cfg.Sources = []inbox.SourceConfig{src}
+	src := inboxconfig.SourceConfig{Name: "test", Kind: inboxconfig.KindNATS}
+	cfg.Sources = []inboxconfig.SourceConfig{src}
 	r := inbox.NewRunner(db.Pool, cfg, []inbox.Part{{Config: src, Source: idleSource{}, Handler: h}}, "replica",
 		slog.New(slog.NewTextHandler(os.Stderr, nil)), m)
 	if err := r.Start(context.Background()); err != nil {

@@ -12,6 +12,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/worker-dev/worker/internal/inbox/inboxconfig"
 	"github.com/worker-dev/worker/internal/obs"
 )
 
@@ -23,8 +24,8 @@ type Consumer struct {
 	kind    string // the source's kind: nats, rabbitmq, kafka, webhook
 	pool    *pgxpool.Pool
 	handler Handler
-	key     KeySpec
-	cfg     Config
+	key     inboxconfig.KeySpec
+	cfg     inboxconfig.Config
 	owner   string
 	log     *slog.Logger
 	m       *Metrics
@@ -55,8 +56,8 @@ type Consumer struct {
 
 // NewConsumer returns the consumer of source src, claiming as owner (the
 // instance id).
-func NewConsumer(pool *pgxpool.Pool, src SourceConfig, cfg Config, h Handler, owner string, log *slog.Logger, m *Metrics) *Consumer {
-	key, _ := ParseKey(src.Key) // Config.Validate checked it
+func NewConsumer(pool *pgxpool.Pool, src inboxconfig.SourceConfig, cfg inboxconfig.Config, h Handler, owner string, log *slog.Logger, m *Metrics) *Consumer {
+	key, _ := inboxconfig.ParseKey(src.Key) // inboxconfig.Config.Validate checked it
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
@@ -65,7 +66,7 @@ func NewConsumer(pool *pgxpool.Pool, src SourceConfig, cfg Config, h Handler, ow
 	return &Consumer{
 		name: src.Name, kind: src.Kind, pool: pool, handler: h, key: key, cfg: cfg, owner: owner, log: log, m: m,
 		health:      newHealth(src.Name, log, m),
-		external:    src.Effects == EffectsExternal,
+		external:    src.Effects == inboxconfig.EffectsExternal,
 		lanes:       max(src.Concurrency, 1),
 		hard:        context.Background(),
 		afterCommit: failpointAfterCommit(),
@@ -123,7 +124,7 @@ func (c *Consumer) prepare(d *Delivery) {
 	d.Message.Consumer = c.name
 	switch {
 	case d.Invalid != nil:
-	case d.Message.ID == "" && c.key == (KeySpec{}) && d.NativeID != "":
+	case d.Message.ID == "" && c.key == (inboxconfig.KeySpec{}) && d.NativeID != "":
 		d.Message.ID = d.NativeID
 	default:
 		d.Invalid = ApplyKey(c.key, &d.Message)

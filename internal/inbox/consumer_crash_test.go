@@ -16,6 +16,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/worker-dev/worker/internal/inbox"
+	"github.com/worker-dev/worker/internal/inbox/inboxconfig"
 	"github.com/worker-dev/worker/internal/pgtest"
 	"github.com/worker-dev/worker/internal/testkit"
 )
@@ -147,7 +148,7 @@ func TestClaimsNeverDeadlock(t *testing.T) {
 			t.Fatal(err)
 		}
 		// Unordered: the order keys are all different, and one lane.
-		src := inbox.SourceConfig{Name: "test", Kind: inbox.KindNATS, Concurrency: 1}
+		src := inboxconfig.SourceConfig{Name: "test", Kind: inboxconfig.KindNATS, Concurrency: 1}
 		c := inbox.NewConsumer(pool, src, cfg, countWork, "r"+strconv.Itoa(r), log, m)
 		wg.Go(func() {
 			for round := range rounds {
@@ -197,7 +198,7 @@ func TestUnstorableDeadAtOnce(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	c := inbox.NewConsumer(db.Pool, inbox.SourceConfig{Name: "test", Kind: inbox.KindRabbitMQ}, testConfig(), countWork, "a", nil, m)
+	c := inbox.NewConsumer(db.Pool, inboxconfig.SourceConfig{Name: "test", Kind: inboxconfig.KindRabbitMQ}, testConfig(), countWork, "a", nil, m)
 	s := &settled{outcomes: map[string][]inbox.Outcome{}}
 	nulHeader := s.delivery("h-1", "a")
 	nulHeader.Message.Headers = map[string]string{"x-note": "a\x00b"}
@@ -260,7 +261,7 @@ func TestLanesKeepOrder(t *testing.T) {
 	if _, err := db.Pool.Exec(ctx, `ALTER TABLE work ADD COLUMN pid int DEFAULT pg_backend_pid()`); err != nil {
 		t.Fatal(err)
 	}
-	src := inbox.SourceConfig{Name: "test", Kind: inbox.KindKafka, Concurrency: 4}
+	src := inboxconfig.SourceConfig{Name: "test", Kind: inboxconfig.KindKafka, Concurrency: 4}
 	c := newConsumerOf(t, db, "a", testConfig(), countWork, src)
 	s := &settled{outcomes: map[string][]inbox.Outcome{}}
 	for round := range 3 {

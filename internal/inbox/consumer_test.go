@@ -14,6 +14,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/worker-dev/worker/internal/inbox"
+	"github.com/worker-dev/worker/internal/inbox/inboxconfig"
 	"github.com/worker-dev/worker/internal/outbox"
 	"github.com/worker-dev/worker/internal/pgtest"
 )
@@ -42,8 +43,8 @@ func (s *settled) of(id string) []inbox.Outcome {
 	return append([]inbox.Outcome(nil), s.outcomes[id]...)
 }
 
-func testConfig() inbox.Config {
-	cfg := inbox.DefaultConfig()
+func testConfig() inboxconfig.Config {
+	cfg := inboxconfig.DefaultConfig()
 	cfg.BackoffBase, cfg.BackoffMax = time.Millisecond, 5*time.Millisecond
 	cfg.LeaseTTL = 2 * time.Second
 	return cfg
@@ -51,13 +52,13 @@ func testConfig() inbox.Config {
 
 // newConsumer returns a consumer on its own database whose sql handler
 // counts each message's work in the table work.
-func newConsumer(t *testing.T, db *pgtest.DB, owner string, cfg inbox.Config, h inbox.Handler) *inbox.Consumer {
+func newConsumer(t *testing.T, db *pgtest.DB, owner string, cfg inboxconfig.Config, h inbox.Handler) *inbox.Consumer {
 	t.Helper()
-	return newConsumerOf(t, db, owner, cfg, h, inbox.SourceConfig{Name: "test", Kind: inbox.KindNATS})
+	return newConsumerOf(t, db, owner, cfg, h, inboxconfig.SourceConfig{Name: "test", Kind: inboxconfig.KindNATS})
 }
 
 // newConsumerOf is newConsumer of source src.
-func newConsumerOf(t *testing.T, db *pgtest.DB, owner string, cfg inbox.Config, h inbox.Handler, src inbox.SourceConfig) *inbox.Consumer {
+func newConsumerOf(t *testing.T, db *pgtest.DB, owner string, cfg inboxconfig.Config, h inbox.Handler, src inboxconfig.SourceConfig) *inbox.Consumer {
 	t.Helper()
 	m, err := inbox.NewMetrics(prometheus.NewRegistry())
 	if err != nil {
@@ -68,7 +69,7 @@ func newConsumerOf(t *testing.T, db *pgtest.DB, owner string, cfg inbox.Config, 
 
 // external is the test source with a handler declared to act outside the
 // work transaction.
-var external = inbox.SourceConfig{Name: "test", Kind: inbox.KindNATS, Effects: inbox.EffectsExternal}
+var external = inboxconfig.SourceConfig{Name: "test", Kind: inboxconfig.KindNATS, Effects: inboxconfig.EffectsExternal}
 
 func workDB(t *testing.T) *pgtest.DB {
 	db := pgtest.New(t)

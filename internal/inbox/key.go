@@ -7,6 +7,7 @@ import (
 	"net/textproto"
 
 	"github.com/worker-dev/worker/internal/broker"
+	"github.com/worker-dev/worker/internal/inbox/inboxconfig"
 )
 
 // CloudEvent returns the message a delivery with CloudEvents attributes a
@@ -28,7 +29,7 @@ var ErrNoKey = errors.New("no dedupe key: the message has no CloudEvents id")
 // ApplyKey fills m's key from the header or field k names when the source
 // found no CloudEvents id, and returns why m cannot be keyed, if it
 // cannot.
-func ApplyKey(k KeySpec, m *Message) error {
+func ApplyKey(k inboxconfig.KeySpec, m *Message) error {
 	if m.ID != "" {
 		return nil
 	}

@@ -6,6 +6,8 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/worker-dev/worker/internal/inbox/inboxconfig"
 )
 
 // reapBatch deletes at most $2 dedupe records finished before now() - $1:
@@ -27,7 +29,7 @@ SELECT consumer, state, count(*) FROM inbox_message
 // reap deletes expired dedupe records in batches of cfg.ReapBatch, each its
 // own transaction, until none is left or ctx ends. It returns how many it
 // deleted.
-func reap(ctx context.Context, pool *pgxpool.Pool, cfg Config) (int64, error) {
+func reap(ctx context.Context, pool *pgxpool.Pool, cfg inboxconfig.Config) (int64, error) {
 	var total int64
 	for ctx.Err() == nil {
 		tag, err := pool.Exec(ctx, reapBatch, cfg.Retention, cfg.ReapBatch)
@@ -46,14 +48,14 @@ func reap(ctx context.Context, pool *pgxpool.Pool, cfg Config) (int64, error) {
 // cfg.ReapInterval.
 type Housekeeper struct {
 	pool    *pgxpool.Pool
-	cfg     Config
+	cfg     inboxconfig.Config
 	log     *slog.Logger
 	m       *Metrics
 	sources []string
 }
 
 // newHousekeeper returns the housekeeper of the configured sources.
-func newHousekeeper(pool *pgxpool.Pool, cfg Config, log *slog.Logger, m *Metrics) *Housekeeper {
+func newHousekeeper(pool *pgxpool.Pool, cfg inboxconfig.Config, log *slog.Logger, m *Metrics) *Housekeeper {
 	h := &Housekeeper{pool: pool, cfg: cfg, log: log.With("job_name", "inbox-reaper"), m: m}
 	for _, s := range cfg.Sources {
 		h.sources = append(h.sources, s.Name)

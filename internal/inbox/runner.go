@@ -9,6 +9,7 @@ import (
 
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/worker-dev/worker/internal/inbox/inboxconfig"
 	"github.com/worker-dev/worker/internal/obs"
 )
 
@@ -18,7 +19,7 @@ type Runner struct {
 	sources   []Source
 	hk        *Housekeeper
 	pool      *pgxpool.Pool
-	cfg       Config
+	cfg       inboxconfig.Config
 	log       *slog.Logger
 	probeMax  time.Duration
 
@@ -29,13 +30,13 @@ type Runner struct {
 
 // Part is one source and what handles its messages.
 type Part struct {
-	Config  SourceConfig
+	Config  inboxconfig.SourceConfig
 	Source  Source
 	Handler Handler
 }
 
 // NewRunner returns the runner of parts, claiming as owner.
-func NewRunner(pool *pgxpool.Pool, cfg Config, parts []Part, owner string, log *slog.Logger, m *Metrics) *Runner {
+func NewRunner(pool *pgxpool.Pool, cfg inboxconfig.Config, parts []Part, owner string, log *slog.Logger, m *Metrics) *Runner {
 	hard, hardCancel := context.WithCancel(context.Background())
 	r := &Runner{
 		hk:         newHousekeeper(pool, cfg, log, m),

@@ -10,6 +10,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/prometheus/client_golang/prometheus"
 
+	"github.com/worker-dev/worker/internal/jobs/jobsconfig"
 	"github.com/worker-dev/worker/internal/lock"
 	"github.com/worker-dev/worker/internal/pgtest"
 	"github.com/worker-dev/worker/internal/testkit"
@@ -56,7 +57,7 @@ func TestClusterFixedDelay(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		specs, err := FromDefinitions([]Definition{{Name: "tick", Kind: KindSQL, Delay: delay, LeaseTTL: ttl, SQL: fmt.Sprintf(`
+		specs, err := FromDefinitions([]jobsconfig.Definition{{Name: "tick", Kind: jobsconfig.KindSQL, Delay: delay, LeaseTTL: ttl, SQL: fmt.Sprintf(`
 INSERT INTO runs VALUES ('%s', current_setting('worker.fencing_token')::bigint, clock_timestamp(), NULL);
 SELECT pg_sleep(0.2);
 UPDATE runs SET finished_at = clock_timestamp() WHERE token = current_setting('worker.fencing_token')::bigint;`, name)}}, pool, nil)

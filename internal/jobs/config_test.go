@@ -6,66 +6,68 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/worker-dev/worker/internal/jobs/jobsconfig"
 )
 
 func TestValidateDefinitionsNamesJobAndKey(t *testing.T) {
-	ok := Definition{Name: "ok", Kind: KindSQL, Delay: time.Second, SQL: "SELECT 1"}
-	with := func(f func(d *Definition)) Definition {
+	ok := jobsconfig.Definition{Name: "ok", Kind: jobsconfig.KindSQL, Delay: time.Second, SQL: "SELECT 1"}
+	with := func(f func(d *jobsconfig.Definition)) jobsconfig.Definition {
 		d := ok
 		f(&d)
 		return d
 	}
 	cases := []struct {
 		name string
-		defs []Definition
+		defs []jobsconfig.Definition
 		want []string // every one must appear in the error
 	}{
-		{"missing delay", []Definition{ok, ok, with(func(d *Definition) { d.Name = "cleanup"; d.Delay = 0 })},
+		{"missing delay", []jobsconfig.Definition{ok, ok, with(func(d *jobsconfig.Definition) { d.Name = "cleanup"; d.Delay = 0 })},
 			[]string{`jobs[2] "cleanup": delay is missing; want a positive duration such as 30s`}},
-		{"negative delay", []Definition{with(func(d *Definition) { d.Delay = -time.Second })},
+		{"negative delay", []jobsconfig.Definition{with(func(d *jobsconfig.Definition) { d.Delay = -time.Second })},
 			[]string{`jobs[0] "ok": delay is -1s; want a positive duration`}},
-		{"duplicate name", []Definition{ok, with(func(d *Definition) { d.SQL = "SELECT 2" })},
+		{"duplicate name", []jobsconfig.Definition{ok, with(func(d *jobsconfig.Definition) { d.SQL = "SELECT 2" })},
 			[]string{`jobs[1] "ok": name duplicates jobs[0]`}},
-		{"missing name", []Definition{with(func(d *Definition) { d.Name = "" })},
+		{"missing name", []jobsconfig.Definition{with(func(d *jobsconfig.Definition) { d.Name = "" })},
 			[]string{`jobs[0] "": name is missing`}},
-		{"bad name", []Definition{with(func(d *Definition) { d.Name = "has space" })},
+		{"bad name", []jobsconfig.Definition{with(func(d *jobsconfig.Definition) { d.Name = "has space" })},
 			[]string{`jobs[0] "has space": name "has space" is not allowed`}},
-		{"unknown kind", []Definition{with(func(d *Definition) { d.Kind = "shell" })},
+		{"unknown kind", []jobsconfig.Definition{with(func(d *jobsconfig.Definition) { d.Kind = "shell" })},
 			[]string{`jobs[0] "ok": kind "shell" is unknown; want sql or http`}},
-		{"missing kind", []Definition{with(func(d *Definition) { d.Kind = "" })},
+		{"missing kind", []jobsconfig.Definition{with(func(d *jobsconfig.Definition) { d.Kind = "" })},
 			[]string{`jobs[0] "ok": kind is missing; want sql or http`}},
-		{"empty sql", []Definition{with(func(d *Definition) { d.SQL = "  " })},
+		{"empty sql", []jobsconfig.Definition{with(func(d *jobsconfig.Definition) { d.SQL = "  " })},
 			[]string{`jobs[0] "ok": sql is empty`}},
-		{"url on sql job", []Definition{with(func(d *Definition) { d.URL = "http://x" })},
+		{"url on sql job", []jobsconfig.Definition{with(func(d *jobsconfig.Definition) { d.URL = "http://x" })},
 			[]string{`jobs[0] "ok": url is set but kind is sql`}},
-		{"empty url", []Definition{{Name: "ping", Kind: KindHTTP, Delay: time.Second}},
+		{"empty url", []jobsconfig.Definition{{Name: "ping", Kind: jobsconfig.KindHTTP, Delay: time.Second}},
 			[]string{`jobs[0] "ping": url is empty`}},
-		{"relative url", []Definition{{Name: "ping", Kind: KindHTTP, Delay: time.Second, URL: "/health"}},
+		{"relative url", []jobsconfig.Definition{{Name: "ping", Kind: jobsconfig.KindHTTP, Delay: time.Second, URL: "/health"}},
 			[]string{`jobs[0] "ping": url "/health" is not an absolute http:// or https:// URL`}},
-		{"bad method", []Definition{{Name: "ping", Kind: KindHTTP, Delay: time.Second, URL: "http://x", Method: "FETCH"}},
+		{"bad method", []jobsconfig.Definition{{Name: "ping", Kind: jobsconfig.KindHTTP, Delay: time.Second, URL: "http://x", Method: "FETCH"}},
 			[]string{`jobs[0] "ping": method "FETCH" is not allowed; want one of GET, HEAD, POST, PUT, PATCH, DELETE, OPTIONS`}},
-		{"negatives", []Definition{with(func(d *Definition) {
+		{"negatives", []jobsconfig.Definition{with(func(d *jobsconfig.Definition) {
 			d.Timeout, d.InitialDelay, d.LeaseTTL = -time.Second, -time.Second, -time.Second
 		})}, []string{
 			`jobs[0] "ok": timeout is -1s; want 0 (the default) or a positive duration`,
 			`jobs[0] "ok": initial_delay is -1s`,
 			`jobs[0] "ok": lease_ttl is -1s`,
 		}},
-		{"bad header name", []Definition{{Name: "ping", Kind: KindHTTP, Delay: time.Second, URL: "http://x",
+		{"bad header name", []jobsconfig.Definition{{Name: "ping", Kind: jobsconfig.KindHTTP, Delay: time.Second, URL: "http://x",
 			Headers: map[string]string{"X Api Key": "s"}}},
 			[]string{`jobs[0] "ping": headers "X Api Key" is not a valid header name`}},
-		{"header value with a line break", []Definition{{Name: "ping", Kind: KindHTTP, Delay: time.Second, URL: "http://x",
+		{"header value with a line break", []jobsconfig.Definition{{Name: "ping", Kind: jobsconfig.KindHTTP, Delay: time.Second, URL: "http://x",
 			Headers: map[string]string{"X-Api-Key": "a\r\nInjected: yes"}}},
 			[]string{`jobs[0] "ping": headers X-Api-Key: the value contains a line break`}},
-		{"header value with a control character", []Definition{{Name: "ping", Kind: KindHTTP, Delay: time.Second, URL: "http://x",
+		{"header value with a control character", []jobsconfig.Definition{{Name: "ping", Kind: jobsconfig.KindHTTP, Delay: time.Second, URL: "http://x",
 			Headers: map[string]string{"X-Api-Key": "a\x01b"}}},
 			[]string{`jobs[0] "ping": headers X-Api-Key: the value contains a control character`}},
-		{"tiny lease", []Definition{with(func(d *Definition) { d.LeaseTTL = time.Millisecond })},
+		{"tiny lease", []jobsconfig.Definition{with(func(d *jobsconfig.Definition) { d.LeaseTTL = time.Millisecond })},
 			[]string{`jobs[0] "ok": lease_ttl is 1ms; want at least 1s`}},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
-			err := ValidateDefinitions(c.defs)
+			err := jobsconfig.ValidateDefinitions(c.defs)
 			if err == nil {
 				t.Fatal("no error")
 			}
@@ -74,9 +76,9 @@ func TestValidateDefinitionsNamesJobAndKey(t *testing.T) {
 					t.Errorf("error %q\ndoes not contain %q", err, w)
 				}
 			}
-			var de *DefinitionError
+			var de *jobsconfig.DefinitionError
 			if !errors.As(err, &de) {
-				t.Errorf("error %T is not a *DefinitionError", err)
+				t.Errorf("error %T is not a *jobsconfig.DefinitionError", err)
 			}
 		})
 	}
@@ -84,12 +86,12 @@ func TestValidateDefinitionsNamesJobAndKey(t *testing.T) {
 
 func TestValidDefinitionsPass(t *testing.T) {
 	off := false
-	defs := []Definition{
-		{Name: "cleanup", Kind: KindSQL, Delay: 30 * time.Second, SQL: "DELETE FROM t", Timeout: time.Minute, LeaseTTL: 10 * time.Second},
-		{Name: "ping", Kind: KindHTTP, Delay: time.Minute, URL: "https://example.com/x?token=1", Method: "post", Headers: map[string]string{"X-A": "b"}},
-		{Name: "off", Kind: KindSQL, Delay: time.Second, SQL: "SELECT 1", Enabled: &off},
+	defs := []jobsconfig.Definition{
+		{Name: "cleanup", Kind: jobsconfig.KindSQL, Delay: 30 * time.Second, SQL: "DELETE FROM t", Timeout: time.Minute, LeaseTTL: 10 * time.Second},
+		{Name: "ping", Kind: jobsconfig.KindHTTP, Delay: time.Minute, URL: "https://example.com/x?token=1", Method: "post", Headers: map[string]string{"X-A": "b"}},
+		{Name: "off", Kind: jobsconfig.KindSQL, Delay: time.Second, SQL: "SELECT 1", Enabled: &off},
 	}
-	if err := ValidateDefinitions(defs); err != nil {
+	if err := jobsconfig.ValidateDefinitions(defs); err != nil {
 		t.Fatal(err)
 	}
 	if err := defs[0].Validate(); err != nil {
@@ -113,7 +115,7 @@ func TestValidDefinitionsPass(t *testing.T) {
 }
 
 func TestValidationErrorHidesURLSecrets(t *testing.T) {
-	err := Definition{Name: "x", Kind: KindHTTP, Delay: time.Second, URL: "ftp://user:pw@host/p?token=secret"}.Validate()
+	err := jobsconfig.Definition{Name: "x", Kind: jobsconfig.KindHTTP, Delay: time.Second, URL: "ftp://user:pw@host/p?token=secret"}.Validate()
 	if err == nil || strings.Contains(err.Error(), "secret") || strings.Contains(err.Error(), "pw") {
 		t.Fatalf("error = %v", err)
 	}

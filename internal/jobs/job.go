@@ -24,17 +24,11 @@ type Spec struct {
 	Delay time.Duration
 	// InitialDelay holds this replica's first attempt back after Start.
 	InitialDelay time.Duration
-	// Timeout bounds one run; 0 means DefaultTimeout.
+	// Timeout bounds one run; 0 means jobsconfig.DefaultTimeout.
 	Timeout time.Duration
 	// LeaseTTL is the ttl of lease job:<name>; 0 means Options.LeaseTTL.
 	LeaseTTL time.Duration
 }
-
-// DefaultTimeout bounds a run whose Spec sets no timeout. A run must never
-// hang without bound: it would hold its lease (renewed) and a concurrency
-// slot forever. Five minutes is long for a periodic job yet short enough
-// that a stuck one is noticed; set timeout explicitly for longer work.
-const DefaultTimeout = 5 * time.Minute
 
 // Func adapts a function to Job, for code jobs that need no state.
 func Func(name string, run func(ctx context.Context) error) Job { return funcJob{name, run} }

@@ -12,6 +12,8 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/worker-dev/worker/internal/jobs/jobsconfig"
 	"github.com/worker-dev/worker/internal/obs"
 )
 
@@ -19,8 +21,8 @@ import (
 // Specs, leaving out disabled ones. It validates first, so it returns the
 // same errors as ValidateDefinitions. httpClient may be nil; the run's
 // context bounds each call either way.
-func FromDefinitions(defs []Definition, pool *pgxpool.Pool, httpClient *http.Client) ([]Spec, error) {
-	if err := ValidateDefinitions(defs); err != nil {
+func FromDefinitions(defs []jobsconfig.Definition, pool *pgxpool.Pool, httpClient *http.Client) ([]Spec, error) {
+	if err := jobsconfig.ValidateDefinitions(defs); err != nil {
 		return nil, err
 	}
 	// Redirects are not followed: a 3xx is a failure ("anything else than
@@ -41,12 +43,12 @@ func FromDefinitions(defs []Definition, pool *pgxpool.Pool, httpClient *http.Cli
 		}
 		var j Job
 		switch d.Kind {
-		case KindSQL:
+		case jobsconfig.KindSQL:
 			if pool == nil {
 				return nil, fmt.Errorf("jobs: sql job %q needs a database pool", d.Name)
 			}
 			j = &SQLJob{JobName: d.Name, SQL: d.SQL, Pool: pool}
-		case KindHTTP:
+		case jobsconfig.KindHTTP:
 			method := strings.ToUpper(d.Method)
 			if method == "" {
 				method = http.MethodGet

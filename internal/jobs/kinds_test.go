@@ -11,6 +11,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/worker-dev/worker/internal/jobs/jobsconfig"
 	"github.com/worker-dev/worker/internal/pgtest"
 )
 
@@ -28,10 +29,10 @@ func TestHTTPJob(t *testing.T) {
 	}))
 	defer srv.Close()
 
-	specs, err := FromDefinitions([]Definition{
-		{Name: "post", Kind: KindHTTP, Delay: time.Second, URL: srv.URL + "/hook", Method: "POST",
+	specs, err := FromDefinitions([]jobsconfig.Definition{
+		{Name: "post", Kind: jobsconfig.KindHTTP, Delay: time.Second, URL: srv.URL + "/hook", Method: "POST",
 			Headers: map[string]string{"X-Token": "abc", "host": "billing.internal"}},
-		{Name: "get", Kind: KindHTTP, Delay: time.Second, URL: srv.URL + "/ping?key=hidden"},
+		{Name: "get", Kind: jobsconfig.KindHTTP, Delay: time.Second, URL: srv.URL + "/ping?key=hidden"},
 	}, nil, srv.Client())
 	if err != nil {
 		t.Fatal(err)
@@ -145,7 +146,7 @@ func TestHTTPJobDoesNotFollowRedirectWithHeaders(t *testing.T) {
 	target := strings.Replace(other.URL, "127.0.0.1", "localhost", 1)
 	srv := httptest.NewServer(http.RedirectHandler(target+"/elsewhere", http.StatusFound))
 	defer srv.Close()
-	specs, err := FromDefinitions([]Definition{{Name: "ping", Kind: KindHTTP, Delay: time.Second, URL: srv.URL,
+	specs, err := FromDefinitions([]jobsconfig.Definition{{Name: "ping", Kind: jobsconfig.KindHTTP, Delay: time.Second, URL: srv.URL,
 		Headers: map[string]string{"X-Api-Key": "s3cret"}}}, nil, nil)
 	if err != nil {
 		t.Fatal(err)

@@ -14,6 +14,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/prometheus/client_golang/prometheus"
 
+	"github.com/worker-dev/worker/internal/jobs/jobsconfig"
 	"github.com/worker-dev/worker/internal/lock"
 )
 
@@ -202,7 +203,7 @@ func prepare(opts Options, specs []Spec) ([]*entry, error) {
 			errs = append(errs, fmt.Errorf("jobs: job %q: %s", name, fmt.Sprintf(format, args...)))
 		}
 		switch {
-		case !ValidName(name):
+		case !jobsconfig.ValidName(name):
 			bad("name not allowed; want 1-63 letters, digits, '.', '_' or '-', starting with a letter or digit")
 		case seen[name]:
 			bad("registered twice; every job needs a unique name (it is the lock key)")
@@ -215,7 +216,7 @@ func prepare(opts Options, specs []Spec) ([]*entry, error) {
 			bad("initial delay, timeout and lease ttl must not be negative")
 		}
 		if sp.Timeout == 0 {
-			sp.Timeout = DefaultTimeout
+			sp.Timeout = jobsconfig.DefaultTimeout
 		}
 		if sp.LeaseTTL == 0 {
 			sp.LeaseTTL = opts.LeaseTTL

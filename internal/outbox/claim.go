@@ -7,6 +7,8 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/worker-dev/worker/internal/outbox/outboxconfig"
 )
 
 // claimer claims one loop's batches. It owns the loop's connection and the
@@ -19,7 +21,7 @@ import (
 type claimer struct {
 	loop   int // the loop's index, which is also its share of the windows
 	pool   *pgxpool.Pool
-	cfg    Config
+	cfg    outboxconfig.Config
 	sql    *claimSQL  // read-only
 	fin    finishSQL  // read-only
 	shares *shares    // shared by the loops under its own mutex; nil with one loop

@@ -7,6 +7,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 
+	"github.com/worker-dev/worker/internal/outbox/outboxconfig"
 	"github.com/worker-dev/worker/internal/pgtest"
 )
 
@@ -101,7 +102,7 @@ func TestLockWindowSeesRetriedDeadEvent(t *testing.T) {
 // lockWindowSetup returns a relay's claimer, an open transaction (rolled
 // back at the end of the test) and the candidates of a window read in it,
 // for tests that change the table between the window and lockWindow.
-func lockWindowSetup(t *testing.T, db *pgtest.DB, cfg Config) (*claimer, pgx.Tx, []*candidate) {
+func lockWindowSetup(t *testing.T, db *pgtest.DB, cfg outboxconfig.Config) (*claimer, pgx.Tx, []*candidate) {
 	t.Helper()
 	ctx := context.Background()
 	r, err := NewRelay(db.Pool, &recorder{}, cfg, "t", nil, nil)

@@ -5,32 +5,34 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/worker-dev/worker/internal/outbox/outboxconfig"
 )
 
 func TestConfigValidate(t *testing.T) {
-	if err := DefaultConfig().Validate(); err != nil {
+	if err := outboxconfig.DefaultConfig().Validate(); err != nil {
 		t.Fatalf("defaults: %v", err)
 	}
 	for _, c := range []struct {
 		key    string
-		change func(*Config)
+		change func(*outboxconfig.Config)
 	}{
-		{"outbox.relays", func(c *Config) { c.Relays = 0 }},
-		{"outbox.batch_size", func(c *Config) { c.BatchSize = 0 }},
-		{"outbox.batch_size", func(c *Config) { c.BatchSize = 10001 }},
-		{"outbox.max_attempts", func(c *Config) { c.MaxAttempts = 0 }},
-		{"outbox.max_in_flight", func(c *Config) { c.MaxInFlight = -1 }},
-		{"outbox.max_in_flight", func(c *Config) { c.MaxInFlight = 10001 }},
-		{"outbox.detach_after", func(c *Config) { c.DetachAfter = 0 }},
-		{"outbox.detach_after", func(c *Config) { c.DetachAfter = c.InFlightTimeout }},
-		{"outbox.poll_interval", func(c *Config) { c.PollInterval = 0 }},
-		{"outbox.in_flight_timeout", func(c *Config) { c.InFlightTimeout = 500 * time.Millisecond }},
-		{"outbox.backoff_base", func(c *Config) { c.BackoffBase = 0 }},
-		{"outbox.backoff_max", func(c *Config) { c.BackoffMax = c.BackoffBase / 2 }},
-		{"outbox.retention", func(c *Config) { c.Retention = time.Second }},
-		{"outbox.metrics_interval", func(c *Config) { c.MetricsInterval = 0 }},
+		{"outbox.relays", func(c *outboxconfig.Config) { c.Relays = 0 }},
+		{"outbox.batch_size", func(c *outboxconfig.Config) { c.BatchSize = 0 }},
+		{"outbox.batch_size", func(c *outboxconfig.Config) { c.BatchSize = 10001 }},
+		{"outbox.max_attempts", func(c *outboxconfig.Config) { c.MaxAttempts = 0 }},
+		{"outbox.max_in_flight", func(c *outboxconfig.Config) { c.MaxInFlight = -1 }},
+		{"outbox.max_in_flight", func(c *outboxconfig.Config) { c.MaxInFlight = 10001 }},
+		{"outbox.detach_after", func(c *outboxconfig.Config) { c.DetachAfter = 0 }},
+		{"outbox.detach_after", func(c *outboxconfig.Config) { c.DetachAfter = c.InFlightTimeout }},
+		{"outbox.poll_interval", func(c *outboxconfig.Config) { c.PollInterval = 0 }},
+		{"outbox.in_flight_timeout", func(c *outboxconfig.Config) { c.InFlightTimeout = 500 * time.Millisecond }},
+		{"outbox.backoff_base", func(c *outboxconfig.Config) { c.BackoffBase = 0 }},
+		{"outbox.backoff_max", func(c *outboxconfig.Config) { c.BackoffMax = c.BackoffBase / 2 }},
+		{"outbox.retention", func(c *outboxconfig.Config) { c.Retention = time.Second }},
+		{"outbox.metrics_interval", func(c *outboxconfig.Config) { c.MetricsInterval = 0 }},
 	} {
-		cfg := DefaultConfig()
+		cfg := outboxconfig.DefaultConfig()
 		c.change(&cfg)
 		err := cfg.Validate()
 		if err == nil || !strings.HasPrefix(err.Error(), c.key) {

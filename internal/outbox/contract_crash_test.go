@@ -18,6 +18,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/worker-dev/worker/internal/outbox"
+	"github.com/worker-dev/worker/internal/outbox/outboxconfig"
 	"github.com/worker-dev/worker/internal/pgtest"
 	"github.com/worker-dev/worker/internal/testkit"
 )
@@ -33,7 +34,7 @@ const contractSlowDelay = 200 * time.Millisecond
 
 // contractCrashConfig is the configuration of the killed relay and of the
 // one that takes over.
-func contractCrashConfig() outbox.Config {
+func contractCrashConfig() outboxconfig.Config {
 	cfg := contractConfig()
 	cfg.BatchSize = 10
 	cfg.InFlightTimeout = 10 * time.Second

@@ -9,6 +9,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/worker-dev/worker/internal/outbox"
+	"github.com/worker-dev/worker/internal/outbox/outboxconfig"
 	"github.com/worker-dev/worker/internal/outbox/outboxtest"
 	"github.com/worker-dev/worker/internal/pgtest"
 	"github.com/worker-dev/worker/internal/testkit"
@@ -17,7 +18,7 @@ import (
 // extendConfig makes the relay sink-bound with a 40 ms sink (slower than
 // a tenth of detach_after) and claims at most 3 events a batch, so that a
 // batch publishes more than it claimed only by extending its runs.
-func extendConfig() outbox.Config {
+func extendConfig() outboxconfig.Config {
 	cfg := contractConfig()
 	cfg.BatchSize = 3
 	cfg.MaxInFlight = 4

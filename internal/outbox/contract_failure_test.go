@@ -12,6 +12,7 @@ import (
 
 	"github.com/worker-dev/worker/internal/obs"
 	"github.com/worker-dev/worker/internal/outbox"
+	"github.com/worker-dev/worker/internal/outbox/outboxconfig"
 	"github.com/worker-dev/worker/internal/pgtest"
 	"github.com/worker-dev/worker/internal/testkit"
 )
@@ -38,7 +39,7 @@ func contractFailingBehaviour(_ context.Context, e outbox.Event, call int) error
 	return nil
 }
 
-func contractFailureConfig(blockOnDead bool) outbox.Config {
+func contractFailureConfig(blockOnDead bool) outboxconfig.Config {
 	cfg := contractConfig()
 	cfg.MaxAttempts = 3
 	cfg.BackoffBase = 10 * time.Millisecond

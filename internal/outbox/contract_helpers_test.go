@@ -21,6 +21,7 @@ import (
 
 	"github.com/worker-dev/worker/internal/obs"
 	"github.com/worker-dev/worker/internal/outbox"
+	"github.com/worker-dev/worker/internal/outbox/outboxconfig"
 	"github.com/worker-dev/worker/internal/testkit"
 )
 
@@ -31,8 +32,8 @@ const contractAggregateType = "order"
 // contractConfig is DefaultConfig with test-friendly timings: fast retries,
 // and a poll interval long enough that a test proving NOTIFY wake-ups is not
 // rescued by polling, short enough that the others don't wait on it.
-func contractConfig() outbox.Config {
-	cfg := outbox.DefaultConfig()
+func contractConfig() outboxconfig.Config {
+	cfg := outboxconfig.DefaultConfig()
 	cfg.PollInterval = 200 * time.Millisecond
 	cfg.BackoffBase = 10 * time.Millisecond
 	cfg.BackoffMax = 50 * time.Millisecond
@@ -41,7 +42,7 @@ func contractConfig() outbox.Config {
 
 // contractStartRelay builds and starts a relay and shuts it down when the
 // test ends (before the pool closes: cleanups run last-in first-out).
-func contractStartRelay(t testing.TB, pool *pgxpool.Pool, sink outbox.Sink, cfg outbox.Config, instanceID string, log *slog.Logger, reg prometheus.Registerer) *outbox.Relay {
+func contractStartRelay(t testing.TB, pool *pgxpool.Pool, sink outbox.Sink, cfg outboxconfig.Config, instanceID string, log *slog.Logger, reg prometheus.Registerer) *outbox.Relay {
 	t.Helper()
 	if log == nil {
 		log = contractTestLogger(t)

@@ -15,6 +15,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/worker-dev/worker/internal/outbox"
+	"github.com/worker-dev/worker/internal/outbox/outboxconfig"
 	"github.com/worker-dev/worker/internal/pgtest"
 	"github.com/worker-dev/worker/internal/testkit"
 )
@@ -47,7 +48,7 @@ func newOutageSink(failure func(e outbox.Event) error, poison func(e outbox.Even
 // the sink's only when three aggregates fail alike, and with quick retries
 // the first aggregate to fail could spend all its attempts before the
 // next two aggregates had an event to fail.
-func outageConfig() outbox.Config {
+func outageConfig() outboxconfig.Config {
 	cfg := contractFailureConfig(false)
 	cfg.BackoffBase = 500 * time.Millisecond
 	cfg.BackoffMax = time.Second

@@ -12,6 +12,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/worker-dev/worker/internal/outbox"
+	"github.com/worker-dev/worker/internal/outbox/outboxconfig"
 	"github.com/worker-dev/worker/internal/pgtest"
 	"github.com/worker-dev/worker/internal/testkit"
 )
@@ -89,7 +90,7 @@ func contractUnlocked(t testing.TB, pool *pgxpool.Pool, ids []string) map[string
 // oneAtATimeConfig publishes one event at a time and never detaches a
 // publish, so the shutdown tests below know which publish is in progress
 // and that every claim is still a row lock when Shutdown begins.
-func oneAtATimeConfig() outbox.Config {
+func oneAtATimeConfig() outboxconfig.Config {
 	cfg := contractConfig()
 	cfg.MaxInFlight = 1
 	cfg.DetachAfter = cfg.InFlightTimeout / 2

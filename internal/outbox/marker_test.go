@@ -14,6 +14,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/prometheus/client_golang/prometheus"
 
+	"github.com/worker-dev/worker/internal/outbox/outboxconfig"
 	"github.com/worker-dev/worker/internal/outbox/outboxtest"
 	"github.com/worker-dev/worker/internal/pgtest"
 	"github.com/worker-dev/worker/internal/testkit"
@@ -192,7 +193,7 @@ func (s *stuckSink) Publish(ctx context.Context, e Event) error {
 func (s *stuckSink) free() { s.once.Do(func() { close(s.release) }) }
 
 // startLoggedRelay is startRelay with JSON logs at INFO into a buffer.
-func startLoggedRelay(t *testing.T, pool *pgxpool.Pool, sink Sink, cfg Config, instance string) (*Relay, *testkit.LogBuffer) {
+func startLoggedRelay(t *testing.T, pool *pgxpool.Pool, sink Sink, cfg outboxconfig.Config, instance string) (*Relay, *testkit.LogBuffer) {
 	t.Helper()
 	logs := &testkit.LogBuffer{}
 	r, err := NewRelay(pool, sink, cfg, instance, slog.New(slog.NewJSONHandler(logs, nil)), prometheus.NewRegistry())

@@ -9,6 +9,8 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
+
+	"github.com/worker-dev/worker/internal/outbox/outboxconfig"
 )
 
 // A batch waits at most detach_after for its publishes. Whatever is still
@@ -42,7 +44,7 @@ type publishing interface {
 // breaker guard themselves.
 type publisher struct {
 	sink       Sink
-	cfg        Config
+	cfg        outboxconfig.Config
 	instanceID string
 	policy     retryPolicy
 	brk        *breaker
@@ -56,7 +58,7 @@ type publisher struct {
 	workers sync.WaitGroup // publish workers, detached ones included
 }
 
-func newPublisher(sink Sink, cfg Config, instanceID string, policy retryPolicy, brk *breaker, rep *reporter, done *completer, life *lifetime, log *slog.Logger) *publisher {
+func newPublisher(sink Sink, cfg outboxconfig.Config, instanceID string, policy retryPolicy, brk *breaker, rep *reporter, done *completer, life *lifetime, log *slog.Logger) *publisher {
 	return &publisher{
 		sink: sink, cfg: cfg, instanceID: instanceID, policy: policy, brk: brk, rep: rep, done: done, life: life, log: log,
 		slots: newSlots(cfg.MaxInFlight),

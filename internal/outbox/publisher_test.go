@@ -12,6 +12,8 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/prometheus/client_golang/prometheus/testutil"
+
+	"github.com/worker-dev/worker/internal/outbox/outboxconfig"
 )
 
 // The publisher against a fake claimer, a fake sink and a fake completion
@@ -32,7 +34,7 @@ type pubTest struct {
 	seq          int64
 }
 
-func newPubTest(t *testing.T, sink Sink, cfg Config) *pubTest {
+func newPubTest(t *testing.T, sink Sink, cfg outboxconfig.Config) *pubTest {
 	t.Helper()
 	m, err := newMetrics(nil, "fake")
 	if err != nil {
@@ -184,7 +186,7 @@ func after(ctx context.Context, d time.Duration) error {
 	}
 }
 
-func fakeConfig() Config {
+func fakeConfig() outboxconfig.Config {
 	cfg := testConfig()
 	cfg.MaxInFlight = 4
 	cfg.DetachAfter = 100 * time.Millisecond

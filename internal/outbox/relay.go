@@ -11,6 +11,8 @@ import (
 
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/worker-dev/worker/internal/outbox/outboxconfig"
 )
 
 // NotifyChannel is the LISTEN/NOTIFY channel the insert trigger signals.
@@ -49,7 +51,7 @@ const cancelGrace = 500 * time.Millisecond
 // A loop hands its claimer's batch (a claim) to the publisher and the
 // outcomes back to the claimer, which commits them with its next claim.
 type Relay struct {
-	cfg      Config
+	cfg      outboxconfig.Config
 	log      *slog.Logger
 	m        *metrics // every collector is safe for concurrent use
 	wake     wakers
@@ -83,7 +85,7 @@ type lifetime struct {
 // NewRelay builds a relay; Start runs it. reg receives the outbox metrics
 // (nil: a private registry). instanceID is recorded as claimed_by and in
 // logs.
-func NewRelay(pool *pgxpool.Pool, sink Sink, cfg Config, instanceID string, log *slog.Logger, reg prometheus.Registerer) (*Relay, error) {
+func NewRelay(pool *pgxpool.Pool, sink Sink, cfg outboxconfig.Config, instanceID string, log *slog.Logger, reg prometheus.Registerer) (*Relay, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
@@ -91,7 +93,7 @@ func NewRelay(pool *pgxpool.Pool, sink Sink, cfg Config, instanceID string, log 
 		return nil, errors.New("outbox: relay needs a pool and a sink")
 	}
 	if cfg.MaxInFlight == 0 {
-		cfg.MaxInFlight = DefaultMaxInFlight(sink.Name())
+		cfg.MaxInFlight = outboxconfig.DefaultMaxInFlight(sink.Name())
 	}
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)

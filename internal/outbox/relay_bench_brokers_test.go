@@ -11,6 +11,7 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 	"github.com/twmb/franz-go/pkg/kfake"
 
+	"github.com/worker-dev/worker/internal/outbox/outboxconfig"
 	"github.com/worker-dev/worker/internal/testkit"
 )
 
@@ -34,11 +35,11 @@ type benchBroker struct {
 func startBroker(tb testing.TB, sink string) *benchBroker {
 	tb.Helper()
 	switch sink {
-	case SinkNATS:
+	case outboxconfig.SinkNATS:
 		return startNATS(tb)
-	case SinkRabbitMQ:
+	case outboxconfig.SinkRabbitMQ:
 		return prepareRabbitMQ(tb)
-	case SinkKafka:
+	case outboxconfig.SinkKafka:
 		return startKafka(tb)
 	}
 	tb.Fatalf("no benchmark broker for sink %q", sink)

@@ -17,6 +17,7 @@ import (
 	"text/tabwriter"
 	"time"
 
+	"github.com/worker-dev/worker/internal/outbox/outboxconfig"
 	"github.com/worker-dev/worker/internal/pgtest"
 	"github.com/worker-dev/worker/internal/testkit"
 )
@@ -57,7 +58,7 @@ type scalePhase struct {
 	procs   int      // worker processes
 	env     []string // each process's APP_OUTBOX_* settings
 	webhook bool     // webhook sink to a local receiver instead of the log sink to /dev/null
-	broker  string   // a broker sink (SinkNATS, ...) to a broker of the phase's own
+	broker  string   // a broker sink (outboxconfig.SinkNATS, ...) to a broker of the phase's own
 	delay   time.Duration
 	backlog string // the saved backlog it drains: benchTable (default), slowTable or brokerTable
 	extra   bool   // run only when -phases names it
@@ -90,9 +91,9 @@ var scalePhases = []scalePhase{
 	{key: "wh0", name: "webhook 0 ms, 1 relay, batch 500", procs: 1, env: relays(1, batch500...), webhook: true},
 	{key: "wh20", name: "webhook 20 ms, default configuration, 2,000 events / 200 aggregates", procs: 1, webhook: true, delay: 20 * time.Millisecond, backlog: slowTable},
 	{key: "log100k", name: "log sink, 1 relay, batch 500, 100,000 events", procs: 1, env: relays(1, batch500...), backlog: brokerTable},
-	{key: "nats", name: "NATS, 1 relay, batch 500, 100,000 events", procs: 1, env: relays(1, batch500...), broker: SinkNATS, backlog: brokerTable},
-	{key: "rabbitmq", name: "RabbitMQ, 1 relay, batch 500, 100,000 events", procs: 1, env: relays(1, batch500...), broker: SinkRabbitMQ, backlog: brokerTable},
-	{key: "kafka", name: "Kafka (kfake), 1 relay, batch 500, 100,000 events", procs: 1, env: relays(1, batch500...), broker: SinkKafka, backlog: brokerTable},
+	{key: "nats", name: "NATS, 1 relay, batch 500, 100,000 events", procs: 1, env: relays(1, batch500...), broker: outboxconfig.SinkNATS, backlog: brokerTable},
+	{key: "rabbitmq", name: "RabbitMQ, 1 relay, batch 500, 100,000 events", procs: 1, env: relays(1, batch500...), broker: outboxconfig.SinkRabbitMQ, backlog: brokerTable},
+	{key: "kafka", name: "Kafka (kfake), 1 relay, batch 500, 100,000 events", procs: 1, env: relays(1, batch500...), broker: outboxconfig.SinkKafka, backlog: brokerTable},
 	{key: "r1otel", name: "1 relay, batch 500, tracing on", procs: 1, env: relays(1, batch500...), traced: true, extra: true},
 	{key: "wh0otel", name: "webhook 0 ms, 1 relay, batch 500, tracing on", procs: 1, env: relays(1, batch500...), webhook: true, traced: true, extra: true},
 	{key: "r1gc100", name: "1 relay, batch 500, GOGC=100", procs: 1, env: relays(1, batch500[0], goDefaultGC), extra: true},

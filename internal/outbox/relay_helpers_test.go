@@ -13,11 +13,13 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/worker-dev/worker/internal/outbox/outboxconfig"
 )
 
 // testConfig is DefaultConfig with fast retries and polling.
-func testConfig() Config {
-	cfg := DefaultConfig()
+func testConfig() outboxconfig.Config {
+	cfg := outboxconfig.DefaultConfig()
 	cfg.PollInterval = 50 * time.Millisecond
 	cfg.BackoffBase = 10 * time.Millisecond
 	cfg.BackoffMax = 50 * time.Millisecond
@@ -26,7 +28,7 @@ func testConfig() Config {
 }
 
 // startRelay starts a relay that is shut down when the test ends.
-func startRelay(tb testing.TB, pool *pgxpool.Pool, sink Sink, cfg Config, reg prometheus.Registerer) *Relay {
+func startRelay(tb testing.TB, pool *pgxpool.Pool, sink Sink, cfg outboxconfig.Config, reg prometheus.Registerer) *Relay {
 	tb.Helper()
 	log := slog.New(slog.NewTextHandler(testWriter{tb}, &slog.HandlerOptions{Level: slog.LevelWarn}))
 	r, err := NewRelay(pool, sink, cfg, "test-relay", log, reg)

@@ -11,6 +11,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/testutil"
 
+	"github.com/worker-dev/worker/internal/outbox/outboxconfig"
 	"github.com/worker-dev/worker/internal/pgtest"
 	"github.com/worker-dev/worker/internal/testkit"
 )
@@ -266,7 +267,7 @@ func histogramCount(t *testing.T, g prometheus.Gatherer, name string) uint64 {
 // TestRelayEventTypeLabelsAreCapped: past maxEventTypes distinct event
 // types, the label value is "other".
 func TestRelayEventTypeLabelsAreCapped(t *testing.T) {
-	m, err := newMetrics(nil, SinkLog)
+	m, err := newMetrics(nil, outboxconfig.SinkLog)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -287,27 +288,27 @@ func TestRelayEventTypeLabelsAreCapped(t *testing.T) {
 // already be registered by the job runtime; the relay reuses them.
 func TestRelayRegistersBesideJobMetrics(t *testing.T) {
 	reg := prometheus.NewRegistry()
-	if _, err := newMetrics(reg, SinkLog); err != nil {
+	if _, err := newMetrics(reg, outboxconfig.SinkLog); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := newMetrics(reg, SinkLog); err != nil {
+	if _, err := newMetrics(reg, outboxconfig.SinkLog); err != nil {
 		t.Fatalf("second relay on the same registry: %v", err)
 	}
 	reg2 := prometheus.NewRegistry()
 	reg2.MustRegister(prometheus.NewGauge(prometheus.GaugeOpts{Name: "job_dlq_total", Help: "a clash"}))
-	if _, err := newMetrics(reg2, SinkLog); err == nil {
+	if _, err := newMetrics(reg2, outboxconfig.SinkLog); err == nil {
 		t.Error("a clashing metric was accepted")
 	}
 }
 
 // TestRelayRejectsBadConfig: NewRelay validates.
 func TestRelayRejectsBadConfig(t *testing.T) {
-	cfg := DefaultConfig()
+	cfg := outboxconfig.DefaultConfig()
 	cfg.BatchSize = 0
 	if _, err := NewRelay(nil, &recorder{}, cfg, "x", nil, nil); err == nil {
 		t.Error("batch_size 0 accepted")
 	}
-	if _, err := NewRelay(nil, &recorder{}, DefaultConfig(), "x", nil, nil); err == nil {
+	if _, err := NewRelay(nil, &recorder{}, outboxconfig.DefaultConfig(), "x", nil, nil); err == nil {
 		t.Error("nil pool accepted")
 	}
 }

@@ -15,6 +15,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/testutil"
 
+	"github.com/worker-dev/worker/internal/outbox/outboxconfig"
 	"github.com/worker-dev/worker/internal/pgtest"
 	"github.com/worker-dev/worker/internal/testkit"
 )
@@ -240,7 +241,7 @@ func appendRefusal(t *testing.T, db *pgtest.DB, e NewEvent) string {
 func TestLatencyIgnoresNegativeAndOverflow(t *testing.T) {
 	t.Parallel()
 	reg := prometheus.NewRegistry()
-	m, err := newMetrics(reg, SinkLog)
+	m, err := newMetrics(reg, outboxconfig.SinkLog)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -261,7 +262,7 @@ func TestLatencyIgnoresNegativeAndOverflow(t *testing.T) {
 // rules may carry control characters in event_type; the label does not.
 func TestEventTypeLabelHasNoControlCharacters(t *testing.T) {
 	t.Parallel()
-	m, err := newMetrics(nil, SinkLog)
+	m, err := newMetrics(nil, outboxconfig.SinkLog)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -283,7 +284,7 @@ func TestEventTypeLabelHasNoControlCharacters(t *testing.T) {
 func TestFailureSeriesExistAtZero(t *testing.T) {
 	t.Parallel()
 	reg := prometheus.NewRegistry()
-	m, err := newMetrics(reg, SinkLog)
+	m, err := newMetrics(reg, outboxconfig.SinkLog)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -15,6 +15,7 @@ import (
 
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/worker-dev/worker/internal/outbox/outboxconfig"
 	"github.com/worker-dev/worker/internal/pgtest"
 )
 
@@ -78,9 +79,9 @@ func BenchmarkRelaySlowSink(b *testing.B) {
 	fmt.Fprintln(w, "L\treplicas x loops\taggregates\ttransactions\tevents\tevents/s min / median / max\tideal\tratio\t")
 	for range b.N {
 		for _, s := range shapes {
-			cfg := DefaultConfig()
+			cfg := outboxconfig.DefaultConfig()
 			cfg.Relays = s.loops
-			ideal := float64(min(DefaultMaxInFlight(SinkWebhook)*s.replicas, s.aggregates)) / s.latency.Seconds()
+			ideal := float64(min(outboxconfig.DefaultMaxInFlight(outboxconfig.SinkWebhook)*s.replicas, s.aggregates)) / s.latency.Seconds()
 			// About 8 s of draining at the ideal rate.
 			events := int(8 * ideal)
 			var rates []float64
@@ -103,7 +104,7 @@ func BenchmarkRelaySlowSink(b *testing.B) {
 
 // drainSlow loads the backlog, starts the relays and returns the events/s
 // from their start until the sink has taken every event.
-func drainSlow(b *testing.B, cfg Config, latency time.Duration, replicas, events, aggregates, txs int) float64 {
+func drainSlow(b *testing.B, cfg outboxconfig.Config, latency time.Duration, replicas, events, aggregates, txs int) float64 {
 	// A replica's pool holds its loops' connections and three for
 	// completions and metrics; its listener has one of its own.
 	poolConns := cfg.Relays + 3
@@ -128,7 +129,7 @@ type slowSink struct {
 	n     atomic.Int64
 }
 
-func (s *slowSink) Name() string { return SinkWebhook }
+func (s *slowSink) Name() string { return outboxconfig.SinkWebhook }
 
 func (s *slowSink) Publish(ctx context.Context, e Event) error {
 	t := time.NewTimer(s.delay)

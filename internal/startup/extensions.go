@@ -11,6 +11,7 @@ import (
 
 	"github.com/worker-dev/worker/internal/config"
 	"github.com/worker-dev/worker/internal/inbox"
+	"github.com/worker-dev/worker/internal/inbox/inboxconfig"
 	"github.com/worker-dev/worker/internal/jobs"
 	"github.com/worker-dev/worker/internal/outbox"
 	"github.com/worker-dev/worker/internal/tasks"
@@ -54,7 +55,7 @@ func (x Extensions) check() error {
 	}
 	for _, name := range slices.Sorted(maps.Keys(x.InboxHandlers)) {
 		switch {
-		case name == inbox.HandlerSQL || name == inbox.HandlerRiver:
+		case name == inboxconfig.HandlerSQL || name == inboxconfig.HandlerRiver:
 			return config.Errorf("inbox handler %q is built into the worker; give the Go handler another name", name)
 		case x.InboxHandlers[name] == nil:
 			return config.Errorf("inbox handler %q is nil", name)

@@ -11,8 +11,10 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/worker-dev/worker/internal/inbox"
+	"github.com/worker-dev/worker/internal/inbox/inboxconfig"
 	"github.com/worker-dev/worker/internal/jobs"
 	"github.com/worker-dev/worker/internal/outbox"
+	"github.com/worker-dev/worker/internal/outbox/outboxconfig"
 )
 
 func testExtensions() Extensions {
@@ -56,7 +58,7 @@ func TestExtensionJobNameIsTaken(t *testing.T) {
 // A program cannot replace a built-in sink.
 func TestExtensionSinkCannotShadowABuiltIn(t *testing.T) {
 	var stderr bytes.Buffer
-	ext := Extensions{Sinks: map[string]func(context.Context) (outbox.Sink, error){outbox.SinkWebhook: nil}}
+	ext := Extensions{Sinks: map[string]func(context.Context) (outbox.Sink, error){outboxconfig.SinkWebhook: nil}}
 	if code := MainWith(ext, []string{"version"}, &bytes.Buffer{}, &stderr, nil); code != ExitConfig || !strings.Contains(stderr.String(), `"webhook"`) {
 		t.Fatalf("exit %d, stderr %q; want 78 naming the sink", code, stderr.String())
 	}
@@ -104,7 +106,7 @@ func TestExtensionInboxHandler(t *testing.T) {
 		t.Fatalf("stock worker with handler.kind=receipts: %v, want exit 78 naming it", err)
 	}
 	var stderr bytes.Buffer
-	ext = Extensions{InboxHandlers: map[string]inbox.Handler{inbox.HandlerSQL: ext.InboxHandlers["receipts"]}}
+	ext = Extensions{InboxHandlers: map[string]inbox.Handler{inboxconfig.HandlerSQL: ext.InboxHandlers["receipts"]}}
 	if code := MainWith(ext, []string{"version"}, &bytes.Buffer{}, &stderr, nil); code != ExitConfig || !strings.Contains(stderr.String(), `"sql"`) {
 		t.Fatalf("exit %d, stderr %q; want 78 naming the handler", code, stderr.String())
 	}

@@ -10,6 +10,7 @@ import (
 
 	"github.com/worker-dev/worker/internal/config"
 	"github.com/worker-dev/worker/internal/inbox"
+	"github.com/worker-dev/worker/internal/inbox/inboxconfig"
 	kafkasource "github.com/worker-dev/worker/internal/inbox/source/kafka"
 	natssource "github.com/worker-dev/worker/internal/inbox/source/nats"
 	rabbitsource "github.com/worker-dev/worker/internal/inbox/source/rabbitmq"
@@ -19,17 +20,17 @@ import (
 // sourceKinds builds an inbox source of each kind, without connecting:
 // NewRunner's sources connect when they run. reg takes a source's own
 // metrics; nil when the source is built only to check its section.
-var sourceKinds = map[string]func(src inbox.SourceConfig, cfg inbox.Config, log *slog.Logger, reg prometheus.Registerer) (inbox.Source, error){
-	inbox.KindNATS: func(src inbox.SourceConfig, cfg inbox.Config, log *slog.Logger, _ prometheus.Registerer) (inbox.Source, error) {
+var sourceKinds = map[string]func(src inboxconfig.SourceConfig, cfg inboxconfig.Config, log *slog.Logger, reg prometheus.Registerer) (inbox.Source, error){
+	inboxconfig.KindNATS: func(src inboxconfig.SourceConfig, cfg inboxconfig.Config, log *slog.Logger, _ prometheus.Registerer) (inbox.Source, error) {
 		return natssource.New(src, cfg, log)
 	},
-	inbox.KindKafka: func(src inbox.SourceConfig, cfg inbox.Config, log *slog.Logger, _ prometheus.Registerer) (inbox.Source, error) {
+	inboxconfig.KindKafka: func(src inboxconfig.SourceConfig, cfg inboxconfig.Config, log *slog.Logger, _ prometheus.Registerer) (inbox.Source, error) {
 		return kafkasource.New(src, cfg, log)
 	},
-	inbox.KindRabbitMQ: func(src inbox.SourceConfig, cfg inbox.Config, _ *slog.Logger, _ prometheus.Registerer) (inbox.Source, error) {
+	inboxconfig.KindRabbitMQ: func(src inboxconfig.SourceConfig, cfg inboxconfig.Config, _ *slog.Logger, _ prometheus.Registerer) (inbox.Source, error) {
 		return rabbitsource.New(src.RabbitMQ, rabbitsource.Options{Name: src.Name, BatchSize: cfg.BatchSize, ProbeBackoffMax: cfg.ProbeBackoffMax})
 	},
-	inbox.KindWebhook: func(src inbox.SourceConfig, _ inbox.Config, log *slog.Logger, reg prometheus.Registerer) (inbox.Source, error) {
+	inboxconfig.KindWebhook: func(src inboxconfig.SourceConfig, _ inboxconfig.Config, log *slog.Logger, reg prometheus.Registerer) (inbox.Source, error) {
 		return webhooksource.New(src.Webhook, webhooksource.Options{
 			Name: src.Name, Key: src.Key, MaxInFlight: src.Webhook.MaxInFlight, Logger: log, Registerer: reg,
 		})
@@ -37,11 +38,11 @@ var sourceKinds = map[string]func(src inbox.SourceConfig, cfg inbox.Config, log 
 }
 
 // inboxHandler returns the handler of source s.
-func (c *runConfig) inboxHandler(s inbox.SourceConfig) inbox.Handler {
+func (c *runConfig) inboxHandler(s inboxconfig.SourceConfig) inbox.Handler {
 	switch s.Handler.Kind {
-	case inbox.HandlerSQL:
+	case inboxconfig.HandlerSQL:
 		return inbox.SQLHandler{SQL: s.Handler.SQL}
-	case inbox.HandlerRiver:
+	case inboxconfig.HandlerRiver:
 		return inbox.RiverHandler{Kind: s.Handler.TaskKind, Queue: s.Handler.Queue}
 	}
 	return c.ext.InboxHandlers[s.Handler.Kind]

@@ -30,7 +30,7 @@ func TestInboxSourceSectionIsCheckedWithTheConfiguration(t *testing.T) {
 	}
 }
 
-// A source's keys come from its YAML entry over inbox.DefaultSource, and
+// A source's keys come from its YAML entry over inboxconfig.DefaultSource, and
 // from APP_INBOX_SOURCES_<NAME>_<KEY>, which keeps secrets out of the file;
 // `config print` and the logs mask them, and a variable that names no key
 // stops the start.

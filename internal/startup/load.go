@@ -7,9 +7,10 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/worker-dev/worker/internal/config"
-	"github.com/worker-dev/worker/internal/inbox"
+	"github.com/worker-dev/worker/internal/inbox/inboxconfig"
 	"github.com/worker-dev/worker/internal/jobs"
 	"github.com/worker-dev/worker/internal/outbox"
+	"github.com/worker-dev/worker/internal/outbox/outboxconfig"
 	riversink "github.com/worker-dev/worker/internal/outbox/sink/river"
 )
 
@@ -75,7 +76,7 @@ func checkParts(c *config.Config, ext Extensions) error {
 	if err := validateInboxSources(c, ext); err != nil {
 		return err
 	}
-	if c.Outbox.Sink == outbox.SinkRiver {
+	if c.Outbox.Sink == outboxconfig.SinkRiver {
 		if _, err := riversink.New(c.Tasks, c.Outbox.River.Routes); err != nil {
 			return config.Errorf("%v", err)
 		}
@@ -84,13 +85,13 @@ func checkParts(c *config.Config, ext Extensions) error {
 }
 
 // validateInboxSources checks what run needs of each inbox source beyond
-// its form (inbox.Config.Validate): its handler (a Go handler must be
+// its form (inboxconfig.Config.Validate): its handler (a Go handler must be
 // registered), and its own section, by building it, which wants its
 // credentials.
 func validateInboxSources(c *config.Config, ext Extensions) error {
 	for i, s := range c.Inbox.Sources {
 		switch s.Handler.Kind {
-		case inbox.HandlerSQL, inbox.HandlerRiver:
+		case inboxconfig.HandlerSQL, inboxconfig.HandlerRiver:
 		default:
 			if _, ok := ext.InboxHandlers[s.Handler.Kind]; !ok {
 				return config.Errorf("%s[%d].handler.kind=%q: want sql, river, or a Go handler registered with worker.WithInboxHandler (have %s)",

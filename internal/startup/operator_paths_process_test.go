@@ -11,7 +11,7 @@ import (
 	"go.yaml.in/yaml/v3"
 
 	"github.com/worker-dev/worker/internal/pgtest"
-	"github.com/worker-dev/worker/internal/tasks"
+	"github.com/worker-dev/worker/internal/tasks/tasksconfig"
 )
 
 // checkLogLines fails unless every line of out is a JSON log line naming
@@ -80,7 +80,7 @@ func TestExitLinesNameTheInstance(t *testing.T) {
 		{"bad argument", nil, []string{"outbox", "dead", "list", "--limit", "0"}, 64, "--limit 0"},
 		{"healthcheck with a zero timeout", nil, []string{"healthcheck", "--timeout", "0s"}, 64, "--timeout 0s: want a positive duration"},
 		{"healthcheck with a negative timeout", nil, []string{"healthcheck", "--timeout=-1s"}, 64, "--timeout -1s: want a positive duration"},
-		{"task kind name River rejects", []string{writeConfig(t, "tasks:\n  kinds:\n    - {name: a, type: sql, sql: SELECT 1}\n")}, nil, 78, tasks.KindNameRule},
+		{"task kind name River rejects", []string{writeConfig(t, "tasks:\n  kinds:\n    - {name: a, type: sql, sql: SELECT 1}\n")}, nil, 78, tasksconfig.KindNameRule},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
@@ -170,8 +170,8 @@ func TestEnqueueAndEmitRefuseBadArguments(t *testing.T) {
 		want int
 		msg  string
 	}{
-		{[]string{"tasks", "enqueue", ""}, 64, tasks.KindNameRule},
-		{[]string{"tasks", "enqueue", long}, 64, tasks.KindNameRule},
+		{[]string{"tasks", "enqueue", ""}, 64, tasksconfig.KindNameRule},
+		{[]string{"tasks", "enqueue", long}, 64, tasksconfig.KindNameRule},
 		{[]string{"tasks", "enqueue", "configured", "--args", `{"a": "x\u0000y"}`}, 64, `--args holds \\u0000`},
 		{[]string{"tasks", "enqueue", "configured", "--args", `{"x\u0000": 1}`}, 64, `--args holds \\u0000`},
 		{[]string{"outbox", "emit", "--aggregate-type", "a", "--aggregate-id", "1", "--event-type", "e", "--payload", `["\u0000"]`}, 64, `--payload holds \\u0000`},

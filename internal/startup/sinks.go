@@ -16,24 +16,24 @@ import (
 	"github.com/worker-dev/worker/internal/config"
 	"github.com/worker-dev/worker/internal/obs"
 	"github.com/worker-dev/worker/internal/outbox"
+	"github.com/worker-dev/worker/internal/outbox/outboxconfig"
 	kafkasink "github.com/worker-dev/worker/internal/outbox/sink/kafka"
 	natssink "github.com/worker-dev/worker/internal/outbox/sink/nats"
 	rabbitsink "github.com/worker-dev/worker/internal/outbox/sink/rabbitmq"
 	riversink "github.com/worker-dev/worker/internal/outbox/sink/river"
 	webhooksink "github.com/worker-dev/worker/internal/outbox/sink/webhook"
-	"github.com/worker-dev/worker/internal/tasks"
 )
 
 // sinkKind is what startup knows about one value of outbox.sink.
 type sinkKind struct {
 	// validate checks the sink's own section (outbox.<sink>), without
 	// connecting.
-	validate func(outbox.Config) error
+	validate func(outboxconfig.Config) error
 	// new builds the sink and, for a broker, connects within its
 	// connect_timeout.
 	new func(ctx context.Context, env sinkEnv) (outbox.Sink, error)
 	// publishTimeout bounds one Publish; 0 for a sink that cannot hang.
-	publishTimeout func(outbox.Config) time.Duration
+	publishTimeout func(outboxconfig.Config) time.Duration
 }
 
 // sinkEnv is what a sink may need from the process.
@@ -45,13 +45,13 @@ type sinkEnv struct {
 
 // sinkKinds is every sink, by its outbox.sink name.
 var sinkKinds = map[string]sinkKind{
-	outbox.SinkLog: {
-		validate:       func(outbox.Config) error { return nil },
+	outboxconfig.SinkLog: {
+		validate:       func(outboxconfig.Config) error { return nil },
 		new:            func(_ context.Context, env sinkEnv) (outbox.Sink, error) { return outbox.NewLogSink(env.stdout), nil },
-		publishTimeout: func(outbox.Config) time.Duration { return 0 },
+		publishTimeout: func(outboxconfig.Config) time.Duration { return 0 },
 	},
-	outbox.SinkWebhook: {
-		validate: func(c outbox.Config) error {
+	outboxconfig.SinkWebhook: {
+		validate: func(c outboxconfig.Config) error {
 			if err := c.Webhook.Validate(); err != nil {
 				return err
 			}
@@ -61,10 +61,10 @@ var sinkKinds = map[string]sinkKind{
 		new: func(_ context.Context, env sinkEnv) (outbox.Sink, error) {
 			return newWebhookSink(env.cfg.Outbox.Webhook)
 		},
-		publishTimeout: func(c outbox.Config) time.Duration { return c.Webhook.Timeout },
+		publishTimeout: func(c outboxconfig.Config) time.Duration { return c.Webhook.Timeout },
 	},
-	outbox.SinkNATS: {
-		validate: func(c outbox.Config) error {
+	outboxconfig.SinkNATS: {
+		validate: func(c outboxconfig.Config) error {
 			_, err := natssink.New(c.NATS, natssink.Options{})
 			return err
 		},
@@ -80,10 +80,10 @@ var sinkKinds = map[string]sinkKind{
 			}
 			return connectBroker(ctx, s, "outbox.nats.connect_timeout", c.NATS.ConnectTimeout)
 		},
-		publishTimeout: func(c outbox.Config) time.Duration { return c.NATS.PublishTimeout },
+		publishTimeout: func(c outboxconfig.Config) time.Duration { return c.NATS.PublishTimeout },
 	},
-	outbox.SinkRabbitMQ: {
-		validate: func(c outbox.Config) error {
+	outboxconfig.SinkRabbitMQ: {
+		validate: func(c outboxconfig.Config) error {
 			_, err := rabbitsink.New(c.RabbitMQ, rabbitsink.Options{})
 			return err
 		},
@@ -95,10 +95,10 @@ var sinkKinds = map[string]sinkKind{
 			}
 			return connectBroker(ctx, s, "outbox.rabbitmq.connect_timeout", c.ConnectTimeout)
 		},
-		publishTimeout: func(c outbox.Config) time.Duration { return c.RabbitMQ.PublishTimeout },
+		publishTimeout: func(c outboxconfig.Config) time.Duration { return c.RabbitMQ.PublishTimeout },
 	},
-	outbox.SinkKafka: {
-		validate: func(c outbox.Config) error {
+	outboxconfig.SinkKafka: {
+		validate: func(c outboxconfig.Config) error {
 			_, err := kafkasink.New(c.Kafka, kafkasink.Options{})
 			return err
 		},
@@ -110,20 +110,20 @@ var sinkKinds = map[string]sinkKind{
 			}
 			return connectBroker(ctx, s, "outbox.kafka.connect_timeout", c.ConnectTimeout)
 		},
-		publishTimeout: func(c outbox.Config) time.Duration { return c.Kafka.PublishTimeout },
+		publishTimeout: func(c outboxconfig.Config) time.Duration { return c.Kafka.PublishTimeout },
 	},
 	// The routes' targets are checked against tasks.kinds in Config.validate.
-	outbox.SinkRiver: {
-		validate: func(c outbox.Config) error {
+	outboxconfig.SinkRiver: {
+		validate: func(c outboxconfig.Config) error {
 			if len(c.River.Routes) == 0 {
-				return fmt.Errorf(`%s is empty: sink river needs a task kind per event type, or a "*" default`, tasks.RoutesKey)
+				return fmt.Errorf(`%s is empty: sink river needs a task kind per event type, or a "*" default`, outboxconfig.RoutesKey)
 			}
 			return nil
 		},
 		new: func(_ context.Context, env sinkEnv) (outbox.Sink, error) {
 			return riversink.New(env.cfg.Tasks, env.cfg.Outbox.River.Routes)
 		},
-		publishTimeout: func(outbox.Config) time.Duration { return 0 },
+		publishTimeout: func(outboxconfig.Config) time.Duration { return 0 },
 	},
 }
 
@@ -132,7 +132,7 @@ var sinkKinds = map[string]sinkKind{
 // them at 90%, so every sink's publish must fit in it.
 // A custom sink (ext) has no section of its own; it must honour the
 // publish context's deadline.
-func validateSink(c outbox.Config, ext Extensions) error {
+func validateSink(c outboxconfig.Config, ext Extensions) error {
 	if _, ok := ext.Sinks[c.Sink]; ok {
 		return checkIdleSinkSettings(c)
 	}
@@ -164,8 +164,8 @@ func validateSink(c outbox.Config, ext Extensions) error {
 // published, every event the intended one never receives. A setting counts
 // as given when it differs from its default, so a file that lists every key
 // with its default (configs/worker.yaml) passes.
-func checkIdleSinkSettings(c outbox.Config) error {
-	def := reflect.ValueOf(outbox.DefaultConfig())
+func checkIdleSinkSettings(c outboxconfig.Config) error {
+	def := reflect.ValueOf(outboxconfig.DefaultConfig())
 	got := reflect.ValueOf(c)
 	var msgs []string
 	for i := range got.NumField() {
@@ -182,7 +182,7 @@ func checkIdleSinkSettings(c outbox.Config) error {
 			verb = "are"
 		}
 		msgs = append(msgs, fmt.Sprintf("%s %s set, but outbox.sink=%q%s: the %s sink's settings apply only with outbox.sink=%s; select that sink, or leave them at their defaults",
-			strings.Join(set, ", "), verb, c.Sink, defaultNote(c.Sink == outbox.DefaultConfig().Sink), section, section))
+			strings.Join(set, ", "), verb, c.Sink, defaultNote(c.Sink == outboxconfig.DefaultConfig().Sink), section, section))
 	}
 	if len(msgs) > 0 {
 		return config.Errorf("%s", strings.Join(msgs, "\n"))
@@ -226,7 +226,7 @@ func newSink(ctx context.Context, cfg *runConfig, stdout io.Writer, log *slog.Lo
 // after the longest backoff it can draw, or a claim of a vanished relay
 // taken over after in_flight_timeout. A broker's deduplication window must
 // cover it (an operator's `dead retry` can always come later).
-func redeliveryGap(c outbox.Config, publishTimeout time.Duration) time.Duration {
+func redeliveryGap(c outboxconfig.Config, publishTimeout time.Duration) time.Duration {
 	longestBackoff := c.BackoffBase
 	for i := 2; i < c.MaxAttempts && longestBackoff < c.BackoffMax; i++ {
 		longestBackoff *= 2
@@ -289,7 +289,7 @@ func (r sinkRelay) Shutdown(ctx context.Context) error {
 
 // newWebhookSink builds the webhook sink. Its errors show the URL as
 // `config print` does: user info and query string (often a token) masked.
-func newWebhookSink(cfg outbox.WebhookConfig) (*webhooksink.Sink, error) {
+func newWebhookSink(cfg outboxconfig.WebhookConfig) (*webhooksink.Sink, error) {
 	s, err := webhooksink.New(cfg, nil)
 	if err != nil {
 		// The cause is left out on purpose: its text carries the raw URL.

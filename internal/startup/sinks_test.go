@@ -7,7 +7,7 @@ import (
 	"time"
 
 	"github.com/worker-dev/worker/internal/config"
-	"github.com/worker-dev/worker/internal/outbox"
+	"github.com/worker-dev/worker/internal/outbox/outboxconfig"
 )
 
 // Every sink goes through the one table: an unknown name, a bad section
@@ -65,7 +65,7 @@ func TestSinkTableValidates(t *testing.T) {
 // takeover of a vanished relay's claims, plus one publish.
 func TestRedeliveryGap(t *testing.T) {
 	t.Parallel()
-	c := outbox.DefaultConfig() // base 1s, 3 attempts: at most 2s of backoff
+	c := outboxconfig.DefaultConfig() // base 1s, 3 attempts: at most 2s of backoff
 	if got, want := redeliveryGap(c, 5*time.Second), c.InFlightTimeout+5*time.Second; got != want {
 		t.Errorf("defaults: %s, want %s", got, want)
 	}

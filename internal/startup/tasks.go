@@ -15,6 +15,7 @@ import (
 
 	"github.com/worker-dev/worker/internal/config"
 	"github.com/worker-dev/worker/internal/tasks"
+	"github.com/worker-dev/worker/internal/tasks/tasksconfig"
 )
 
 // registerGoTasks is where task kinds written in Go are added, the way Go
@@ -82,7 +83,7 @@ type tasksEnqueueCmd struct {
 }
 
 func (c tasksEnqueueCmd) Run(e *cmdEnv) error {
-	if err := tasks.CheckKindName(c.Kind); err != nil {
+	if err := tasksconfig.CheckKindName(c.Kind); err != nil {
 		return &exitError{code: ExitUsage, msg: err.Error()}
 	}
 	if err := checkJSONArg("--args", c.Args, true); err != nil {

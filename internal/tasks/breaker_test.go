@@ -13,6 +13,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/worker-dev/worker/internal/pgtest"
+	"github.com/worker-dev/worker/internal/tasks/tasksconfig"
 	"github.com/worker-dev/worker/internal/testkit"
 )
 
@@ -36,8 +37,8 @@ func TestEndpointOutageSnoozesTasksWithoutSpendingAttempts(t *testing.T) {
 		w.WriteHeader(http.StatusNoContent)
 	}))
 	t.Cleanup(srv.Close)
-	cfg := testConfig(t, nil, Kind{Name: "notify", Type: TypeHTTP, URL: srv.URL, MaxAttempts: 2},
-		Kind{Name: "other", Type: TypeHTTP, URL: srv.URL})
+	cfg := testConfig(t, nil, tasksconfig.Kind{Name: "notify", Type: tasksconfig.TypeHTTP, URL: srv.URL, MaxAttempts: 2},
+		tasksconfig.Kind{Name: "other", Type: tasksconfig.TypeHTTP, URL: srv.URL})
 	cfg.ProbeBackoffMax = 300 * time.Millisecond
 	h := start(t, db, cfg, nil)
 	for _, k := range []string{"notify", "other"} {
@@ -107,7 +108,7 @@ func TestPoisonTaskDeadLettersWhileTheEndpointServesOthers(t *testing.T) {
 		w.WriteHeader(http.StatusNoContent)
 	}))
 	t.Cleanup(srv.Close)
-	cfg := testConfig(t, nil, Kind{Name: "notify", Type: TypeHTTP, URL: srv.URL})
+	cfg := testConfig(t, nil, tasksconfig.Kind{Name: "notify", Type: tasksconfig.TypeHTTP, URL: srv.URL})
 	cfg.ProbeBackoffMax = 100 * time.Millisecond
 	h := start(t, db, cfg, nil)
 	poison := enqueueSQL(t, db.Pool, "notify", `{"poison": true}`, `{}`)
@@ -185,7 +186,7 @@ func TestClosingTheBreakerWakesTheTasksThatWaited(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	w := &httpWorker{kind: Kind{Name: "notify"}, pool: db.Pool, endpoint: newEndpointBreaker("notify", m, slog.New(slog.DiscardHandler), time.Second)}
+	w := &httpWorker{kind: tasksconfig.Kind{Name: "notify"}, pool: db.Pool, endpoint: newEndpointBreaker("notify", m, slog.New(slog.DiscardHandler), time.Second)}
 	w.wakeWaiting(ctx)
 	for id, wantDue := range map[int64]bool{waited: true, planned: false, other: false} {
 		var due bool

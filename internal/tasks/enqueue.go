@@ -16,6 +16,7 @@ import (
 	"github.com/riverqueue/river/rivertype"
 
 	"github.com/worker-dev/worker/internal/obs"
+	"github.com/worker-dev/worker/internal/tasks/tasksconfig"
 )
 
 // RejectedError is an enqueue refused because the queue's available backlog
@@ -53,7 +54,7 @@ var sinkInserter = sync.OnceValues(func() (*river.Client[pgx.Tx], error) {
 // backlog bound applies (*RejectedError), and the Meta in ctx (WithMeta) is
 // copied into the task's metadata.
 func Enqueue(ctx context.Context, tx pgx.Tx, args river.JobArgs, opts *river.InsertOpts) (*rivertype.JobInsertResult, error) {
-	if err := CheckKindName(args.Kind()); err != nil {
+	if err := tasksconfig.CheckKindName(args.Kind()); err != nil {
 		return nil, err
 	}
 	client, err := inserter()
@@ -114,13 +115,10 @@ type EventArgs struct {
 	OccurredAt    time.Time         `json:"occurred_at"`
 }
 
-// RoutesKey is the configuration key of the routes, for error messages.
-const RoutesKey = "outbox.river.routes"
-
 // InsertParams is the River insert of a task of kind k with args (a JSON
 // object) and the propagated context m, for a caller that inserts many
 // tasks at once: the outbox's river sink.
-func InsertParams(k Kind, args json.RawMessage, m Meta) (river.InsertManyParams, error) {
+func InsertParams(k tasksconfig.Kind, args json.RawMessage, m Meta) (river.InsertManyParams, error) {
 	meta, err := m.mergeInto(nil)
 	if err != nil {
 		return river.InsertManyParams{}, err

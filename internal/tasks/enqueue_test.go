@@ -16,6 +16,7 @@ import (
 
 	"github.com/worker-dev/worker/internal/obs"
 	"github.com/worker-dev/worker/internal/pgtest"
+	"github.com/worker-dev/worker/internal/tasks/tasksconfig"
 )
 
 // worker_enqueue must insert the row and send the notification River's own
@@ -24,8 +25,8 @@ func TestEnqueueFunctionInsertsWhatRiverInserts(t *testing.T) {
 	t.Parallel()
 	db := pgtest.New(t)
 	ctx := t.Context()
-	cfg := testConfig(t, map[string]Queue{"mail": queue(1, 10)},
-		Kind{Name: "send-receipt", Type: TypeGo, Queue: "mail", MaxAttempts: 7})
+	cfg := testConfig(t, map[string]tasksconfig.Queue{"mail": queue(1, 10)},
+		tasksconfig.Kind{Name: "send-receipt", Type: tasksconfig.TypeGo, Queue: "mail", MaxAttempts: 7})
 	if err := publishConfig(ctx, db.Pool, &cfg); err != nil {
 		t.Fatal(err)
 	}
@@ -116,7 +117,7 @@ func TestFullQueueRefusesEnqueue(t *testing.T) {
 	t.Parallel()
 	db := pgtest.New(t)
 	ctx := t.Context()
-	cfg := testConfig(t, map[string]Queue{"small": queue(1, 2)}, Kind{Name: "report", Type: TypeGo, Queue: "small"})
+	cfg := testConfig(t, map[string]tasksconfig.Queue{"small": queue(1, 2)}, tasksconfig.Kind{Name: "report", Type: tasksconfig.TypeGo, Queue: "small"})
 	if err := publishConfig(ctx, db.Pool, &cfg); err != nil {
 		t.Fatal(err)
 	}
@@ -180,7 +181,7 @@ func TestPublishConfigForgetsDroppedKindsAndQueues(t *testing.T) {
 	t.Parallel()
 	db := pgtest.New(t)
 	ctx := context.Background()
-	old := testConfig(t, map[string]Queue{"mail": queue(1, 10)}, Kind{Name: "send-receipt", Type: TypeSQL, SQL: "SELECT $1", Queue: "mail"})
+	old := testConfig(t, map[string]tasksconfig.Queue{"mail": queue(1, 10)}, tasksconfig.Kind{Name: "send-receipt", Type: tasksconfig.TypeSQL, SQL: "SELECT $1", Queue: "mail"})
 	if err := publishConfig(ctx, db.Pool, &old); err != nil {
 		t.Fatal(err)
 	}
@@ -196,7 +197,7 @@ func TestPublishConfigForgetsDroppedKindsAndQueues(t *testing.T) {
 	if err := db.Pool.QueryRow(ctx, "SELECT array_agg(queue ORDER BY queue) FROM worker_task_queue").Scan(&queues); err != nil {
 		t.Fatal(err)
 	}
-	if routed != DefaultQueue || !slices.Equal(queues, []string{DefaultQueue}) {
+	if routed != tasksconfig.DefaultQueue || !slices.Equal(queues, []string{tasksconfig.DefaultQueue}) {
 		t.Fatalf("after dropping kind send-receipt and queue mail: the kind goes to %q, queues %v; want default and [default]", routed, queues)
 	}
 }
@@ -209,7 +210,7 @@ func TestUnknownKindRaisesANotice(t *testing.T) {
 	t.Parallel()
 	db := pgtest.New(t)
 	ctx := context.Background()
-	cfg := testConfig(t, nil, Kind{Name: "configured", Type: TypeSQL, SQL: "SELECT $1"})
+	cfg := testConfig(t, nil, tasksconfig.Kind{Name: "configured", Type: tasksconfig.TypeSQL, SQL: "SELECT $1"})
 	if err := publishConfig(ctx, db.Pool, &cfg, "registered-in-go", "configured"); err != nil {
 		t.Fatal(err)
 	}
@@ -246,13 +247,13 @@ func TestEnqueueRefusesAKindNameRiverRejects(t *testing.T) {
 			_, err := EnqueueJSON(t.Context(), tx, kind, json.RawMessage(`{}`), nil)
 			return err
 		})
-		var kne *KindNameError
-		if !errors.As(err, &kne) || !strings.Contains(err.Error(), KindNameRule) {
-			t.Errorf("kind %q: %v; want a KindNameError naming the rule", kind, err)
+		var kne *tasksconfig.KindNameError
+		if !errors.As(err, &kne) || !strings.Contains(err.Error(), tasksconfig.KindNameRule) {
+			t.Errorf("kind %q: %v; want a tasksconfig.KindNameError naming the rule", kind, err)
 		}
 	}
 	for _, kind := range []string{"kk", "send-receipt", "billing.v2/charge", strings.Repeat("k", 127)} {
-		if err := CheckKindName(kind); err != nil {
+		if err := tasksconfig.CheckKindName(kind); err != nil {
 			t.Errorf("kind %q refused: %v", kind, err)
 		}
 	}

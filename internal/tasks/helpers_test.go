@@ -11,14 +11,15 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/worker-dev/worker/internal/pgtest"
+	"github.com/worker-dev/worker/internal/tasks/tasksconfig"
 	"github.com/worker-dev/worker/internal/testkit"
 )
 
 // testConfig is DefaultConfig with fast retries, validated with queues
 // (besides the default one) and kinds.
-func testConfig(t testing.TB, queues map[string]Queue, kinds ...Kind) Config {
+func testConfig(t testing.TB, queues map[string]tasksconfig.Queue, kinds ...tasksconfig.Kind) tasksconfig.Config {
 	t.Helper()
-	cfg := DefaultConfig()
+	cfg := tasksconfig.DefaultConfig()
 	cfg.Queues = queues
 	cfg.BackoffBase = 10 * time.Millisecond
 	cfg.BackoffMax = 50 * time.Millisecond
@@ -31,8 +32,8 @@ func testConfig(t testing.TB, queues map[string]Queue, kinds ...Kind) Config {
 }
 
 // queue is a queue's configuration with both keys written.
-func queue(maxWorkers, maxBacklog int) Queue {
-	return Queue{MaxWorkers: &maxWorkers, MaxBacklog: &maxBacklog}
+func queue(maxWorkers, maxBacklog int) tasksconfig.Queue {
+	return tasksconfig.Queue{MaxWorkers: &maxWorkers, MaxBacklog: &maxBacklog}
 }
 
 // harness is a started Runtime on a private database.
@@ -44,7 +45,7 @@ type harness struct {
 }
 
 // start runs a Runtime for cfg on db, shut down when the test ends.
-func start(t *testing.T, db *pgtest.DB, cfg Config, register func(*Registry) error) *harness {
+func start(t *testing.T, db *pgtest.DB, cfg tasksconfig.Config, register func(*Registry) error) *harness {
 	t.Helper()
 	h := &harness{db: db, reg: prometheus.NewRegistry(), logs: &testkit.LogBuffer{}}
 	rt, err := New(Options{Config: cfg, Pool: db.Pool, InstanceID: "test", Logger: h.logs.Logger(),

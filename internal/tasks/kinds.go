@@ -23,6 +23,7 @@ import (
 
 	"github.com/worker-dev/worker/internal/broker"
 	"github.com/worker-dev/worker/internal/obs"
+	"github.com/worker-dev/worker/internal/tasks/tasksconfig"
 )
 
 // Registry collects the task kinds written in Go. A Go kind is a
@@ -82,7 +83,7 @@ func (p retryPolicy) NextRetry(job *rivertype.JobRow) time.Time {
 // Retry-After); any other status is permanent (dead-lettered at once).
 type httpWorker struct {
 	river.WorkerDefaults[rawArgs]
-	kind     Kind
+	kind     tasksconfig.Kind
 	client   *http.Client
 	endpoint *endpointBreaker
 	pool     *pgxpool.Pool // River's, to wake the tasks that waited
@@ -144,7 +145,7 @@ func (w *httpWorker) post(ctx context.Context, job *river.Job[rawArgs]) (code in
 	meta := MetaFrom(ctx)
 	req.Header.Set("Content-Type", "application/json")
 	req.Header.Set("X-Task-Id", strconv.FormatInt(job.ID, 10))
-	req.Header.Set("X-Task-Kind", job.Kind)
+	req.Header.Set("X-Task-tasksconfig.Kind", job.Kind)
 	req.Header.Set("X-Task-Attempt", strconv.Itoa(job.Attempt))
 	for name, v := range map[string]string{"Traceparent": meta.Traceparent, "X-Request-Id": meta.RequestID,
 		"X-Correlation-Id": meta.CorrelationID, "X-Tenant-Id": meta.TenantID} {
@@ -242,7 +243,7 @@ func retryAfter(v string, now time.Time) (time.Time, bool) {
 // both did. The statement's effect therefore happens exactly once.
 type sqlWorker struct {
 	river.WorkerDefaults[rawArgs]
-	kind Kind
+	kind tasksconfig.Kind
 	pool *pgxpool.Pool
 }
 

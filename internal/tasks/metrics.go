@@ -10,6 +10,7 @@ import (
 	"github.com/riverqueue/river/rivertype"
 
 	"github.com/worker-dev/worker/internal/obs"
+	"github.com/worker-dev/worker/internal/tasks/tasksconfig"
 )
 
 // Outcomes of task_runs_total{outcome}: how one run of a task ended.
@@ -42,7 +43,7 @@ const countCap = 100000
 
 // countLimit is where the refresh stops counting: countCap, or the largest
 // max_backlog if that is larger.
-func countLimit(cfg *Config) int {
+func countLimit(cfg *tasksconfig.Config) int {
 	limit := countCap
 	for _, q := range cfg.Queues {
 		limit = max(limit, q.Backlog())
@@ -125,7 +126,7 @@ func newMetrics(reg prometheus.Registerer, kinds, queues, httpKinds []string) (*
 // refresh reads tasks{queue,state} and task_executor_saturation from the
 // table: one statement, each count bounded by countCap through the index
 // River fetches with (state, queue, ...).
-func (m *metrics) refresh(ctx context.Context, pool *pgxpool.Pool, cfg *Config) error {
+func (m *metrics) refresh(ctx context.Context, pool *pgxpool.Pool, cfg *tasksconfig.Config) error {
 	queues := cfg.QueueNames()
 	stateNames := make([]string, len(states))
 	for i, s := range states {
@@ -158,7 +159,7 @@ func (m *metrics) refresh(ctx context.Context, pool *pgxpool.Pool, cfg *Config) 
 }
 
 // refreshLoop runs refresh every interval until ctx ends.
-func (m *metrics) refreshLoop(ctx context.Context, pool *pgxpool.Pool, cfg *Config, log *slog.Logger) {
+func (m *metrics) refreshLoop(ctx context.Context, pool *pgxpool.Pool, cfg *tasksconfig.Config, log *slog.Logger) {
 	t := time.NewTicker(cfg.MetricsInterval)
 	defer t.Stop()
 	for {

@@ -11,6 +11,7 @@ import (
 	"github.com/riverqueue/river/rivertype"
 
 	"github.com/worker-dev/worker/internal/obs"
+	"github.com/worker-dev/worker/internal/tasks/tasksconfig"
 	"github.com/worker-dev/worker/internal/tracing"
 )
 
@@ -22,7 +23,7 @@ import (
 // classify mirrors its rules.
 type observer struct {
 	river.MiddlewareDefaults
-	cfg *Config
+	cfg *tasksconfig.Config
 	log *slog.Logger
 	m   *metrics
 }

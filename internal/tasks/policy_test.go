@@ -9,6 +9,7 @@ import (
 	"github.com/riverqueue/river/rivertype"
 
 	"github.com/worker-dev/worker/internal/pgtest"
+	"github.com/worker-dev/worker/internal/tasks/tasksconfig"
 	"github.com/worker-dev/worker/internal/testkit"
 )
 
@@ -42,7 +43,7 @@ func TestRetryPolicyIsFullJitterExponential(t *testing.T) {
 func TestUnboundedQueueWarnsAtStart(t *testing.T) {
 	t.Parallel()
 	db := pgtest.New(t)
-	h := start(t, db, testConfig(t, map[string]Queue{"bulk": queue(1, 0)}), nil)
+	h := start(t, db, testConfig(t, map[string]tasksconfig.Queue{"bulk": queue(1, 0)}), nil)
 	lines := h.logs.Lines(t, "task queue has no backlog bound; enqueues are never refused")
 	if len(lines) != 1 || lines[0]["queue"] != "bulk" || lines[0]["level"] != "WARN" {
 		t.Fatalf("warning lines: %v", lines)
@@ -55,7 +56,7 @@ func TestSaturationFollowsTheBacklog(t *testing.T) {
 	t.Parallel()
 	db := pgtest.New(t)
 	ctx := context.Background()
-	cfg := testConfig(t, map[string]Queue{"mail": queue(1, 4)})
+	cfg := testConfig(t, map[string]tasksconfig.Queue{"mail": queue(1, 4)})
 	if err := publishConfig(ctx, db.Pool, &cfg); err != nil {
 		t.Fatal(err)
 	}
@@ -114,7 +115,7 @@ func TestSaturationReachesOneAboveTheCountCap(t *testing.T) {
 	db := pgtest.New(t)
 	ctx := context.Background()
 	bound := countCap + 10
-	cfg := testConfig(t, map[string]Queue{"bulk": queue(1, bound)})
+	cfg := testConfig(t, map[string]tasksconfig.Queue{"bulk": queue(1, bound)})
 	reg := prometheus.NewRegistry()
 	m, err := newMetrics(reg, nil, cfg.QueueNames(), nil)
 	if err != nil {

@@ -13,6 +13,7 @@ import (
 
 	"github.com/worker-dev/worker/internal/obs"
 	"github.com/worker-dev/worker/internal/pgtest"
+	"github.com/worker-dev/worker/internal/tasks/tasksconfig"
 	"github.com/worker-dev/worker/internal/testkit"
 )
 
@@ -24,7 +25,7 @@ func TestRiverRunsTasksEnqueuedBySQL(t *testing.T) {
 	if _, err := db.Pool.Exec(t.Context(), "CREATE TABLE receipt (order_id int PRIMARY KEY)"); err != nil {
 		t.Fatal(err)
 	}
-	cfg := testConfig(t, nil, Kind{Name: "record-receipt", Type: TypeSQL,
+	cfg := testConfig(t, nil, tasksconfig.Kind{Name: "record-receipt", Type: tasksconfig.TypeSQL,
 		SQL: "INSERT INTO receipt VALUES (($1->>'order')::int)"})
 	h := start(t, db, cfg, nil)
 	id := enqueueSQL(t, db.Pool, "record-receipt", `{"order": 42}`, `{}`)
@@ -43,7 +44,7 @@ func TestRiverRunsTasksEnqueuedBySQL(t *testing.T) {
 func TestUnknownKindWaitsForAReplicaThatKnowsIt(t *testing.T) {
 	t.Parallel()
 	db := pgtest.New(t)
-	start(t, db, testConfig(t, nil, Kind{Name: "known", Type: TypeSQL, SQL: "SELECT $1"}), nil)
+	start(t, db, testConfig(t, nil, tasksconfig.Kind{Name: "known", Type: tasksconfig.TypeSQL, SQL: "SELECT $1"}), nil)
 	unknown := enqueueSQL(t, db.Pool, "added-in-next-release", `{}`, `{}`)
 	known := enqueueSQL(t, db.Pool, "known", `{}`, `{}`)
 	waitState(t, db.Pool, known, "completed", 10*time.Second)
@@ -126,7 +127,7 @@ func TestFailingTaskIsRetriedThenDeadLettered(t *testing.T) {
 		w.WriteHeader(http.StatusInternalServerError) // the task's own failure, unlike 502 or 503
 	}))
 	t.Cleanup(srv.Close)
-	h := start(t, db, testConfig(t, nil, Kind{Name: "notify", Type: TypeHTTP, URL: srv.URL}), nil)
+	h := start(t, db, testConfig(t, nil, tasksconfig.Kind{Name: "notify", Type: tasksconfig.TypeHTTP, URL: srv.URL}), nil)
 	tp := "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 	id := enqueueSQL(t, db.Pool, "notify", `{}`, `{"traceparent": "`+tp+`"}`)
 
@@ -135,7 +136,7 @@ func TestFailingTaskIsRetriedThenDeadLettered(t *testing.T) {
 		t.Fatalf("attempt %d after %d calls, want 3 and 3", row.Attempt, calls.Load())
 	}
 	hdr := last.Load().(http.Header)
-	for name, want := range map[string]string{"Traceparent": tp, "X-Task-Id": fmt.Sprint(id), "X-Task-Kind": "notify",
+	for name, want := range map[string]string{"Traceparent": tp, "X-Task-Id": fmt.Sprint(id), "X-Task-tasksconfig.Kind": "notify",
 		"X-Task-Attempt": "3", "Content-Type": "application/json"} {
 		if got := hdr.Get(name); got != want {
 			t.Errorf("the last request's %s: %q, want %q", name, got, want)
@@ -162,7 +163,7 @@ func TestPermanentErrorDeadLettersAtOnce(t *testing.T) {
 		w.WriteHeader(http.StatusUnprocessableEntity)
 	}))
 	t.Cleanup(srv.Close)
-	h := start(t, db, testConfig(t, nil, Kind{Name: "notify", Type: TypeHTTP, URL: srv.URL}), nil)
+	h := start(t, db, testConfig(t, nil, tasksconfig.Kind{Name: "notify", Type: tasksconfig.TypeHTTP, URL: srv.URL}), nil)
 	id := enqueueSQL(t, db.Pool, "notify", `{}`, `{}`)
 	waitState(t, db.Pool, id, "cancelled", 10*time.Second)
 	testkit.Eventually(t, 5*time.Second, "dead letter counted", func() bool {
@@ -192,7 +193,7 @@ func TestRetryAfterIsHonoured(t *testing.T) {
 		w.WriteHeader(http.StatusNoContent)
 	}))
 	t.Cleanup(srv.Close)
-	cfg := testConfig(t, nil, Kind{Name: "notify", Type: TypeHTTP, URL: srv.URL})
+	cfg := testConfig(t, nil, tasksconfig.Kind{Name: "notify", Type: tasksconfig.TypeHTTP, URL: srv.URL})
 	cfg.ProbeBackoffMax = 100 * time.Millisecond
 	start(t, db, cfg, nil)
 	id := enqueueSQL(t, db.Pool, "notify", `{}`, `{}`)
@@ -216,7 +217,7 @@ func TestRetryAfterIsHonoured(t *testing.T) {
 func TestTimeoutCancelsTheRun(t *testing.T) {
 	t.Parallel()
 	db := pgtest.New(t)
-	cfg := testConfig(t, nil, Kind{Name: "slow", Type: TypeSQL, SQL: "SELECT pg_sleep(30), $1::jsonb", Timeout: 200 * time.Millisecond, MaxAttempts: 2})
+	cfg := testConfig(t, nil, tasksconfig.Kind{Name: "slow", Type: tasksconfig.TypeSQL, SQL: "SELECT pg_sleep(30), $1::jsonb", Timeout: 200 * time.Millisecond, MaxAttempts: 2})
 	h := start(t, db, cfg, nil)
 	id := enqueueSQL(t, db.Pool, "slow", `{}`, `{}`)
 	// The statement sleeps 30s; only the timeout ends both runs in time.
@@ -264,7 +265,7 @@ func TestMaxWorkersBoundsConcurrency(t *testing.T) {
 	t.Parallel()
 	db := pgtest.New(t)
 	w := &blockWorker{release: make(chan struct{})}
-	cfg := testConfig(t, map[string]Queue{"default": queue(2, 100)})
+	cfg := testConfig(t, map[string]tasksconfig.Queue{"default": queue(2, 100)})
 	start(t, db, cfg, func(r *Registry) error { return AddWorker(r, w) })
 	ids := make([]int64, 6)
 	for i := range ids {
@@ -295,7 +296,7 @@ func TestShutdownCancelsRunningTaskWhichRunsAgainLater(t *testing.T) {
 	}
 	// The first replica's statement outlasts the budget; the task's args
 	// are then changed so the second replica's run is quick.
-	cfg := testConfig(t, nil, Kind{Name: "work", Type: TypeSQL, MaxAttempts: 1,
+	cfg := testConfig(t, nil, tasksconfig.Kind{Name: "work", Type: tasksconfig.TypeSQL, MaxAttempts: 1,
 		SQL: "INSERT INTO done SELECT 1 FROM pg_sleep(($1->>'sleep')::float8)"})
 	h := start(t, db, cfg, nil)
 	id := enqueueSQL(t, db.Pool, "work", `{"sleep": 30}`, `{}`)
@@ -334,8 +335,8 @@ func TestShutdownCancelsRunningTaskWhichRunsAgainLater(t *testing.T) {
 func TestMetricsStartAtZeroAndFollowTheTable(t *testing.T) {
 	t.Parallel()
 	db := pgtest.New(t)
-	cfg := testConfig(t, map[string]Queue{"mail": queue(1, 4)},
-		Kind{Name: "later", Type: TypeGo, Queue: "mail"})
+	cfg := testConfig(t, map[string]tasksconfig.Queue{"mail": queue(1, 4)},
+		tasksconfig.Kind{Name: "later", Type: tasksconfig.TypeGo, Queue: "mail"})
 	h := start(t, db, cfg, func(r *Registry) error {
 		return AddWorker(r, river.WorkFunc(func(context.Context, *river.Job[laterArgs]) error { return nil }))
 	})

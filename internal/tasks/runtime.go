@@ -19,12 +19,13 @@ import (
 	"github.com/riverqueue/river/rivertype"
 
 	"github.com/worker-dev/worker/internal/obs"
+	"github.com/worker-dev/worker/internal/tasks/tasksconfig"
 )
 
 // Options configure a Runtime.
 type Options struct {
-	Config     Config        // validated
-	Pool       *pgxpool.Pool // River gets a pool of its own, configured like this one
+	Config     tasksconfig.Config // validated
+	Pool       *pgxpool.Pool      // River gets a pool of its own, configured like this one
 	InstanceID string
 	Logger     *slog.Logger
 	Registerer prometheus.Registerer
@@ -65,7 +66,7 @@ const deadLetterRetention = 7 * 24 * time.Hour
 // Runtime is the River client as one of the worker's components: Start
 // runs it, Shutdown stops it within the shutdown budget.
 type Runtime struct {
-	cfg     Config
+	cfg     tasksconfig.Config
 	goKinds []string // registered in Go, with or without an entry in cfg.Kinds
 	log     *slog.Logger
 	pool    *pgxpool.Pool
@@ -99,7 +100,7 @@ func New(opts Options) (*Runtime, error) {
 	goKinds := slices.Clone(reg.kinds)
 	kinds := slices.Concat(cfg.KindNames(), goKinds)
 	slices.Sort(kinds)
-	m, err := newMetrics(opts.Registerer, slices.Compact(kinds), cfg.QueueNames(), cfg.httpKindNames())
+	m, err := newMetrics(opts.Registerer, slices.Compact(kinds), cfg.QueueNames(), cfg.HTTPKindNames())
 	if err != nil {
 		pool.Close()
 		return nil, err
@@ -131,7 +132,7 @@ func New(opts Options) (*Runtime, error) {
 		// bounds Go workers without a Timeout of their own and tells the
 		// rescuer when a running task is overdue. An infinite one would
 		// keep a dead replica's tasks from ever being rescued.
-		JobTimeout:           cfg.longestTimeout(),
+		JobTimeout:           cfg.LongestTimeout(),
 		RescueStuckJobsAfter: cfg.RescueAfter,
 		// Dead letters are discarded or cancelled tasks: keep both as long
 		// as River keeps discarded ones (its default for cancelled is 24h).
@@ -158,7 +159,7 @@ func New(opts Options) (*Runtime, error) {
 
 // addConfiguredKinds registers a worker for each http and sql kind, and
 // checks that each go kind has one.
-func addConfiguredKinds(reg *Registry, cfg *Config, pool *pgxpool.Pool, client *http.Client, endpoint func(kind string) *endpointBreaker) error {
+func addConfiguredKinds(reg *Registry, cfg *tasksconfig.Config, pool *pgxpool.Pool, client *http.Client, endpoint func(kind string) *endpointBreaker) error {
 	httpClient := &http.Client{}
 	if client != nil {
 		cp := *client
@@ -167,15 +168,15 @@ func addConfiguredKinds(reg *Registry, cfg *Config, pool *pgxpool.Pool, client *
 	httpClient.CheckRedirect = func(*http.Request, []*http.Request) error { return http.ErrUseLastResponse }
 	for i, k := range cfg.Kinds {
 		registered := slices.Contains(reg.kinds, k.Name)
-		if k.Type != TypeGo && registered {
+		if k.Type != tasksconfig.TypeGo && registered {
 			return &ConfigError{Msg: fmt.Sprintf("tasks.kinds[%d] %q: type %s, but a Go worker is registered for that kind; use type go", i, k.Name, k.Type)}
 		}
 		switch k.Type {
-		case TypeHTTP:
+		case tasksconfig.TypeHTTP:
 			river.AddWorkerArgs(reg.workers, rawArgs{kind: k.Name}, river.Worker[rawArgs](&httpWorker{kind: k, client: httpClient, endpoint: endpoint(k.Name), pool: pool}))
-		case TypeSQL:
+		case tasksconfig.TypeSQL:
 			river.AddWorkerArgs(reg.workers, rawArgs{kind: k.Name}, river.Worker[rawArgs](&sqlWorker{kind: k, pool: pool}))
-		case TypeGo:
+		case tasksconfig.TypeGo:
 			if !registered {
 				return &ConfigError{Msg: fmt.Sprintf("tasks.kinds[%d] %q: type go, but no Go worker is registered for that kind", i, k.Name)}
 			}
@@ -245,16 +246,16 @@ func (r *Runtime) Shutdown(ctx context.Context) error {
 // replica works any more. A Go kind without an entry under tasks.kinds gets
 // the defaults' row, so that every kind this replica runs is known to the
 // enqueue paths (worker_task_admit's NOTICE, the CLI's check).
-func publishConfig(ctx context.Context, pool *pgxpool.Pool, cfg *Config, goKinds ...string) error {
+func publishConfig(ctx context.Context, pool *pgxpool.Pool, cfg *tasksconfig.Config, goKinds ...string) error {
 	kinds := slices.Clone(cfg.Kinds)
 	for _, name := range goKinds {
 		if _, ok := cfg.KindNamed(name); !ok {
-			kinds = append(kinds, Kind{Name: name, Queue: DefaultQueue, MaxAttempts: cfg.MaxAttempts})
+			kinds = append(kinds, tasksconfig.Kind{Name: name, Queue: tasksconfig.DefaultQueue, MaxAttempts: cfg.MaxAttempts})
 		}
 	}
 	// Rows in one order (stale ones, defaults, then kinds and queues by
 	// name), so replicas starting together never deadlock on them.
-	slices.SortFunc(kinds, func(a, b Kind) int { return strings.Compare(a.Name, b.Name) })
+	slices.SortFunc(kinds, func(a, b tasksconfig.Kind) int { return strings.Compare(a.Name, b.Name) })
 	names := make([]string, len(kinds))
 	for i, k := range kinds {
 		names[i] = k.Name

@@ -19,6 +19,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/worker-dev/worker/internal/inbox"
+	"github.com/worker-dev/worker/internal/inbox/inboxconfig"
 	"github.com/worker-dev/worker/internal/pgtest"
 	"github.com/worker-dev/worker/internal/testkit"
 )
@@ -47,8 +48,8 @@ func Events(prefix string, n, aggs int) []Event {
 type Fixture struct {
 	T      testing.TB
 	DB     *pgtest.DB
-	Src    inbox.SourceConfig
-	Cfg    inbox.Config
+	Src    inboxconfig.SourceConfig
+	Cfg    inboxconfig.Config
 	States *States // the Up and Down reports of the sources Run started
 }
 
@@ -59,12 +60,12 @@ func NewFixture(t testing.TB, kind string) *Fixture {
 	if _, err := db.Pool.Exec(context.Background(), `CREATE TABLE seen (n bigserial, id text NOT NULL, order_key text NOT NULL)`); err != nil {
 		t.Fatal(err)
 	}
-	cfg := inbox.DefaultConfig()
+	cfg := inboxconfig.DefaultConfig()
 	cfg.BackoffBase, cfg.BackoffMax = 10*time.Millisecond, 100*time.Millisecond
 	cfg.ProbeBackoffMax = 200 * time.Millisecond
-	src := inbox.DefaultSource()
+	src := inboxconfig.DefaultSource()
 	src.Name, src.Kind = "orders", kind
-	src.Handler = inbox.HandlerConfig{Kind: inbox.HandlerSQL, SQL: SeenSQL}
+	src.Handler = inboxconfig.HandlerConfig{Kind: inboxconfig.HandlerSQL, SQL: SeenSQL}
 	return &Fixture{T: t, DB: db, Src: src, Cfg: cfg, States: &States{}}
 }
 
@@ -159,7 +160,7 @@ func (f *Fixture) Reset() {
 
 // NewConsumer returns a consumer of src on pool, with its metrics on reg;
 // its log is printed when the test fails.
-func NewConsumer(t testing.TB, pool *pgxpool.Pool, src inbox.SourceConfig, cfg inbox.Config, h inbox.Handler, reg prometheus.Registerer) *inbox.Consumer {
+func NewConsumer(t testing.TB, pool *pgxpool.Pool, src inboxconfig.SourceConfig, cfg inboxconfig.Config, h inbox.Handler, reg prometheus.Registerer) *inbox.Consumer {
 	t.Helper()
 	m, err := inbox.NewMetrics(reg)
 	if err != nil {

@@ -20,6 +20,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/worker-dev/worker/internal/outbox"
+	"github.com/worker-dev/worker/internal/outbox/outboxconfig"
 	"github.com/worker-dev/worker/internal/pgtest"
 	"github.com/worker-dev/worker/internal/testkit"
 )
@@ -39,8 +40,8 @@ const slowAck = 200 * time.Millisecond
 
 // RelayConfig is the relays' configuration in RelayRun: quick retries and
 // enough attempts that a broker outage costs retries, never events.
-func RelayConfig() outbox.Config {
-	cfg := outbox.DefaultConfig()
+func RelayConfig() outboxconfig.Config {
+	cfg := outboxconfig.DefaultConfig()
 	cfg.BatchSize = 100
 	cfg.PollInterval = 50 * time.Millisecond
 	cfg.InFlightTimeout = 10 * time.Second
@@ -216,7 +217,7 @@ func countPublished(t *testing.T, pool *pgxpool.Pool) int {
 }
 
 // startRelay runs a relay on s until the test ends, then closes s.
-func startRelay(t *testing.T, pool *pgxpool.Pool, s outbox.Sink, cfg outbox.Config, id string) {
+func startRelay(t *testing.T, pool *pgxpool.Pool, s outbox.Sink, cfg outboxconfig.Config, id string) {
 	log := slog.New(slog.NewTextHandler(testWriter{t}, &slog.HandlerOptions{Level: slog.LevelWarn}))
 	r, err := outbox.NewRelay(pool, s, cfg, id, log, prometheus.NewRegistry())
 	if err != nil {

@@ -16,6 +16,7 @@ import (
 	"github.com/twmb/franz-go/pkg/kgo"
 
 	"github.com/worker-dev/worker/internal/inbox"
+	"github.com/worker-dev/worker/internal/inbox/inboxconfig"
 	"github.com/worker-dev/worker/internal/inbox/inboxtest"
 	"github.com/worker-dev/worker/internal/testkit"
 )
@@ -120,7 +121,7 @@ type fixture struct {
 
 func newFixture(t testing.TB, cl *cluster) *fixture {
 	t.Helper()
-	f := &fixture{Fixture: inboxtest.NewFixture(t, inbox.KindKafka), cl: cl}
+	f := &fixture{Fixture: inboxtest.NewFixture(t, inboxconfig.KindKafka), cl: cl}
 	f.Src.Kafka.Brokers, f.Src.Kafka.Topics, f.Src.Kafka.Group = cl.brokers(), testTopic, testGroup
 	f.Src.Kafka.ConnectTimeout = 2 * time.Second
 	return f

@@ -16,6 +16,7 @@ import (
 	"github.com/worker-dev/worker/internal/broker"
 	kafkabroker "github.com/worker-dev/worker/internal/broker/kafka"
 	"github.com/worker-dev/worker/internal/inbox"
+	"github.com/worker-dev/worker/internal/inbox/inboxconfig"
 	"github.com/worker-dev/worker/internal/obs"
 )
 
@@ -29,7 +30,7 @@ const (
 
 // Source consumes a Kafka consumer group into the inbox.
 type Source struct {
-	cfg      inbox.KafkaSource
+	cfg      inboxconfig.KafkaSource
 	section  string // inbox.sources[<name>].kafka, for errors
 	topics   []string
 	batch    int
@@ -41,7 +42,7 @@ var _ inbox.Source = (*Source)(nil)
 
 // New checks src's kafka section and returns the source; Run connects.
 // batch_size and probe_backoff_max come from cfg.
-func New(src inbox.SourceConfig, cfg inbox.Config, log *slog.Logger) (*Source, error) {
+func New(src inboxconfig.SourceConfig, cfg inboxconfig.Config, log *slog.Logger) (*Source, error) {
 	section := "inbox.sources[" + src.Name + "].kafka"
 	c := src.Kafka
 	var topics []string
@@ -77,7 +78,7 @@ func New(src inbox.SourceConfig, cfg inbox.Config, log *slog.Logger) (*Source, e
 		topics:   topics,
 		batch:    max(cfg.BatchSize, 1),
 		probeMax: max(cfg.ProbeBackoffMax, probeBase),
-		log:      log.With("inbox_source", src.Name, "source_kind", inbox.KindKafka),
+		log:      log.With("inbox_source", src.Name, "source_kind", inboxconfig.KindKafka),
 	}, nil
 }
 

@@ -15,6 +15,7 @@ import (
 
 	"github.com/worker-dev/worker/internal/broker"
 	"github.com/worker-dev/worker/internal/inbox"
+	"github.com/worker-dev/worker/internal/inbox/inboxconfig"
 	"github.com/worker-dev/worker/internal/inbox/inboxtest"
 	"github.com/worker-dev/worker/internal/testkit"
 )
@@ -227,15 +228,15 @@ func TestSetupErrors(t *testing.T) {
 	secured := startCluster(t, kfake.EnableSASL(), kfake.Superuser("PLAIN", "inbox", "pw-right-77aa"))
 	refuseAsKafka(secured.c)
 	for name, c := range map[string]struct {
-		change func(*inbox.KafkaSource)
+		change func(*inboxconfig.KafkaSource)
 		want   error
 		key    string
 	}{
-		"missing topic":   {func(c *inbox.KafkaSource) { c.Topics = testTopic + ",nope" }, broker.ErrSetup, "inbox.sources[orders].kafka.topics"},
-		"missing CA file": {func(c *inbox.KafkaSource) { c.TLSCAFile = "/nonexistent/ca.pem" }, broker.ErrSetup, "inbox.sources[orders].kafka.tls_ca_file"},
+		"missing topic":   {func(c *inboxconfig.KafkaSource) { c.Topics = testTopic + ",nope" }, broker.ErrSetup, "inbox.sources[orders].kafka.topics"},
+		"missing CA file": {func(c *inboxconfig.KafkaSource) { c.TLSCAFile = "/nonexistent/ca.pem" }, broker.ErrSetup, "inbox.sources[orders].kafka.tls_ca_file"},
 		// kfake, like Kafka, refuses sessions under 6s.
-		"session timeout under the brokers' minimum": {func(c *inbox.KafkaSource) { c.SessionTimeout = 2 * time.Second }, broker.ErrSetup, "inbox.sources[orders].kafka.session_timeout"},
-		"refused password": {func(c *inbox.KafkaSource) {
+		"session timeout under the brokers' minimum": {func(c *inboxconfig.KafkaSource) { c.SessionTimeout = 2 * time.Second }, broker.ErrSetup, "inbox.sources[orders].kafka.session_timeout"},
+		"refused password": {func(c *inboxconfig.KafkaSource) {
 			c.Brokers, c.SASLMechanism, c.SASLUser, c.SASLPassword = secured.brokers(), "PLAIN", "inbox", password
 		}, broker.ErrRefused, ""},
 	} {
@@ -254,22 +255,22 @@ func TestSetupErrors(t *testing.T) {
 // TestNewRejectsBadSettings: New names the key of a bad setting.
 func TestNewRejectsBadSettings(t *testing.T) {
 	t.Parallel()
-	base := inbox.DefaultSource()
+	base := inboxconfig.DefaultSource()
 	base.Name = "orders"
 	base.Kafka.Topics, base.Kafka.Group = "t", "g"
-	for key, change := range map[string]func(*inbox.KafkaSource){
-		".brokers":         func(c *inbox.KafkaSource) { c.Brokers = " " },
-		".topics":          func(c *inbox.KafkaSource) { c.Topics = " , " },
-		".group":           func(c *inbox.KafkaSource) { c.Group = "" },
-		".connect_timeout": func(c *inbox.KafkaSource) { c.ConnectTimeout = 0 },
-		".session_timeout": func(c *inbox.KafkaSource) { c.SessionTimeout = 500 * time.Millisecond },
-		".sasl_mechanism":  func(c *inbox.KafkaSource) { c.SASLMechanism = "GSSAPI" },
-		".sasl_user":       func(c *inbox.KafkaSource) { c.SASLMechanism = "PLAIN" },
-		".tls_cert_file":   func(c *inbox.KafkaSource) { c.TLSKeyFile = "k.pem" },
+	for key, change := range map[string]func(*inboxconfig.KafkaSource){
+		".brokers":         func(c *inboxconfig.KafkaSource) { c.Brokers = " " },
+		".topics":          func(c *inboxconfig.KafkaSource) { c.Topics = " , " },
+		".group":           func(c *inboxconfig.KafkaSource) { c.Group = "" },
+		".connect_timeout": func(c *inboxconfig.KafkaSource) { c.ConnectTimeout = 0 },
+		".session_timeout": func(c *inboxconfig.KafkaSource) { c.SessionTimeout = 500 * time.Millisecond },
+		".sasl_mechanism":  func(c *inboxconfig.KafkaSource) { c.SASLMechanism = "GSSAPI" },
+		".sasl_user":       func(c *inboxconfig.KafkaSource) { c.SASLMechanism = "PLAIN" },
+		".tls_cert_file":   func(c *inboxconfig.KafkaSource) { c.TLSKeyFile = "k.pem" },
 	} {
 		src := base
 		change(&src.Kafka)
-		_, err := New(src, inbox.DefaultConfig(), nil)
+		_, err := New(src, inboxconfig.DefaultConfig(), nil)
 		if want := "inbox.sources[orders].kafka" + key; err == nil || !strings.Contains(err.Error(), want) {
 			t.Errorf("New = %v, want an error naming %s", err, want)
 		}

@@ -11,6 +11,7 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/worker-dev/worker/internal/inbox"
+	"github.com/worker-dev/worker/internal/inbox/inboxconfig"
 	"github.com/worker-dev/worker/internal/inbox/inboxtest"
 	"github.com/worker-dev/worker/internal/testkit"
 )
@@ -31,7 +32,7 @@ func TestOrderedModeDoesNotWaitOutAFetch(t *testing.T) {
 	publish(t, js, evs...)
 	f := newFixture(t, srv)
 	f.Src.NATS.MaxAckPending = 1
-	if f.Cfg.BatchSize != inbox.DefaultConfig().BatchSize {
+	if f.Cfg.BatchSize != inboxconfig.DefaultConfig().BatchSize {
 		t.Fatal("the fixture changed batch_size; this test is about the default")
 	}
 	began := time.Now()
@@ -61,7 +62,7 @@ func TestDeadReplicasMessageComesBackAfterAckWait(t *testing.T) {
 	srv.createStream(t)
 	js := srv.js(t)
 	f := newFixture(t, srv)
-	f.Src.NATS.MaxAckPending, f.Src.NATS.AckWait = 1, inbox.DefaultSource().NATS.AckWait
+	f.Src.NATS.MaxAckPending, f.Src.NATS.AckWait = 1, inboxconfig.DefaultSource().NATS.AckWait
 	ackWait := f.Src.NATS.AckWait
 	if ackWait > 5*time.Second {
 		t.Fatalf("the default ack_wait is %s; a dead replica's messages would wait that long", ackWait)

@@ -14,6 +14,7 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/worker-dev/worker/internal/inbox"
+	"github.com/worker-dev/worker/internal/inbox/inboxconfig"
 	"github.com/worker-dev/worker/internal/inbox/inboxtest"
 	"github.com/worker-dev/worker/internal/testkit"
 )
@@ -122,7 +123,7 @@ type fixture struct {
 
 func newFixture(t testing.TB, srv *testServer) *fixture {
 	t.Helper()
-	f := &fixture{Fixture: inboxtest.NewFixture(t, inbox.KindNATS), srv: srv, logs: &testkit.LogBuffer{}}
+	f := &fixture{Fixture: inboxtest.NewFixture(t, inboxconfig.KindNATS), srv: srv, logs: &testkit.LogBuffer{}}
 	f.Src.NATS.URL, f.Src.NATS.Stream, f.Src.NATS.Consumer = srv.url(), testStream, "inbox"
 	f.Src.NATS.CreateConsumer, f.Src.NATS.AckWait = true, 2*time.Second
 	f.Src.NATS.ConnectTimeout = 2 * time.Second

@@ -14,6 +14,7 @@ import (
 	"github.com/worker-dev/worker/internal/broker"
 	natsbroker "github.com/worker-dev/worker/internal/broker/nats"
 	"github.com/worker-dev/worker/internal/inbox"
+	"github.com/worker-dev/worker/internal/inbox/inboxconfig"
 	"github.com/worker-dev/worker/internal/obs"
 )
 
@@ -35,7 +36,7 @@ const (
 
 // Source consumes a JetStream durable pull consumer into the inbox.
 type Source struct {
-	cfg      inbox.NATSSource
+	cfg      inboxconfig.NATSSource
 	section  string // inbox.sources[<name>].nats, for errors
 	name     string
 	batch    int
@@ -48,7 +49,7 @@ var _ inbox.Source = (*Source)(nil)
 
 // New checks src's nats section and returns the source; Run connects.
 // batch_size and probe_backoff_max come from cfg.
-func New(src inbox.SourceConfig, cfg inbox.Config, log *slog.Logger) (*Source, error) {
+func New(src inboxconfig.SourceConfig, cfg inboxconfig.Config, log *slog.Logger) (*Source, error) {
 	section := "inbox.sources[" + src.Name + "].nats"
 	if err := validate(section, src.NATS); err != nil {
 		return nil, err
@@ -63,11 +64,11 @@ func New(src inbox.SourceConfig, cfg inbox.Config, log *slog.Logger) (*Source, e
 		batch:    max(cfg.BatchSize, 1),
 		probeMax: max(cfg.ProbeBackoffMax, probeBase),
 		shownURL: broker.RedactURLs(src.NATS.URL),
-		log:      log.With("inbox_source", src.Name, "source_kind", inbox.KindNATS),
+		log:      log.With("inbox_source", src.Name, "source_kind", inboxconfig.KindNATS),
 	}, nil
 }
 
-func validate(section string, c inbox.NATSSource) error {
+func validate(section string, c inboxconfig.NATSSource) error {
 	badName := func(s string) bool { return s == "" || strings.ContainsAny(s, ".*> \t\r\n") }
 	switch {
 	case c.URL == "":

@@ -12,6 +12,7 @@ import (
 
 	"github.com/worker-dev/worker/internal/broker"
 	"github.com/worker-dev/worker/internal/inbox"
+	"github.com/worker-dev/worker/internal/inbox/inboxconfig"
 	"github.com/worker-dev/worker/internal/inbox/inboxtest"
 	"github.com/worker-dev/worker/internal/testkit"
 )
@@ -196,14 +197,14 @@ func TestSetupErrors(t *testing.T) {
 	f := newFixture(t, srv)
 	secured := startServerWith(t, func(o *server.Options) { o.Username, o.Password = "inbox", "pw-right-4c2a" })
 	for name, c := range map[string]struct {
-		change func(*inbox.NATSSource)
+		change func(*inboxconfig.NATSSource)
 		want   error
 		key    string
 	}{
-		"missing stream":   {func(c *inbox.NATSSource) { c.Stream = "NOPE" }, broker.ErrSetup, "inbox.sources[orders].nats.stream"},
-		"missing consumer": {func(c *inbox.NATSSource) { c.CreateConsumer, c.Consumer = false, "nope" }, broker.ErrSetup, "inbox.sources[orders].nats.consumer"},
-		"missing CA file":  {func(c *inbox.NATSSource) { c.TLSCAFile = "/nonexistent/ca.pem" }, broker.ErrSetup, "inbox.sources[orders].nats.tls_ca_file"},
-		"refused password": {func(c *inbox.NATSSource) { c.URL, c.User, c.Password = secured.url(), "inbox", "pw-secret-9d1e" }, broker.ErrRefused, ""},
+		"missing stream":   {func(c *inboxconfig.NATSSource) { c.Stream = "NOPE" }, broker.ErrSetup, "inbox.sources[orders].nats.stream"},
+		"missing consumer": {func(c *inboxconfig.NATSSource) { c.CreateConsumer, c.Consumer = false, "nope" }, broker.ErrSetup, "inbox.sources[orders].nats.consumer"},
+		"missing CA file":  {func(c *inboxconfig.NATSSource) { c.TLSCAFile = "/nonexistent/ca.pem" }, broker.ErrSetup, "inbox.sources[orders].nats.tls_ca_file"},
+		"refused password": {func(c *inboxconfig.NATSSource) { c.URL, c.User, c.Password = secured.url(), "inbox", "pw-secret-9d1e" }, broker.ErrRefused, ""},
 	} {
 		t.Run(name, func(t *testing.T) {
 			src := f.Src
@@ -220,24 +221,24 @@ func TestSetupErrors(t *testing.T) {
 // TestNewRejectsBadSettings: New names the key of a bad setting.
 func TestNewRejectsBadSettings(t *testing.T) {
 	t.Parallel()
-	base := inbox.DefaultSource()
+	base := inboxconfig.DefaultSource()
 	base.Name = "orders"
 	base.NATS.Consumer = "inbox"
-	for key, change := range map[string]func(*inbox.NATSSource){
-		".url":             func(c *inbox.NATSSource) { c.URL = "" },
-		".stream":          func(c *inbox.NATSSource) { c.Stream = "a.b" },
-		".consumer":        func(c *inbox.NATSSource) { c.Consumer = "" },
-		".ack_wait":        func(c *inbox.NATSSource) { c.CreateConsumer, c.AckWait = true, 0 },
-		".max_ack_pending": func(c *inbox.NATSSource) { c.CreateConsumer, c.MaxAckPending = true, 0 },
-		".password":        func(c *inbox.NATSSource) { c.Password = "x" },
-		".tls_cert_file":   func(c *inbox.NATSSource) { c.TLSCertFile = "c.pem" },
-		": user, token":    func(c *inbox.NATSSource) { c.User, c.Token = "u", "t" },
-		".connect_timeout": func(c *inbox.NATSSource) { c.ConnectTimeout = 0 },
-		".filter_subject":  func(c *inbox.NATSSource) { c.FilterSubject = "a b" },
+	for key, change := range map[string]func(*inboxconfig.NATSSource){
+		".url":             func(c *inboxconfig.NATSSource) { c.URL = "" },
+		".stream":          func(c *inboxconfig.NATSSource) { c.Stream = "a.b" },
+		".consumer":        func(c *inboxconfig.NATSSource) { c.Consumer = "" },
+		".ack_wait":        func(c *inboxconfig.NATSSource) { c.CreateConsumer, c.AckWait = true, 0 },
+		".max_ack_pending": func(c *inboxconfig.NATSSource) { c.CreateConsumer, c.MaxAckPending = true, 0 },
+		".password":        func(c *inboxconfig.NATSSource) { c.Password = "x" },
+		".tls_cert_file":   func(c *inboxconfig.NATSSource) { c.TLSCertFile = "c.pem" },
+		": user, token":    func(c *inboxconfig.NATSSource) { c.User, c.Token = "u", "t" },
+		".connect_timeout": func(c *inboxconfig.NATSSource) { c.ConnectTimeout = 0 },
+		".filter_subject":  func(c *inboxconfig.NATSSource) { c.FilterSubject = "a b" },
 	} {
 		src := base
 		change(&src.NATS)
-		_, err := New(src, inbox.DefaultConfig(), nil)
+		_, err := New(src, inboxconfig.DefaultConfig(), nil)
 		if want := "inbox.sources[orders].nats" + key; err == nil || !strings.Contains(err.Error(), want) {
 			t.Errorf("New = %v, want an error naming %s", err, want)
 		}

@@ -11,6 +11,7 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/worker-dev/worker/internal/inbox"
+	"github.com/worker-dev/worker/internal/inbox/inboxconfig"
 	"github.com/worker-dev/worker/internal/inbox/inboxtest"
 	"github.com/worker-dev/worker/internal/testkit"
 )
@@ -19,7 +20,7 @@ var (
 	benchRounds   = flag.Int("rounds", 3, "BenchmarkInboxRabbitMQ: rounds (the phase order alternates between rounds)")
 	benchMessages = flag.Int("messages", 20000, "BenchmarkInboxRabbitMQ: messages per phase")
 	benchBatch    = flag.Int("batch", 100, "BenchmarkInboxRabbitMQ: inbox.batch_size")
-	benchPrefetch = flag.Int("prefetch", inbox.DefaultSource().RabbitMQ.Prefetch, "BenchmarkInboxRabbitMQ: the source's prefetch")
+	benchPrefetch = flag.Int("prefetch", inboxconfig.DefaultSource().RabbitMQ.Prefetch, "BenchmarkInboxRabbitMQ: the source's prefetch")
 )
 
 // BenchmarkInboxRabbitMQ drains the same messages (over 1,000 aggregates)
@@ -36,7 +37,7 @@ var (
 //
 //	go test -run '^$' -bench InboxRabbitMQ -benchtime 1x ./internal/inbox/source/rabbitmq -rounds 5
 func BenchmarkInboxRabbitMQ(b *testing.B) {
-	f := inboxtest.NewFixture(b, inbox.KindRabbitMQ)
+	f := inboxtest.NewFixture(b, inboxconfig.KindRabbitMQ)
 	f.Cfg.BatchSize = *benchBatch
 	f.Src.RabbitMQ.URL = testkit.ParseRabbitMQURL(b).String()
 	f.Src.RabbitMQ.Prefetch, f.Src.RabbitMQ.ConnectTimeout = *benchPrefetch, 5*time.Second

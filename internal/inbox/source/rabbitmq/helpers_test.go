@@ -14,6 +14,7 @@ import (
 
 	"github.com/worker-dev/worker/internal/broker"
 	"github.com/worker-dev/worker/internal/inbox"
+	"github.com/worker-dev/worker/internal/inbox/inboxconfig"
 	"github.com/worker-dev/worker/internal/inbox/inboxtest"
 	"github.com/worker-dev/worker/internal/pgtest"
 	"github.com/worker-dev/worker/internal/testkit"
@@ -160,9 +161,9 @@ func newFixture(t testing.TB, handler inbox.Handler) *fixture {
 		handler = inbox.SQLHandler{SQL: workSQL}
 	}
 	reg := prometheus.NewRegistry()
-	cfg := inbox.DefaultConfig()
+	cfg := inboxconfig.DefaultConfig()
 	cfg.BackoffBase, cfg.BackoffMax = 10*time.Millisecond, 100*time.Millisecond
-	src := inbox.SourceConfig{Name: "rmq", Kind: inbox.KindRabbitMQ, Handler: inbox.HandlerConfig{Kind: inbox.HandlerSQL, SQL: workSQL}}
+	src := inboxconfig.SourceConfig{Name: "rmq", Kind: inboxconfig.KindRabbitMQ, Handler: inboxconfig.HandlerConfig{Kind: inboxconfig.HandlerSQL, SQL: workSQL}}
 	c := inboxtest.NewConsumer(t, db.Pool, src, cfg, handler, reg)
 	return &fixture{db: db, reg: reg, c: c}
 }
@@ -260,13 +261,13 @@ func runUntil(t testing.TB, src *Source, h inbox.Handoff) (stop func()) {
 
 // newSource is a source on queue through the broker at host (the test
 // broker's when empty).
-func newSource(t testing.TB, queue, host string, tweak ...func(*inbox.RabbitMQSource)) *Source {
+func newSource(t testing.TB, queue, host string, tweak ...func(*inboxconfig.RabbitMQSource)) *Source {
 	t.Helper()
 	u := testkit.ParseRabbitMQURL(t)
 	if host != "" {
 		u.Host = host
 	}
-	cfg := inbox.DefaultSource().RabbitMQ
+	cfg := inboxconfig.DefaultSource().RabbitMQ
 	cfg.URL, cfg.Queue, cfg.DeclareQueue, cfg.ConnectTimeout = u.String(), queue, true, 5*time.Second
 	for _, f := range tweak {
 		f(&cfg)

@@ -22,6 +22,7 @@ import (
 	"github.com/worker-dev/worker/internal/broker"
 	rabbitmqbroker "github.com/worker-dev/worker/internal/broker/rabbitmq"
 	"github.com/worker-dev/worker/internal/inbox"
+	"github.com/worker-dev/worker/internal/inbox/inboxconfig"
 	"github.com/worker-dev/worker/internal/obs"
 )
 
@@ -51,7 +52,7 @@ type Options struct {
 
 // Source consumes one queue. Run may be called once at a time.
 type Source struct {
-	cfg      inbox.RabbitMQSource
+	cfg      inboxconfig.RabbitMQSource
 	batch    int
 	probeMax time.Duration
 	section  string // configuration key, for errors
@@ -62,8 +63,8 @@ type Source struct {
 var _ inbox.Source = (*Source)(nil)
 
 // New checks cfg and returns an unconnected source.
-func New(cfg inbox.RabbitMQSource, opts Options) (*Source, error) {
-	def := inbox.DefaultConfig()
+func New(cfg inboxconfig.RabbitMQSource, opts Options) (*Source, error) {
+	def := inboxconfig.DefaultConfig()
 	s := &Source{
 		cfg:      cfg,
 		probeMax: cmp.Or(opts.ProbeBackoffMax, def.ProbeBackoffMax),

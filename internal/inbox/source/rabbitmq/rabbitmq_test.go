@@ -17,7 +17,9 @@ import (
 
 	"github.com/worker-dev/worker/internal/broker"
 	"github.com/worker-dev/worker/internal/inbox"
+	"github.com/worker-dev/worker/internal/inbox/inboxconfig"
 	"github.com/worker-dev/worker/internal/outbox"
+	"github.com/worker-dev/worker/internal/outbox/outboxconfig"
 	rmqsink "github.com/worker-dev/worker/internal/outbox/sink/rabbitmq"
 	"github.com/worker-dev/worker/internal/outbox/sinktest"
 	"github.com/worker-dev/worker/internal/testkit"
@@ -31,7 +33,7 @@ func TestOutboxEventsProcessedOnceInOrder(t *testing.T) {
 	queue := newQueue(t)
 	f := newFixture(t, nil)
 
-	cfg := outbox.DefaultRabbitMQConfig()
+	cfg := outboxconfig.DefaultRabbitMQConfig()
 	cfg.URL, cfg.Exchange, cfg.RoutingKey = testkit.RabbitMQURL(), "", queue
 	s, err := rmqsink.New(cfg, rmqsink.Options{Name: t.Name()})
 	if err != nil {
@@ -245,7 +247,7 @@ func TestSetupErrors(t *testing.T) {
 	t.Parallel()
 	t.Run("credentials", func(t *testing.T) {
 		t.Parallel()
-		src := newSource(t, "inboxtest-none", "", func(c *inbox.RabbitMQSource) { c.URL = withUser(t, "guest", "wrong-password") })
+		src := newSource(t, "inboxtest-none", "", func(c *inboxconfig.RabbitMQSource) { c.URL = withUser(t, "guest", "wrong-password") })
 		err := runErr(t, src, 20*time.Second)
 		if !errors.Is(err, broker.ErrRefused) {
 			t.Errorf("err = %v, want ErrRefused", err)
@@ -257,7 +259,7 @@ func TestSetupErrors(t *testing.T) {
 	t.Run("missing queue", func(t *testing.T) {
 		t.Parallel()
 		requireBroker(t)
-		src := newSource(t, "inboxtest-missing-"+uuid.NewString()[:8], "", func(c *inbox.RabbitMQSource) { c.DeclareQueue = false })
+		src := newSource(t, "inboxtest-missing-"+uuid.NewString()[:8], "", func(c *inboxconfig.RabbitMQSource) { c.DeclareQueue = false })
 		if err := runErr(t, src, 20*time.Second); !errors.Is(err, broker.ErrSetup) {
 			t.Errorf("err = %v, want ErrSetup", err)
 		}

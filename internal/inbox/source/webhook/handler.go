@@ -12,6 +12,7 @@ import (
 
 	webhookbroker "github.com/worker-dev/worker/internal/broker/webhook"
 	"github.com/worker-dev/worker/internal/inbox"
+	"github.com/worker-dev/worker/internal/inbox/inboxconfig"
 )
 
 // handler takes one path's POSTs into the inbox.
@@ -193,7 +194,7 @@ func (s *Source) delivery(r *http.Request, body []byte) *inbox.Delivery {
 	m := inbox.CloudEvent(webhookbroker.Decode(r.Header))
 	m.Origin, m.Headers, m.Body = r.URL.Path, headers(r.Header), body
 	d := &inbox.Delivery{Message: m, NativeID: r.Header.Get("Webhook-Id")}
-	if m.ID == "" && s.dedupe != (inbox.KeySpec{}) {
+	if m.ID == "" && s.dedupe != (inboxconfig.KeySpec{}) {
 		d.Invalid = inbox.ApplyKey(s.dedupe, &d.Message)
 	}
 	return d

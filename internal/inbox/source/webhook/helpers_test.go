@@ -18,6 +18,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/worker-dev/worker/internal/inbox"
+	"github.com/worker-dev/worker/internal/inbox/inboxconfig"
 	"github.com/worker-dev/worker/internal/inbox/inboxtest"
 	"github.com/worker-dev/worker/internal/pgtest"
 	"github.com/worker-dev/worker/internal/testkit"
@@ -42,7 +43,7 @@ type fixture struct {
 // setup tunes a fixture before it starts: the source's section and
 // options, and the handler (the sql handler when nil).
 type setup struct {
-	cfg     inbox.WebhookSource
+	cfg     inboxconfig.WebhookSource
 	opts    Options
 	handler inbox.Handler
 	dedupe  string // the source's configured key
@@ -60,7 +61,7 @@ func newFixture(t testing.TB, tweak ...func(*setup)) *fixture {
 		n bigserial PRIMARY KEY, msg_source text, msg_id text, order_key text)`); err != nil {
 		t.Fatal(err)
 	}
-	st := setup{cfg: inbox.DefaultSource().Webhook, opts: Options{Name: "hook", Logger: f.logs.Logger(), Registerer: f.reg}}
+	st := setup{cfg: inboxconfig.DefaultSource().Webhook, opts: Options{Name: "hook", Logger: f.logs.Logger(), Registerer: f.reg}}
 	st.cfg.Addr, st.cfg.Path, st.cfg.Secret = "127.0.0.1:0", "/inbox", f.secret
 	for _, tw := range tweak {
 		tw(&st)
@@ -68,9 +69,9 @@ func newFixture(t testing.TB, tweak ...func(*setup)) *fixture {
 	if st.handler == nil {
 		st.handler = inbox.SQLHandler{SQL: workSQL}
 	}
-	cfg := inbox.DefaultConfig()
+	cfg := inboxconfig.DefaultConfig()
 	cfg.BackoffBase, cfg.BackoffMax = 10*time.Millisecond, 100*time.Millisecond
-	sc := inbox.SourceConfig{Name: "hook", Kind: inbox.KindWebhook, Key: st.dedupe, Handler: inbox.HandlerConfig{Kind: inbox.HandlerSQL, SQL: workSQL}}
+	sc := inboxconfig.SourceConfig{Name: "hook", Kind: inboxconfig.KindWebhook, Key: st.dedupe, Handler: inboxconfig.HandlerConfig{Kind: inboxconfig.HandlerSQL, SQL: workSQL}}
 	st.opts.Key = st.dedupe
 	pool := f.db.Pool
 	if st.consumerPool != nil {

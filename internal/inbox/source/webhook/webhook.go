@@ -64,6 +64,7 @@ import (
 	"github.com/worker-dev/worker/internal/broker"
 	webhookbroker "github.com/worker-dev/worker/internal/broker/webhook"
 	"github.com/worker-dev/worker/internal/inbox"
+	"github.com/worker-dev/worker/internal/inbox/inboxconfig"
 )
 
 // Server limits. A request is a small head and a body of at most
@@ -109,10 +110,10 @@ type Options struct {
 
 // Source serves one path. Run may be called once at a time.
 type Source struct {
-	cfg      inbox.WebhookSource
+	cfg      inboxconfig.WebhookSource
 	section  string
 	keys     [][]byte // HMAC keys
-	dedupe   inbox.KeySpec
+	dedupe   inboxconfig.KeySpec
 	slots    chan struct{}
 	bodies   *budget
 	maxConns int
@@ -130,7 +131,7 @@ type Source struct {
 var _ inbox.Source = (*Source)(nil)
 
 // New checks cfg and returns a source that is not listening yet.
-func New(cfg inbox.WebhookSource, opts Options) (*Source, error) {
+func New(cfg inboxconfig.WebhookSource, opts Options) (*Source, error) {
 	inFlight := cmp.Or(max(opts.MaxInFlight, 0), DefaultMaxInFlight)
 	s := &Source{
 		cfg:         cfg,
@@ -164,7 +165,7 @@ func New(cfg inbox.WebhookSource, opts Options) (*Source, error) {
 	if s.keys, err = parseSecrets(cfg.Secret); err != nil {
 		return nil, fmt.Errorf("%s.secret: %w", s.section, err)
 	}
-	if s.dedupe, err = inbox.ParseKey(opts.Key); err != nil {
+	if s.dedupe, err = inboxconfig.ParseKey(opts.Key); err != nil {
 		return nil, fmt.Errorf("inbox.sources[%s].key: %w", opts.Name, err)
 	}
 	if s.refused, err = newRefusals(opts.Name, opts.Registerer, s.log); err != nil {

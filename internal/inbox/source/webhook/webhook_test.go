@@ -20,7 +20,9 @@ import (
 
 	"github.com/worker-dev/worker/internal/broker"
 	"github.com/worker-dev/worker/internal/inbox"
+	"github.com/worker-dev/worker/internal/inbox/inboxconfig"
 	"github.com/worker-dev/worker/internal/outbox"
+	"github.com/worker-dev/worker/internal/outbox/outboxconfig"
 	webhooksink "github.com/worker-dev/worker/internal/outbox/sink/webhook"
 	"github.com/worker-dev/worker/internal/testkit"
 )
@@ -34,7 +36,7 @@ func TestOutboxWebhookSinkEventProcessedOnce(t *testing.T) {
 	old := "whsec_" + base64.StdEncoding.EncodeToString([]byte("the secret before the rotation"))
 	f := newFixture(t, func(s *setup) { s.cfg.Secret = old + " " + s.cfg.Secret })
 	f.start(t)
-	s, err := webhooksink.New(outbox.WebhookConfig{URL: f.url, Secret: f.secret, Timeout: 10 * time.Second}, nil)
+	s, err := webhooksink.New(outboxconfig.WebhookConfig{URL: f.url, Secret: f.secret, Timeout: 10 * time.Second}, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -347,16 +349,16 @@ func TestListenError(t *testing.T) {
 // Bad sections are refused by New, never quoting the secret.
 func TestNewRefuses(t *testing.T) {
 	t.Parallel()
-	good := inbox.DefaultSource().Webhook
+	good := inboxconfig.DefaultSource().Webhook
 	good.Secret = "whsec_" + base64.StdEncoding.EncodeToString([]byte("k"))
-	for name, tweak := range map[string]func(*inbox.WebhookSource){
-		"no secret":        func(c *inbox.WebhookSource) { c.Secret = "" },
-		"bad whsec":        func(c *inbox.WebhookSource) { c.Secret = "whsec_not*base64" },
-		"relative path":    func(c *inbox.WebhookSource) { c.Path = "inbox" },
-		"duplicate status": func(c *inbox.WebhookSource) { c.DuplicateStatus = 202 },
-		"max body":         func(c *inbox.WebhookSource) { c.MaxBody = 0 },
-		"tolerance":        func(c *inbox.WebhookSource) { c.Tolerance = 0 },
-		"timeout":          func(c *inbox.WebhookSource) { c.Timeout = 0 },
+	for name, tweak := range map[string]func(*inboxconfig.WebhookSource){
+		"no secret":        func(c *inboxconfig.WebhookSource) { c.Secret = "" },
+		"bad whsec":        func(c *inboxconfig.WebhookSource) { c.Secret = "whsec_not*base64" },
+		"relative path":    func(c *inboxconfig.WebhookSource) { c.Path = "inbox" },
+		"duplicate status": func(c *inboxconfig.WebhookSource) { c.DuplicateStatus = 202 },
+		"max body":         func(c *inboxconfig.WebhookSource) { c.MaxBody = 0 },
+		"tolerance":        func(c *inboxconfig.WebhookSource) { c.Tolerance = 0 },
+		"timeout":          func(c *inboxconfig.WebhookSource) { c.Timeout = 0 },
 	} {
 		c := good
 		tweak(&c)

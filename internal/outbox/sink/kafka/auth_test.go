@@ -18,7 +18,7 @@ import (
 
 	"github.com/worker-dev/worker/internal/broker"
 	kafkabroker "github.com/worker-dev/worker/internal/broker/kafka"
-	"github.com/worker-dev/worker/internal/outbox"
+	"github.com/worker-dev/worker/internal/outbox/outboxconfig"
 	"github.com/worker-dev/worker/internal/outbox/sinktest"
 	"github.com/worker-dev/worker/internal/testkit"
 )
@@ -45,7 +45,7 @@ func secureCluster(t *testing.T, opts ...kfake.Opt) (*kfake.Cluster, string) {
 	return c, strings.Join(c.ListenAddrs(), ",")
 }
 
-func saslConfig(brokers, mechanism, password string) outbox.KafkaConfig {
+func saslConfig(brokers, mechanism, password string) outboxconfig.KafkaConfig {
 	cfg := config(brokers, "{aggregate_type}")
 	cfg.SASLMechanism, cfg.SASLUser, cfg.SASLPassword = mechanism, saslUser, password
 	return cfg
@@ -67,7 +67,7 @@ func (l *sinkLog) Write(p []byte) (int, error) {
 }
 
 // loggedSink returns an unconnected sink for cfg and its log.
-func loggedSink(t *testing.T, cfg outbox.KafkaConfig) (*Sink, *sinkLog) {
+func loggedSink(t *testing.T, cfg outboxconfig.KafkaConfig) (*Sink, *sinkLog) {
 	t.Helper()
 	logs := &sinkLog{}
 	s, err := New(cfg, Options{Logger: slog.New(slog.NewJSONHandler(logs, nil))})
@@ -254,9 +254,9 @@ func TestTLS(t *testing.T) {
 	t.Run("a CA that did not sign the broker's certificate fails", func(t *testing.T) {
 		t.Parallel()
 		_, brokers := secureCluster(t, listen(tls.NoClientCert))
-		for name, trust := range map[string]func(*outbox.KafkaConfig){
-			"tls_ca_file of another CA": func(c *outbox.KafkaConfig) { c.TLSCAFile = otherCA.File },
-			"tls with the system's CAs": func(c *outbox.KafkaConfig) { c.TLS = true },
+		for name, trust := range map[string]func(*outboxconfig.KafkaConfig){
+			"tls_ca_file of another CA": func(c *outboxconfig.KafkaConfig) { c.TLSCAFile = otherCA.File },
+			"tls with the system's CAs": func(c *outboxconfig.KafkaConfig) { c.TLS = true },
 		} {
 			cfg := config(brokers, "{aggregate_type}")
 			trust(&cfg)

@@ -20,6 +20,7 @@ import (
 	"github.com/worker-dev/worker/internal/broker"
 	kafkabroker "github.com/worker-dev/worker/internal/broker/kafka"
 	"github.com/worker-dev/worker/internal/outbox"
+	"github.com/worker-dev/worker/internal/outbox/outboxconfig"
 	"github.com/worker-dev/worker/internal/outbox/sink"
 )
 
@@ -35,7 +36,7 @@ const settleWait = 250 * time.Millisecond
 // call waits for its own record's ack, and franz-go batches the records in
 // flight per partition.
 type Sink struct {
-	cfg   outbox.KafkaConfig
+	cfg   outboxconfig.KafkaConfig
 	topic *sink.Template
 	opts  []kgo.Opt
 	log   *slog.Logger
@@ -51,7 +52,7 @@ type Options struct {
 }
 
 // New checks cfg and returns an unconnected sink; Connect connects it.
-func New(cfg outbox.KafkaConfig, opts Options) (*Sink, error) {
+func New(cfg outboxconfig.KafkaConfig, opts Options) (*Sink, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
@@ -71,7 +72,7 @@ func New(cfg outbox.KafkaConfig, opts Options) (*Sink, error) {
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
-	s := &Sink{cfg: cfg, topic: topic, log: log.With("sink", outbox.SinkKafka)}
+	s := &Sink{cfg: cfg, topic: topic, log: log.With("sink", outboxconfig.SinkKafka)}
 	s.opts = []kgo.Opt{
 		kgo.SeedBrokers(strings.Split(strings.ReplaceAll(cfg.Brokers, " ", ""), ",")...),
 		kgo.ClientID(cfg.ClientID),
@@ -133,7 +134,7 @@ func Key(e outbox.Event) []byte {
 }
 
 // Name implements outbox.Sink.
-func (s *Sink) Name() string { return outbox.SinkKafka }
+func (s *Sink) Name() string { return outboxconfig.SinkKafka }
 
 // Topic returns the topic e is produced to.
 func (s *Sink) Topic(e outbox.Event) string { return s.topic.Render(e) }

@@ -20,6 +20,7 @@ import (
 	"github.com/worker-dev/worker/internal/broker"
 	kafkabroker "github.com/worker-dev/worker/internal/broker/kafka"
 	"github.com/worker-dev/worker/internal/outbox"
+	"github.com/worker-dev/worker/internal/outbox/outboxconfig"
 	"github.com/worker-dev/worker/internal/outbox/sinktest"
 )
 
@@ -91,15 +92,15 @@ func (cl *cluster) restart() {
 
 func (cl *cluster) brokers() string { return strings.Join(cl.addrs, ",") }
 
-func config(brokers, topic string) outbox.KafkaConfig {
-	c := outbox.DefaultKafkaConfig()
+func config(brokers, topic string) outboxconfig.KafkaConfig {
+	c := outboxconfig.DefaultKafkaConfig()
 	c.Brokers, c.Topic = brokers, topic
 	c.ConnectTimeout = 10 * time.Second
 	c.PublishTimeout = 5 * time.Second
 	return c
 }
 
-func connect(t testing.TB, cfg outbox.KafkaConfig) *Sink {
+func connect(t testing.TB, cfg outboxconfig.KafkaConfig) *Sink {
 	t.Helper()
 	s, err := New(cfg, Options{})
 	if err != nil {

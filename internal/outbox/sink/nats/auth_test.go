@@ -19,7 +19,7 @@ import (
 	"github.com/nats-io/nkeys"
 
 	"github.com/worker-dev/worker/internal/broker"
-	"github.com/worker-dev/worker/internal/outbox"
+	"github.com/worker-dev/worker/internal/outbox/outboxconfig"
 	"github.com/worker-dev/worker/internal/outbox/sinktest"
 	"github.com/worker-dev/worker/internal/testkit"
 )
@@ -27,17 +27,17 @@ import (
 // secured is an in-process server that requires one kind of
 // authentication, with the sink settings that pass it and some that fail.
 type secured struct {
-	right    outbox.NATSConfig
-	wrong    map[string]outbox.NATSConfig // a credential the server refuses, by what is wrong
-	badFiles []badFile                    // files the sink cannot use
-	reader   []nats.Option                // how a plain client gets in, to read the stream back
-	secrets  []string                     // what must never be logged or returned
+	right    outboxconfig.NATSConfig
+	wrong    map[string]outboxconfig.NATSConfig // a credential the server refuses, by what is wrong
+	badFiles []badFile                          // files the sink cannot use
+	reader   []nats.Option                      // how a plain client gets in, to read the stream back
+	secrets  []string                           // what must never be logged or returned
 }
 
 // badFile is a setting naming a file the sink cannot use.
 type badFile struct {
 	what, key string
-	cfg       outbox.NATSConfig
+	cfg       outboxconfig.NATSConfig
 }
 
 // TestAuthentication: every authentication method of outbox.nats against
@@ -123,7 +123,7 @@ func TestAuthentication(t *testing.T) {
 
 // readFirst returns the first message of cfg's stream, read by a plain
 // client that gets in with opts.
-func readFirst(t *testing.T, cfg outbox.NATSConfig, opts []nats.Option) sinktest.Message {
+func readFirst(t *testing.T, cfg outboxconfig.NATSConfig, opts []nats.Option) sinktest.Message {
 	t.Helper()
 	nc, err := nats.Connect(cfg.URL, opts...)
 	if err != nil {
@@ -159,14 +159,14 @@ func noSecrets(t *testing.T, secrets []string, texts ...string) {
 // startSecured starts an in-process server with JetStream after secure has
 // set its authentication, and returns the sink settings for it, without
 // credentials; the sink creates the stream.
-func startSecured(t *testing.T, secure func(*server.Options)) outbox.NATSConfig {
+func startSecured(t *testing.T, secure func(*server.Options)) outboxconfig.NATSConfig {
 	t.Helper()
 	opts := &server.Options{Host: "127.0.0.1", Port: server.RANDOM_PORT, JetStream: true, StoreDir: t.TempDir(), NoSigs: true, NoLog: true}
 	secure(opts)
 	s := &testServer{opts: opts}
 	s.start(t)
 	t.Cleanup(s.stop)
-	c := outbox.DefaultNATSConfig()
+	c := outboxconfig.DefaultNATSConfig()
 	c.URL = s.url()
 	c.Stream, c.SubjectPrefix = "A"+uuid.NewString()[:8], "a"+uuid.NewString()[:8]
 	c.CreateStream = true
@@ -183,7 +183,7 @@ func userPasswordServer(t *testing.T) secured {
 	wrongUser.User, wrongUser.Password = "someone", testPassword
 	return secured{
 		right:   right,
-		wrong:   map[string]outbox.NATSConfig{"wrong password": wrongPassword, "unknown user": wrongUser},
+		wrong:   map[string]outboxconfig.NATSConfig{"wrong password": wrongPassword, "unknown user": wrongUser},
 		reader:  []nats.Option{nats.UserInfo(testUser, testPassword)},
 		secrets: []string{testPassword},
 	}
@@ -197,7 +197,7 @@ func tokenServer(t *testing.T) secured {
 	wrong.Token = "wrong-" + token
 	return secured{
 		right:   right,
-		wrong:   map[string]outbox.NATSConfig{"wrong token": wrong},
+		wrong:   map[string]outboxconfig.NATSConfig{"wrong token": wrong},
 		reader:  []nats.Option{nats.Token(token)},
 		secrets: []string{token},
 	}
@@ -221,7 +221,7 @@ func nkeyServer(t *testing.T) secured {
 	}
 	return secured{
 		right:    right,
-		wrong:    map[string]outbox.NATSConfig{"another user's seed": wrong},
+		wrong:    map[string]outboxconfig.NATSConfig{"another user's seed": wrong},
 		badFiles: []badFile{{"a missing seed file", "outbox.nats.nkey_seed_file", missing}},
 		reader:   []nats.Option{reader},
 		secrets:  []string{userSeed, otherSeed},
@@ -261,7 +261,7 @@ func credsServer(t *testing.T) secured {
 	noSeed.CredsFile = writeFile(t, "jwt-only.creds", rightSecrets[0])
 	return secured{
 		right: right,
-		wrong: map[string]outbox.NATSConfig{"a user of an unknown account": wrong},
+		wrong: map[string]outboxconfig.NATSConfig{"a user of an unknown account": wrong},
 		badFiles: []badFile{
 			{"a missing creds file", "outbox.nats.creds_file", missing},
 			{"a creds file without a seed", "outbox.nats.creds_file", noSeed},
@@ -374,7 +374,7 @@ func mutualTLSServer(t *testing.T) secured {
 	mismatched.TLSCertFile, mismatched.TLSKeyFile = right.TLSCertFile, stranger.TLSKeyFile
 	return secured{
 		right: right,
-		wrong: map[string]outbox.NATSConfig{
+		wrong: map[string]outboxconfig.NATSConfig{
 			"no client certificate":                none,
 			"a client certificate from another CA": stranger,
 		},

@@ -8,6 +8,7 @@ import (
 	"github.com/nats-io/nats.go"
 
 	"github.com/worker-dev/worker/internal/outbox"
+	"github.com/worker-dev/worker/internal/outbox/outboxconfig"
 	"github.com/worker-dev/worker/internal/outbox/sinktest"
 )
 
@@ -33,7 +34,7 @@ func TestSubjectTemplateStaysOutOfServerNamespaces(t *testing.T) {
 		{"{prefix}.{aggregate_type}.{event_type}", "$JS.API", `outbox.nats.subject_prefix="$JS.API": the subject's first token "$JS" starts with "$"`},
 		{"{prefix}.{aggregate_type}.{event_type}", "_INBOX", `outbox.nats.subject_prefix="_INBOX"`},
 	} {
-		cfg := outbox.DefaultNATSConfig()
+		cfg := outboxconfig.DefaultNATSConfig()
 		cfg.Subject, cfg.SubjectPrefix = c.subject, c.prefix
 		_, err := New(cfg, Options{})
 		switch {

@@ -18,6 +18,7 @@ import (
 	"github.com/worker-dev/worker/internal/broker"
 	natsbroker "github.com/worker-dev/worker/internal/broker/nats"
 	"github.com/worker-dev/worker/internal/outbox"
+	"github.com/worker-dev/worker/internal/outbox/outboxconfig"
 	"github.com/worker-dev/worker/internal/outbox/sink"
 )
 
@@ -29,7 +30,7 @@ const reconnectWait = 500 * time.Millisecond
 // Publish: every call waits for its own ack, so many calls in flight
 // pipeline on the one connection.
 type Sink struct {
-	cfg      outbox.NATSConfig
+	cfg      outboxconfig.NATSConfig
 	subject  *sink.Template
 	log      *slog.Logger
 	name     string
@@ -54,7 +55,7 @@ type Options struct {
 }
 
 // New checks cfg and returns an unconnected sink; Connect connects it.
-func New(cfg outbox.NATSConfig, opts Options) (*Sink, error) {
+func New(cfg outboxconfig.NATSConfig, opts Options) (*Sink, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
@@ -78,7 +79,7 @@ func New(cfg outbox.NATSConfig, opts Options) (*Sink, error) {
 	return &Sink{
 		cfg:      cfg,
 		subject:  tmpl,
-		log:      log.With("sink", outbox.SinkNATS),
+		log:      log.With("sink", outboxconfig.SinkNATS),
 		name:     opts.Name,
 		shownURL: broker.RedactURLs(cfg.URL),
 		minDedup: opts.RedeliveryGap,
@@ -102,7 +103,7 @@ func New(cfg outbox.NATSConfig, opts Options) (*Sink, error) {
 // JetStream API request, and a stream made for '*.*.*' also stores the
 // acks sent to inboxes. A first token written by the operator keeps every
 // event in one namespace, which the stream's filter names.
-func checkFirstToken(cfg outbox.NATSConfig, tmpl *sink.Template) error {
+func checkFirstToken(cfg outboxconfig.NATSConfig, tmpl *sink.Template) error {
 	prefix, literal := tmpl.Prefix()
 	first, _, whole := strings.Cut(prefix, ".")
 	if !whole && !literal {
@@ -123,7 +124,7 @@ func checkFirstToken(cfg outbox.NATSConfig, tmpl *sink.Template) error {
 }
 
 // Name implements outbox.Sink.
-func (s *Sink) Name() string { return outbox.SinkNATS }
+func (s *Sink) Name() string { return outboxconfig.SinkNATS }
 
 // Subject returns the subject e is published on.
 func (s *Sink) Subject(e outbox.Event) string { return s.subject.Render(e) }

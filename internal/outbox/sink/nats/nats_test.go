@@ -18,6 +18,7 @@ import (
 	"github.com/worker-dev/worker/internal/broker"
 	natsbroker "github.com/worker-dev/worker/internal/broker/nats"
 	"github.com/worker-dev/worker/internal/outbox"
+	"github.com/worker-dev/worker/internal/outbox/outboxconfig"
 	"github.com/worker-dev/worker/internal/outbox/sinktest"
 	"github.com/worker-dev/worker/internal/testkit"
 )
@@ -104,8 +105,8 @@ func newTarget(t testing.TB, auth bool) (target, *testServer) {
 	return tg, s
 }
 
-func (tg target) config() outbox.NATSConfig {
-	c := outbox.DefaultNATSConfig()
+func (tg target) config() outboxconfig.NATSConfig {
+	c := outboxconfig.DefaultNATSConfig()
 	c.URL, c.User, c.Password = tg.url, tg.user, tg.password
 	c.Stream, c.SubjectPrefix = tg.stream, tg.prefix
 	c.ConnectTimeout = 10 * time.Second
@@ -143,7 +144,7 @@ func (tg target) createStream(t testing.TB, maxMsgSize int32) {
 }
 
 // connect builds and connects a sink, closed when the test ends.
-func connect(t testing.TB, cfg outbox.NATSConfig) *Sink {
+func connect(t testing.TB, cfg outboxconfig.NATSConfig) *Sink {
 	t.Helper()
 	s, err := New(cfg, Options{Name: t.Name()})
 	if err != nil {
@@ -303,7 +304,7 @@ func TestSubjectToken(t *testing.T) {
 			t.Errorf("SubjectToken(%q) = %q, want %q", in, got, want)
 		}
 	}
-	s, err := New(outbox.DefaultNATSConfig(), Options{})
+	s, err := New(outboxconfig.DefaultNATSConfig(), Options{})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -315,13 +316,13 @@ func TestSubjectToken(t *testing.T) {
 
 func TestNewRejectsBadSettings(t *testing.T) {
 	t.Parallel()
-	for key, change := range map[string]func(*outbox.NATSConfig){
-		"outbox.nats.subject_prefix": func(c *outbox.NATSConfig) { c.SubjectPrefix = "a.*" },
-		"outbox.nats.subject":        func(c *outbox.NATSConfig) { c.Subject = "{prefix}.{nope}" },
-		"outbox.nats.stream":         func(c *outbox.NATSConfig) { c.Stream = "a.b" },
-		"outbox.nats.user":           func(c *outbox.NATSConfig) { c.Password = "x" },
+	for key, change := range map[string]func(*outboxconfig.NATSConfig){
+		"outbox.nats.subject_prefix": func(c *outboxconfig.NATSConfig) { c.SubjectPrefix = "a.*" },
+		"outbox.nats.subject":        func(c *outboxconfig.NATSConfig) { c.Subject = "{prefix}.{nope}" },
+		"outbox.nats.stream":         func(c *outboxconfig.NATSConfig) { c.Stream = "a.b" },
+		"outbox.nats.user":           func(c *outboxconfig.NATSConfig) { c.Password = "x" },
 	} {
-		cfg := outbox.DefaultNATSConfig()
+		cfg := outboxconfig.DefaultNATSConfig()
 		change(&cfg)
 		if _, err := New(cfg, Options{}); err == nil || !strings.Contains(err.Error(), key) {
 			t.Errorf("%s: got %v, want an error naming it", key, err)

@@ -23,6 +23,7 @@ import (
 	"github.com/worker-dev/worker/internal/broker"
 	rabbitmqbroker "github.com/worker-dev/worker/internal/broker/rabbitmq"
 	"github.com/worker-dev/worker/internal/outbox"
+	"github.com/worker-dev/worker/internal/outbox/outboxconfig"
 	"github.com/worker-dev/worker/internal/outbox/sink"
 )
 
@@ -34,7 +35,7 @@ const blockedRetry = time.Second
 // one channel in confirm mode carries them all, each call waiting for its
 // own confirm, so many calls in flight pipeline on it.
 type Sink struct {
-	cfg      outbox.RabbitMQConfig
+	cfg      outboxconfig.RabbitMQConfig
 	key      *sink.Template
 	log      *slog.Logger
 	name     string
@@ -92,7 +93,7 @@ type Options struct {
 }
 
 // New checks cfg and returns an unconnected sink; Connect connects it.
-func New(cfg outbox.RabbitMQConfig, opts Options) (*Sink, error) {
+func New(cfg outboxconfig.RabbitMQConfig, opts Options) (*Sink, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
@@ -116,7 +117,7 @@ func New(cfg outbox.RabbitMQConfig, opts Options) (*Sink, error) {
 	s := &Sink{
 		cfg:      cfg,
 		key:      key,
-		log:      log.With("sink", outbox.SinkRabbitMQ),
+		log:      log.With("sink", outboxconfig.SinkRabbitMQ),
 		name:     opts.Name,
 		shownURL: broker.RedactURLs(cfg.URL),
 		slots:    make(chan struct{}, cfg.MaxPending),
@@ -155,7 +156,7 @@ func checkQueueName(text string, key *sink.Template) error {
 }
 
 // Name implements outbox.Sink.
-func (s *Sink) Name() string { return outbox.SinkRabbitMQ }
+func (s *Sink) Name() string { return outboxconfig.SinkRabbitMQ }
 
 // RoutingKey returns the routing key of e.
 func (s *Sink) RoutingKey(e outbox.Event) string { return s.key.Render(e) }

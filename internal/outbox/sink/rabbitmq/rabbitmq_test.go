@@ -18,6 +18,7 @@ import (
 	"github.com/worker-dev/worker/internal/broker"
 	rabbitmqbroker "github.com/worker-dev/worker/internal/broker/rabbitmq"
 	"github.com/worker-dev/worker/internal/outbox"
+	"github.com/worker-dev/worker/internal/outbox/outboxconfig"
 	"github.com/worker-dev/worker/internal/outbox/sinktest"
 	"github.com/worker-dev/worker/internal/testkit"
 )
@@ -82,15 +83,15 @@ func declareTarget(t testing.TB, conn *amqp.Connection, url, binding string) tar
 	return tg
 }
 
-func (tg target) config() outbox.RabbitMQConfig {
-	c := outbox.DefaultRabbitMQConfig()
+func (tg target) config() outboxconfig.RabbitMQConfig {
+	c := outboxconfig.DefaultRabbitMQConfig()
 	c.URL, c.Exchange = tg.url, tg.exchange
 	c.ConnectTimeout = 10 * time.Second
 	c.PublishTimeout = 2 * time.Second
 	return c
 }
 
-func connect(t testing.TB, cfg outbox.RabbitMQConfig) *Sink {
+func connect(t testing.TB, cfg outboxconfig.RabbitMQConfig) *Sink {
 	t.Helper()
 	s, err := New(cfg, Options{Name: "sinktest"})
 	if err != nil {
@@ -269,7 +270,7 @@ func TestDefaultExchangeQueueName(t *testing.T) {
 		{"", "amq.gen-x", `queue names starting with "amq." are the broker's`},
 		{"", "a{aggregate_type}.rabbitmq.reply-to", `queue names starting with "amq." are the broker's`}, // {aggregate_type} = "mq"
 	} {
-		cfg := outbox.DefaultRabbitMQConfig()
+		cfg := outboxconfig.DefaultRabbitMQConfig()
 		cfg.Exchange, cfg.RoutingKey = c.exchange, c.key
 		_, err := New(cfg, Options{})
 		switch {
@@ -286,7 +287,7 @@ func TestConnect(t *testing.T) {
 	requireBroker(t)
 	ctx := t.Context()
 	t.Run("missing exchange names the key", func(t *testing.T) {
-		cfg := outbox.DefaultRabbitMQConfig()
+		cfg := outboxconfig.DefaultRabbitMQConfig()
 		cfg.URL, cfg.Exchange = testkit.RabbitMQURL(), "sinktest-missing-"+uuid.NewString()[:8]
 		s, err := New(cfg, Options{})
 		if err != nil {
@@ -298,7 +299,7 @@ func TestConnect(t *testing.T) {
 		}
 	})
 	t.Run("declare_exchange declares it", func(t *testing.T) {
-		cfg := outbox.DefaultRabbitMQConfig()
+		cfg := outboxconfig.DefaultRabbitMQConfig()
 		cfg.URL, cfg.Exchange, cfg.DeclareExchange = testkit.RabbitMQURL(), "sinktest-declared-"+uuid.NewString()[:8], true
 		s := connect(t, cfg)
 		if err := s.Ready(ctx); err != nil {
@@ -314,7 +315,7 @@ func TestConnect(t *testing.T) {
 	t.Run("wrong password is refused at once", func(t *testing.T) {
 		u := testkit.ParseRabbitMQURL(t)
 		u.User = neturl.UserPassword(cmp.Or(u.User.Username(), "guest"), "wrong-secret-9")
-		cfg := outbox.DefaultRabbitMQConfig()
+		cfg := outboxconfig.DefaultRabbitMQConfig()
 		cfg.URL = u.String()
 		s, _ := New(cfg, Options{})
 		err := s.Connect(ctx)
@@ -323,7 +324,7 @@ func TestConnect(t *testing.T) {
 		}
 	})
 	t.Run("unreachable until the budget ends", func(t *testing.T) {
-		cfg := outbox.DefaultRabbitMQConfig()
+		cfg := outboxconfig.DefaultRabbitMQConfig()
 		cfg.URL = "amqp://guest:hidden-7@127.0.0.1:1/"
 		s, _ := New(cfg, Options{})
 		cctx, cancel := context.WithTimeout(ctx, 500*time.Millisecond)

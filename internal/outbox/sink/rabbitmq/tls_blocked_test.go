@@ -15,6 +15,7 @@ import (
 
 	"github.com/worker-dev/worker/internal/broker"
 	"github.com/worker-dev/worker/internal/outbox"
+	"github.com/worker-dev/worker/internal/outbox/outboxconfig"
 	"github.com/worker-dev/worker/internal/outbox/sinktest"
 	"github.com/worker-dev/worker/internal/pgtest"
 	"github.com/worker-dev/worker/internal/testkit"
@@ -38,7 +39,7 @@ func TestTLS(t *testing.T) {
 	t.Parallel()
 	n := usePrivateNode(t, false)
 	tg := n.target(t, "#")
-	tlsConfig := func() outbox.RabbitMQConfig {
+	tlsConfig := func() outboxconfig.RabbitMQConfig {
 		c := tg.config()
 		c.URL = n.tlsURL
 		c.TLSCAFile, c.TLSCertFile, c.TLSKeyFile = n.certs.ca, n.certs.clientCert, n.certs.clientKey
@@ -85,7 +86,7 @@ func TestTLS(t *testing.T) {
 }
 
 // connectErr connects a sink with cfg within budget and returns the error.
-func connectErr(t *testing.T, cfg outbox.RabbitMQConfig, budget time.Duration) error {
+func connectErr(t *testing.T, cfg outboxconfig.RabbitMQConfig, budget time.Duration) error {
 	t.Helper()
 	s, err := New(cfg, Options{})
 	if err != nil {
@@ -105,7 +106,7 @@ func connectErr(t *testing.T, cfg outbox.RabbitMQConfig, budget time.Duration) e
 // would leave the connection in plain text.
 func TestTLSFilesNeedAMQPS(t *testing.T) {
 	t.Parallel()
-	cfg := outbox.DefaultRabbitMQConfig()
+	cfg := outboxconfig.DefaultRabbitMQConfig()
 	cfg.URL, cfg.TLSCAFile = "amqp://guest:guest@127.0.0.1:5672/", testkit.NewCA(t, t.TempDir(), "ca").File
 	if _, err := New(cfg, Options{}); err == nil || !strings.Contains(err.Error(), "amqps://") || strings.Contains(err.Error(), "guest:guest") {
 		t.Errorf("got %v, want an error asking for amqps://", err)
@@ -236,7 +237,7 @@ func boundedPublish(t *testing.T, s *Sink, e outbox.Event, publishTimeout time.D
 }
 
 // startRelay connects s and runs a relay on it until the test ends.
-func startRelay(t *testing.T, pool *pgxpool.Pool, s *attemptSink, cfg outbox.Config, log *slog.Logger) {
+func startRelay(t *testing.T, pool *pgxpool.Pool, s *attemptSink, cfg outboxconfig.Config, log *slog.Logger) {
 	t.Helper()
 	r, err := outbox.NewRelay(pool, s, cfg, "blocked", log, prometheus.NewRegistry())
 	if err != nil {

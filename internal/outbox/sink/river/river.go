@@ -15,7 +15,9 @@ import (
 	"github.com/riverqueue/river"
 
 	"github.com/worker-dev/worker/internal/outbox"
+	"github.com/worker-dev/worker/internal/outbox/outboxconfig"
 	"github.com/worker-dev/worker/internal/tasks"
+	"github.com/worker-dev/worker/internal/tasks/tasksconfig"
 )
 
 // Sink is the outbox's river sink: it turns each event into a task
@@ -26,8 +28,8 @@ import (
 // under their kind's policy; they run in parallel, so an aggregate's
 // events are inserted in order but not run in order (docs/sinks.md).
 type Sink struct {
-	routes     map[string]tasks.Kind // event type -> kind; "*" for the rest
-	maxBacklog map[string]int        // queue -> max_backlog (0: unbounded)
+	routes     map[string]tasksconfig.Kind // event type -> kind; "*" for the rest
+	maxBacklog map[string]int              // queue -> max_backlog (0: unbounded)
 }
 
 var _ outbox.TxSink = (*Sink)(nil)
@@ -35,13 +37,13 @@ var _ outbox.TxSink = (*Sink)(nil)
 // New builds the sink from a validated tasks configuration. Every
 // route must name a kind under tasks.kinds, whose queue and max_attempts
 // its tasks get.
-func New(cfg tasks.Config, routes map[string]string) (*Sink, error) {
-	s := &Sink{routes: map[string]tasks.Kind{}, maxBacklog: map[string]int{}}
+func New(cfg tasksconfig.Config, routes map[string]string) (*Sink, error) {
+	s := &Sink{routes: map[string]tasksconfig.Kind{}, maxBacklog: map[string]int{}}
 	for eventType, kind := range routes {
 		k, ok := cfg.KindNamed(kind)
 		if !ok {
 			return nil, fmt.Errorf("%s.%s=%q: no such kind under tasks.kinds (have %s)",
-				tasks.RoutesKey, eventType, kind, strings.Join(cfg.KindNames(), ", "))
+				outboxconfig.RoutesKey, eventType, kind, strings.Join(cfg.KindNames(), ", "))
 		}
 		s.routes[eventType] = k
 	}
@@ -66,11 +68,11 @@ func (s *Sink) Publish(context.Context, outbox.Event) error {
 // the outbox backoff; the later events of its aggregate wait with it.
 func (s *Sink) PublishTx(ctx context.Context, tx pgx.Tx, events []outbox.Event) ([]error, error) {
 	errs := make([]error, len(events))
-	kinds := make([]tasks.Kind, len(events))
+	kinds := make([]tasksconfig.Kind, len(events))
 	for i, ev := range events {
 		k, ok := s.route(ev.EventType)
 		if !ok {
-			errs[i] = outbox.Permanent(fmt.Errorf("%s has no route for event type %q and no \"*\" default", tasks.RoutesKey, ev.EventType))
+			errs[i] = outbox.Permanent(fmt.Errorf("%s has no route for event type %q and no \"*\" default", outboxconfig.RoutesKey, ev.EventType))
 		}
 		kinds[i] = k
 	}
@@ -115,7 +117,7 @@ func (s *Sink) PublishTx(ctx context.Context, tx pgx.Tx, events []outbox.Event) 
 	return errs, nil
 }
 
-func (s *Sink) route(eventType string) (tasks.Kind, bool) {
+func (s *Sink) route(eventType string) (tasksconfig.Kind, bool) {
 	if k, ok := s.routes[eventType]; ok {
 		return k, true
 	}
@@ -126,7 +128,7 @@ func (s *Sink) route(eventType string) (tasks.Kind, bool) {
 // room returns, for each bounded queue the kinds use, how many more tasks
 // it accepts: max_backlog minus its available tasks. The count stops at
 // max_backlog, as worker_task_admit's does, so its cost stays bounded.
-func (s *Sink) room(ctx context.Context, tx pgx.Tx, kinds []tasks.Kind) (map[string]int, error) {
+func (s *Sink) room(ctx context.Context, tx pgx.Tx, kinds []tasksconfig.Kind) (map[string]int, error) {
 	var queues []string
 	var caps []int32
 	seen := map[string]bool{}
@@ -162,7 +164,7 @@ FROM unnest($1::text[], $2::int[]) AS u(queue, cap)`, queues, caps)
 
 // insertParams is the task of one event: its args, its kind's queue and
 // max_attempts, and the propagated context its headers carry.
-func (s *Sink) insertParams(ev outbox.Event, k tasks.Kind) (river.InsertManyParams, error) {
+func (s *Sink) insertParams(ev outbox.Event, k tasksconfig.Kind) (river.InsertManyParams, error) {
 	args, err := json.Marshal(tasks.EventArgs{
 		EventID: ev.EventID, EventType: ev.EventType, AggregateType: ev.AggregateType, AggregateID: ev.AggregateID,
 		Payload: ev.Payload, Headers: ev.Headers, OccurredAt: ev.OccurredAt,

@@ -13,21 +13,23 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/worker-dev/worker/internal/outbox"
+	"github.com/worker-dev/worker/internal/outbox/outboxconfig"
 	"github.com/worker-dev/worker/internal/outbox/outboxtest"
 	"github.com/worker-dev/worker/internal/pgtest"
 	"github.com/worker-dev/worker/internal/tasks"
+	"github.com/worker-dev/worker/internal/tasks/tasksconfig"
 	"github.com/worker-dev/worker/internal/testkit"
 )
 
 // startSinkRelay runs an outbox relay with the river sink for routes on db,
 // shut down when the test ends.
-func startSinkRelay(t *testing.T, db *pgtest.DB, cfg tasks.Config, routes map[string]string) {
+func startSinkRelay(t *testing.T, db *pgtest.DB, cfg tasksconfig.Config, routes map[string]string) {
 	t.Helper()
 	sink, err := New(cfg, routes)
 	if err != nil {
 		t.Fatal(err)
 	}
-	ocfg := outbox.DefaultConfig()
+	ocfg := outboxconfig.DefaultConfig()
 	ocfg.Sink, ocfg.River.Routes = "river", routes
 	ocfg.PollInterval = 50 * time.Millisecond
 	ocfg.BackoffBase, ocfg.BackoffMax = 10*time.Millisecond, 50*time.Millisecond
@@ -163,9 +165,9 @@ func TestOutboxSinkTurnsEventsIntoTasks(t *testing.T) {
 	t.Parallel()
 	db := pgtest.New(t)
 	// mail is bounded, default is not: both kinds of queue admit tasks.
-	cfg := testConfig(t, map[string]tasks.Queue{"mail": queue(1, 100), tasks.DefaultQueue: queue(1, 0)},
-		tasks.Kind{Name: "ship", Type: tasks.TypeGo, Queue: "mail", MaxAttempts: 7},
-		tasks.Kind{Name: "audit", Type: tasks.TypeGo})
+	cfg := testConfig(t, map[string]tasksconfig.Queue{"mail": queue(1, 100), tasksconfig.DefaultQueue: queue(1, 0)},
+		tasksconfig.Kind{Name: "ship", Type: tasksconfig.TypeGo, Queue: "mail", MaxAttempts: 7},
+		tasksconfig.Kind{Name: "audit", Type: tasksconfig.TypeGo})
 	published := recordPublishes(t, db.Pool)
 	occurred := time.Date(2026, 11, 30, 12, 0, 0, 0, time.UTC)
 	ids := appendEvents(t, db.Pool,
@@ -204,10 +206,10 @@ func TestOutboxSinkTurnsEventsIntoTasks(t *testing.T) {
 		maxAttempts int
 		args        tasks.EventArgs
 	}{
-		{"audit", tasks.DefaultQueue, 3, tasks.EventArgs{EventID: ids[0], EventType: "order.created", AggregateType: "order", AggregateID: "1", Payload: json.RawMessage(`{"n": 1}`)}},
+		{"audit", tasksconfig.DefaultQueue, 3, tasks.EventArgs{EventID: ids[0], EventType: "order.created", AggregateType: "order", AggregateID: "1", Payload: json.RawMessage(`{"n": 1}`)}},
 		{"ship", "mail", 7, tasks.EventArgs{EventID: ids[1], EventType: "order.shipped", AggregateType: "order", AggregateID: "1", Payload: json.RawMessage(`{"n": 2}`),
 			Headers: map[string]string{"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01", "tenant_id": "t-9"}}},
-		{"audit", tasks.DefaultQueue, 3, tasks.EventArgs{EventID: ids[2], EventType: "user.renamed", AggregateType: "user", AggregateID: "u", Payload: json.RawMessage(`[3]`)}},
+		{"audit", tasksconfig.DefaultQueue, 3, tasks.EventArgs{EventID: ids[2], EventType: "user.renamed", AggregateType: "user", AggregateID: "u", Payload: json.RawMessage(`[3]`)}},
 	}
 	for _, w := range want {
 		task, ok := byEvent[w.args.EventID]
@@ -240,8 +242,8 @@ func TestOutboxSinkTurnsEventsIntoTasks(t *testing.T) {
 func TestOutboxSinkFullQueueRetriesTheEvent(t *testing.T) {
 	t.Parallel()
 	db := pgtest.New(t)
-	cfg := testConfig(t, map[string]tasks.Queue{"tiny": queue(1, 1)},
-		tasks.Kind{Name: "slow", Type: tasks.TypeGo, Queue: "tiny"})
+	cfg := testConfig(t, map[string]tasksconfig.Queue{"tiny": queue(1, 1)},
+		tasksconfig.Kind{Name: "slow", Type: tasksconfig.TypeGo, Queue: "tiny"})
 	routes := map[string]string{"*": "slow"}
 	first := appendEvents(t, db.Pool, outbox.NewEvent{AggregateType: "a", AggregateID: "1", EventType: "e", Payload: json.RawMessage(`{}`)})
 	startSinkRelay(t, db, cfg, routes)
@@ -277,7 +279,7 @@ func TestOutboxSinkFullQueueRetriesTheEvent(t *testing.T) {
 func TestOutboxSinkFailedInsertLeavesEventUnpublished(t *testing.T) {
 	t.Parallel()
 	db := pgtest.New(t)
-	cfg := testConfig(t, nil, tasks.Kind{Name: "audit", Type: tasks.TypeGo})
+	cfg := testConfig(t, nil, tasksconfig.Kind{Name: "audit", Type: tasksconfig.TypeGo})
 	_, err := db.Pool.Exec(t.Context(), `
 CREATE FUNCTION refuse_task() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN RAISE EXCEPTION 'task insert refused'; END $$;
@@ -307,7 +309,7 @@ CREATE TRIGGER refuse_task BEFORE INSERT ON river_job FOR EACH ROW EXECUTE FUNCT
 func TestOutboxSinkFailedMarkLeavesNoTask(t *testing.T) {
 	t.Parallel()
 	db := pgtest.New(t)
-	cfg := testConfig(t, nil, tasks.Kind{Name: "audit", Type: tasks.TypeGo})
+	cfg := testConfig(t, nil, tasksconfig.Kind{Name: "audit", Type: tasksconfig.TypeGo})
 	// A sequence counts the refused marks: a rollback does not undo it.
 	// Publishing is the only thing that deletes a delivery row that is not
 	// DEAD, so the trigger refuses exactly the marks.
@@ -346,7 +348,7 @@ CREATE TRIGGER refuse_mark BEFORE DELETE ON outbox_delivery FOR EACH ROW EXECUTE
 // A route to a kind that is not configured is an error naming the key.
 func TestOutboxSinkUnknownRouteTarget(t *testing.T) {
 	t.Parallel()
-	cfg := testConfig(t, nil, tasks.Kind{Name: "audit", Type: tasks.TypeGo})
+	cfg := testConfig(t, nil, tasksconfig.Kind{Name: "audit", Type: tasksconfig.TypeGo})
 	_, err := New(cfg, map[string]string{"order.shipped": "ship"})
 	want := `outbox.river.routes.order.shipped="ship": no such kind under tasks.kinds (have audit)`
 	if err == nil || err.Error() != want {
@@ -356,9 +358,9 @@ func TestOutboxSinkUnknownRouteTarget(t *testing.T) {
 
 // testConfig is a validated tasks configuration with queues and kinds,
 // and short backoffs.
-func testConfig(t testing.TB, queues map[string]tasks.Queue, kinds ...tasks.Kind) tasks.Config {
+func testConfig(t testing.TB, queues map[string]tasksconfig.Queue, kinds ...tasksconfig.Kind) tasksconfig.Config {
 	t.Helper()
-	cfg := tasks.DefaultConfig()
+	cfg := tasksconfig.DefaultConfig()
 	cfg.Queues = queues
 	cfg.BackoffBase = 10 * time.Millisecond
 	cfg.BackoffMax = 50 * time.Millisecond
@@ -371,6 +373,6 @@ func testConfig(t testing.TB, queues map[string]tasks.Queue, kinds ...tasks.Kind
 }
 
 // queue is a queue's configuration with both keys written.
-func queue(maxWorkers, maxBacklog int) tasks.Queue {
-	return tasks.Queue{MaxWorkers: &maxWorkers, MaxBacklog: &maxBacklog}
+func queue(maxWorkers, maxBacklog int) tasksconfig.Queue {
+	return tasksconfig.Queue{MaxWorkers: &maxWorkers, MaxBacklog: &maxBacklog}
 }

@@ -21,6 +21,7 @@ import (
 	webhookbroker "github.com/worker-dev/worker/internal/broker/webhook"
 	"github.com/worker-dev/worker/internal/obs"
 	"github.com/worker-dev/worker/internal/outbox"
+	"github.com/worker-dev/worker/internal/outbox/outboxconfig"
 )
 
 const (
@@ -54,7 +55,7 @@ type Sink struct {
 // redirects (a redirected POST either loses its body or is sent somewhere
 // nobody configured), and the client's per-request work (copying the
 // headers for a redirect) would be wasted.
-func New(cfg outbox.WebhookConfig, transport http.RoundTripper) (*Sink, error) {
+func New(cfg outboxconfig.WebhookConfig, transport http.RoundTripper) (*Sink, error) {
 	u, err := parseURL(cfg.URL)
 	if err != nil {
 		return nil, err
@@ -149,7 +150,7 @@ func shownURL(u *url.URL) string {
 }
 
 // Name implements outbox.Sink.
-func (s *Sink) Name() string { return outbox.SinkWebhook }
+func (s *Sink) Name() string { return outboxconfig.SinkWebhook }
 
 // String keeps the key out of anything that formats the sink.
 func (s *Sink) String() string { return "webhook(" + s.shown + ")" }

@@ -23,6 +23,7 @@ import (
 	"time"
 
 	"github.com/worker-dev/worker/internal/outbox"
+	"github.com/worker-dev/worker/internal/outbox/outboxconfig"
 )
 
 // whRequest is what the test receiver saw.
@@ -79,7 +80,7 @@ func (r *whReceiver) only(t *testing.T) whRequest {
 
 func newTestWebhookSink(t *testing.T, url, secret string) *Sink {
 	t.Helper()
-	s, err := New(outbox.WebhookConfig{URL: url, Secret: secret, Timeout: 5 * time.Second}, nil)
+	s, err := New(outboxconfig.WebhookConfig{URL: url, Secret: secret, Timeout: 5 * time.Second}, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -401,7 +402,7 @@ func TestWebhookSinkTimeoutIsTransient(t *testing.T) {
 		}
 	})
 	t.Cleanup(func() { close(release) }) // runs before rcv.Close
-	s, err := New(outbox.WebhookConfig{URL: rcv.URL, Timeout: 100 * time.Millisecond}, nil)
+	s, err := New(outboxconfig.WebhookConfig{URL: rcv.URL, Timeout: 100 * time.Millisecond}, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -469,7 +470,7 @@ func TestWebhookSinkErrorsNeverContainSecret(t *testing.T) {
 
 	// A malformed whsec_ secret is a config error that must not quote it.
 	bad := "whsec_not*base64*" + rawKey
-	_, err := New(outbox.WebhookConfig{URL: "https://hooks.example.com", Secret: bad, Timeout: time.Second}, nil)
+	_, err := New(outboxconfig.WebhookConfig{URL: "https://hooks.example.com", Secret: bad, Timeout: time.Second}, nil)
 	if err == nil || strings.Contains(err.Error(), rawKey) || strings.Contains(err.Error(), "not*base64") {
 		t.Fatalf("err = %v, want an error that does not quote the secret", err)
 	}
@@ -521,7 +522,7 @@ func TestWebhookSinkErrorBodySnippetIsShort(t *testing.T) {
 }
 
 func TestNewWebhookSinkValidatesConfig(t *testing.T) {
-	bad := []outbox.WebhookConfig{
+	bad := []outboxconfig.WebhookConfig{
 		{URL: "", Timeout: time.Second},
 		{URL: "hooks.example.com/outbox", Timeout: time.Second},
 		{URL: "/outbox", Timeout: time.Second},
@@ -551,7 +552,7 @@ func TestNewWebhookSinkValidatesConfig(t *testing.T) {
 	}
 
 	for _, d := range []time.Duration{0, -time.Second} {
-		_, err := New(outbox.WebhookConfig{URL: "https://hooks.example.com", Timeout: d}, nil)
+		_, err := New(outboxconfig.WebhookConfig{URL: "https://hooks.example.com", Timeout: d}, nil)
 		if err == nil || !strings.Contains(err.Error(), "outbox.webhook.timeout") {
 			t.Errorf("timeout %s: err = %v, want one naming outbox.webhook.timeout", d, err)
 		}
@@ -559,7 +560,7 @@ func TestNewWebhookSinkValidatesConfig(t *testing.T) {
 
 	for _, u := range []string{"http://127.0.0.1:8080/hook", "https://hooks.example.com/a/b?tenant=7",
 		"http://hooks.example.com:1/x", "https://hooks.example.com:65535/x", "http://[::1]:8080/x", "http://hooks.example.com:/x"} {
-		if _, err := New(outbox.WebhookConfig{URL: u, Timeout: time.Second}, nil); err != nil {
+		if _, err := New(outboxconfig.WebhookConfig{URL: u, Timeout: time.Second}, nil); err != nil {
 			t.Errorf("URL %q rejected: %v", u, err)
 		}
 	}
@@ -611,7 +612,7 @@ func TestWebhookSinkHTTPS(t *testing.T) {
 		t.Fatal("the receiver got a request over an unverified connection")
 	}
 
-	s, err := New(outbox.WebhookConfig{URL: srv.URL, Timeout: 5 * time.Second}, srv.Client().Transport) // trusts the test certificate
+	s, err := New(outboxconfig.WebhookConfig{URL: srv.URL, Timeout: 5 * time.Second}, srv.Client().Transport) // trusts the test certificate
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -678,7 +679,7 @@ func BenchmarkWebhook(b *testing.B) {
 		w.WriteHeader(http.StatusNoContent)
 	}))
 	defer srv.Close()
-	s, err := New(outbox.WebhookConfig{URL: srv.URL, Secret: "whsec_" + base64.StdEncoding.EncodeToString(make([]byte, 32)), Timeout: 5 * time.Second}, nil)
+	s, err := New(outboxconfig.WebhookConfig{URL: srv.URL, Secret: "whsec_" + base64.StdEncoding.EncodeToString(make([]byte, 32)), Timeout: 5 * time.Second}, nil)
 	if err != nil {
 		b.Fatal(err)
 	}

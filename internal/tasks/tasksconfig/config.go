@@ -2,7 +2,7 @@
 // applications enqueue in their own transactions (SQL function, Go helper,
 // CLI) and that a replica of the worker runs once they commit, with retry,
 // dead letters, bounded concurrency and context propagation.
-package tasks
+package tasksconfig
 
 import (
 	"cmp"
@@ -226,8 +226,8 @@ func (c *Config) QueueNames() []string {
 	return names
 }
 
-// httpKindNames returns the names of the http kinds.
-func (c *Config) httpKindNames() []string {
+// HTTPKindNames returns the names of the http kinds.
+func (c *Config) HTTPKindNames() []string {
 	var names []string
 	for _, k := range c.Kinds {
 		if k.Type == TypeHTTP {
@@ -256,8 +256,8 @@ func (c *Config) TotalWorkers() int {
 	return n
 }
 
-// longestTimeout is the longest timeout any kind has.
-func (c *Config) longestTimeout() time.Duration {
+// LongestTimeout is the longest timeout any kind has.
+func (c *Config) LongestTimeout() time.Duration {
 	longest := c.Timeout
 	for _, k := range c.Kinds {
 		longest = max(longest, k.Timeout)

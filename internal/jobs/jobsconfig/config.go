@@ -1,6 +1,6 @@
 // Package jobs runs named fixed-delay jobs on gocron, each run guarded by a
 // lease from the lock port when several replicas run.
-package jobs
+package jobsconfig
 
 import (
 	"errors"
@@ -28,6 +28,12 @@ type Definition struct {
 	Method       string            `koanf:"method" yaml:"method,omitempty"`
 	Headers      map[string]string `koanf:"headers" yaml:"headers,omitempty"`
 }
+
+// DefaultTimeout bounds a run whose Spec sets no timeout. A run must never
+// hang without bound: it would hold its lease (renewed) and a concurrency
+// slot forever. Five minutes is long for a periodic job yet short enough
+// that a stuck one is noticed; set timeout explicitly for longer work.
+const DefaultTimeout = 5 * time.Minute
 
 // Job kinds a Definition can name.
 const (

@@ -1,6 +1,6 @@
 // Package outbox relays rows of the outbox_event table to a sink, in
 // per-aggregate order, with several relays running at once.
-package outbox
+package outboxconfig
 
 import (
 	"fmt"
@@ -55,6 +55,10 @@ type RiverConfig struct {
 	// default. YAML-only.
 	Routes map[string]string `koanf:"routes" yaml:"routes"`
 }
+
+// RoutesKey is the configuration key of the river sink's routes, for
+// error messages.
+const RoutesKey = "outbox.river.routes"
 
 // Sink names, the values of outbox.sink.
 const (
