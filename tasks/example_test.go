@@ -8,7 +8,6 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/riverqueue/river"
 
-	"github.com/worker-dev/worker/internal/tasks/tasksconfig"
 	"github.com/worker-dev/worker/tasks"
 )
 
@@ -43,7 +42,7 @@ func (badArgs) Kind() string { return "send receipt" }
 // asked.
 func ExampleKindNameError() {
 	_, err := tasks.Enqueue(context.Background(), nil, badArgs{}, nil)
-	var bad *tasksconfig.KindNameError
+	var bad *tasks.KindNameError
 	fmt.Println(errors.As(err, &bad), bad.Name)
 	// Output: true send receipt
 }
