@@ -56,7 +56,8 @@ type Config struct {
 		Redis    RedisLockConfig `koanf:"redis"`
 	} `koanf:"lock"`
 	HTTP struct {
-		Addr string `koanf:"addr"`
+		Addr  string `koanf:"addr"`
+		Pprof bool   `koanf:"pprof"`
 	} `koanf:"http"`
 	Shutdown struct {
 		Timeout time.Duration `koanf:"timeout"`
@@ -150,6 +151,7 @@ func settings() []setting {
 		{"lock.redis.tls_key_file", ""},
 		{"lock.redis.key_prefix", defaultRedisKeyPrefix},
 		{"http.addr", ":9090"},
+		{"http.pprof", false},
 		{"shutdown.timeout", 20 * time.Second},
 		{"log.level", "info"},
 		{"log.format", "json"},

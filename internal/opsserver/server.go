@@ -6,6 +6,7 @@ import (
 	"context"
 	"net"
 	"net/http"
+	"net/http/pprof"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -162,11 +163,22 @@ const (
 	opsHeadGrace = 100 * time.Millisecond
 )
 
-// New serves metrics and probes, and River UI when ui is not nil.
-func New(addr string, reg *prometheus.Registry, ready *Readiness, ui http.Handler) *Server {
+// New serves metrics and probes, River UI when ui is not nil, and Go's
+// profiles with profiling.
+func New(addr string, reg *prometheus.Registry, ready *Readiness, ui http.Handler, profiling bool) *Server {
 	mux := http.NewServeMux()
 	if ui != nil {
 		mux.Handle(UIPrefix+"/", ui)
+	}
+	if profiling {
+		// pprof.Index serves every named profile (heap, allocs, goroutine,
+		// ...) below its path; the CPU profile and the trace have handlers
+		// of their own.
+		mux.HandleFunc("GET /debug/pprof/", pprof.Index)
+		mux.HandleFunc("GET /debug/pprof/cmdline", pprof.Cmdline)
+		mux.HandleFunc("GET /debug/pprof/profile", pprof.Profile)
+		mux.HandleFunc("GET /debug/pprof/symbol", pprof.Symbol)
+		mux.HandleFunc("GET /debug/pprof/trace", pprof.Trace)
 	}
 	// OpenMetrics, to a scraper that asks for it, carries the duration
 	// histograms' exemplars: the trace ids of traced runs.

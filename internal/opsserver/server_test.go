@@ -26,7 +26,7 @@ func TestReadyzPingsAtMostOnceASecond(t *testing.T) {
 	ready := &Readiness{}
 	ready.db.Store(probe)
 	ready.started.Store(true)
-	srv := httptest.NewServer(New("", prometheus.NewRegistry(), ready, nil).Handler)
+	srv := httptest.NewServer(New("", prometheus.NewRegistry(), ready, nil, false).Handler)
 	defer srv.Close()
 	get := func() int {
 		resp, err := srv.Client().Get(srv.URL + "/readyz")

@@ -258,7 +258,7 @@ func newServers(cfg *runConfig, reg *prometheus.Registry, ready *opsserver.Readi
 	if cfg.UI.Addr != "" {
 		opsUI = nil
 	}
-	srv := opsserver.New(cfg.HTTP.Addr, reg, ready, opsUI)
+	srv := opsserver.New(cfg.HTTP.Addr, reg, ready, opsUI, cfg.HTTP.Pprof)
 	ln, err := srv.Listen()
 	if err != nil {
 		return nil, nil, &exitError{code: ExitOSError, err: err, msg: fmt.Sprintf("ops HTTP server on %s (APP_HTTP_ADDR): %v", cfg.HTTP.Addr, err)}
