@@ -34,7 +34,11 @@ type Source struct {
 	topics   []string
 	batch    int
 	probeMax time.Duration
-	log      *slog.Logger
+	// rebalance bounds how long the group waits for members to rejoin: a
+	// live one rejoins once its batch is settled, which the inbox's lease
+	// bounds, so waiting longer only waits for a dead one.
+	rebalance time.Duration
+	log       *slog.Logger
 }
 
 var _ inbox.Source = (*Source)(nil)
@@ -72,12 +76,13 @@ func New(src inbox.SourceConfig, cfg inbox.Config, log *slog.Logger) (*Source, e
 		log = slog.New(slog.DiscardHandler)
 	}
 	return &Source{
-		cfg:      c,
-		section:  section,
-		topics:   topics,
-		batch:    max(cfg.BatchSize, 1),
-		probeMax: max(cfg.ProbeBackoffMax, probeBase),
-		log:      log.With("inbox_source", src.Name, "source_kind", inbox.KindKafka),
+		cfg:       c,
+		section:   section,
+		topics:    topics,
+		batch:     max(cfg.BatchSize, 1),
+		probeMax:  max(cfg.ProbeBackoffMax, probeBase),
+		rebalance: max(cfg.LeaseTTL, c.SessionTimeout),
+		log:       log.With("inbox_source", src.Name, "source_kind", inbox.KindKafka),
 	}, nil
 }
 
@@ -94,6 +99,7 @@ func (s *Source) options() ([]kgo.Opt, error) {
 		kgo.SessionTimeout(c.SessionTimeout),
 		// Kafka's advice: heartbeat at most every third of the session.
 		kgo.HeartbeatInterval(min(3*time.Second, c.SessionTimeout/3)),
+		kgo.RebalanceTimeout(s.rebalance),
 		kgo.ConsumeTopics(s.topics...),
 		kgo.ConsumeResetOffset(kgo.NewOffset().AtStart()),
 		kgo.DisableAutoCommit(),
