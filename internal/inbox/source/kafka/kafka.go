@@ -35,8 +35,9 @@ type Source struct {
 	batch    int
 	probeMax time.Duration
 	// rebalance bounds how long the group waits for members to rejoin: a
-	// live one rejoins once its batch is settled, which the inbox's lease
-	// bounds, so waiting longer only waits for a dead one.
+	// live one rejoins once its batch is settled, one round of which the
+	// inbox's lease bounds, so waiting longer mostly waits for a dead one
+	// (see the package comment).
 	rebalance time.Duration
 	log       *slog.Logger
 }
