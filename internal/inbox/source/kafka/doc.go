@@ -14,8 +14,12 @@
 // revoked while its records are being processed, and every commit is for
 // partitions this member owns. Nothing is left uncommitted when a
 // rebalance runs, so the revoke and lost callbacks have nothing to do. The
-// price: a batch, busy retries included, must finish within the group's
-// rebalance timeout (60 s by default), which inbox.lease_ttl bounds.
+// price: a batch should finish within the group's rebalance timeout,
+// inbox.lease_ttl or kafka.session_timeout, whichever is longer. Each
+// round of work ends within 2/3 of the lease, so only a batch whose
+// failures are retried in place runs longer; its member is then dropped
+// from the group and rejoins, and the records it had not committed run
+// again on their new owner as duplicates, which the inbox absorbs.
 //
 // Order. A partition's records reach the inbox in offset order, and the
 // inbox processes a batch in order per aggregate (ce_source/ce_subject, or

@@ -35,7 +35,12 @@ type Source struct {
 	topics   []string
 	batch    int
 	probeMax time.Duration
-	log      *slog.Logger
+	// rebalance bounds how long the group waits for members to rejoin: a
+	// live one rejoins once its batch is settled, one round of which the
+	// inbox's lease bounds, so waiting longer mostly waits for a dead one
+	// (see the package comment).
+	rebalance time.Duration
+	log       *slog.Logger
 }
 
 var _ inbox.Source = (*Source)(nil)
@@ -73,12 +78,13 @@ func New(src inboxconfig.SourceConfig, cfg inboxconfig.Config, log *slog.Logger)
 		log = slog.New(slog.DiscardHandler)
 	}
 	return &Source{
-		cfg:      c,
-		section:  section,
-		topics:   topics,
-		batch:    max(cfg.BatchSize, 1),
-		probeMax: max(cfg.ProbeBackoffMax, probeBase),
-		log:      log.With("inbox_source", src.Name, "source_kind", inboxconfig.KindKafka),
+		cfg:       c,
+		section:   section,
+		topics:    topics,
+		batch:     max(cfg.BatchSize, 1),
+		probeMax:  max(cfg.ProbeBackoffMax, probeBase),
+		rebalance: max(cfg.LeaseTTL, c.SessionTimeout),
+		log:       log.With("inbox_source", src.Name, "source_kind", inboxconfig.KindKafka),
 	}, nil
 }
 
@@ -95,6 +101,7 @@ func (s *Source) options() ([]kgo.Opt, error) {
 		kgo.SessionTimeout(c.SessionTimeout),
 		// Kafka's advice: heartbeat at most every third of the session.
 		kgo.HeartbeatInterval(min(3*time.Second, c.SessionTimeout/3)),
+		kgo.RebalanceTimeout(s.rebalance),
 		kgo.ConsumeTopics(s.topics...),
 		kgo.ConsumeResetOffset(kgo.NewOffset().AtStart()),
 		kgo.DisableAutoCommit(),

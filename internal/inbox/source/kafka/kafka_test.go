@@ -289,3 +289,39 @@ func refuseAsKafka(c *kfake.Cluster) {
 		return resp, nil, true
 	})
 }
+
+// TestRebalanceTimeoutFollowsTheLease: the group waits for members to
+// rejoin as long as a live one may take to settle its batch (the inbox's
+// lease), not franz-go's 60 s, which a dead member's partitions would
+// otherwise wait out when it dies during a rebalance.
+func TestRebalanceTimeoutFollowsTheLease(t *testing.T) {
+	t.Parallel()
+	for _, c := range []struct {
+		lease, session, want time.Duration
+	}{
+		{lease: 9 * time.Second, session: 6 * time.Second, want: 9 * time.Second},
+		{lease: 2 * time.Second, session: 6 * time.Second, want: 6 * time.Second},
+	} {
+		joined := make(chan int32, 1)
+		cl := startCluster(t)
+		cl.c.ControlKey(int16(kmsg.JoinGroup), func(req kmsg.Request) (kmsg.Response, error, bool) {
+			cl.c.KeepControl()
+			select {
+			case joined <- req.(*kmsg.JoinGroupRequest).RebalanceTimeoutMillis:
+			default:
+			}
+			return nil, nil, false // the cluster answers as usual
+		})
+		f := newFixture(t, cl)
+		f.Cfg.LeaseTTL, f.Src.Kafka.SessionTimeout = c.lease, c.session
+		f.run(f.Consumer(nil))
+		select {
+		case got := <-joined:
+			if time.Duration(got)*time.Millisecond != c.want {
+				t.Errorf("lease %s, session %s: the group's rebalance timeout is %dms, want %s", c.lease, c.session, got, c.want)
+			}
+		case <-time.After(30 * time.Second):
+			t.Fatalf("lease %s, session %s: the source never joined its group", c.lease, c.session)
+		}
+	}
+}
