@@ -96,7 +96,9 @@ type WebhookSource struct {
 	// DuplicateStatus answers a message already processed: 200 (the
 	// sender stops) or 409.
 	DuplicateStatus int `koanf:"duplicate_status" yaml:"duplicate_status"`
-	// Timeout bounds one request, its work and retries included.
+	// Timeout bounds how long a request waits for its work and retries:
+	// then no retry starts, and a work transaction under way still runs to
+	// its end (at most 2/3 of inbox.lease_ttl).
 	Timeout time.Duration `koanf:"timeout" yaml:"timeout"`
 	// MaxInFlight bounds the requests served at once; more get 503 with
 	// Retry-After. Each waits for a connection of the worker's pool.
