@@ -17,6 +17,7 @@ var (
 	benchRounds   = flag.Int("rounds", 3, "inbox benchmark: rounds (phase order alternates between rounds)")
 	benchMessages = flag.Int("messages", 20000, "inbox benchmark: messages per phase")
 	benchBatch    = flag.Int("batch", 100, "inbox benchmark: inbox.batch_size")
+	benchPending  = flag.Int("max-ack-pending", 0, "inbox benchmark: the consumers' nats.max_ack_pending (1: ordered mode); 0 keeps the default")
 )
 
 // BenchmarkInboxNATS drains the same messages (over 1,000 aggregates, one
@@ -30,6 +31,7 @@ var (
 // max over -rounds.
 //
 //	go test -run '^$' -bench InboxNATS -benchtime 1x ./internal/inbox/source/nats -rounds 5
+//	go test -run '^$' -bench InboxNATS -benchtime 1x ./internal/inbox/source/nats -max-ack-pending 1 -messages 3000
 func BenchmarkInboxNATS(b *testing.B) {
 	srv := startServer(b)
 	srv.createStream(b)
@@ -49,6 +51,9 @@ func BenchmarkInboxNATS(b *testing.B) {
 			src.NATS.Consumer = consumer
 			src.NATS.FilterSubject = subject
 			src.NATS.AckWait = time.Minute
+			if *benchPending > 0 {
+				src.NATS.MaxAckPending = *benchPending
+			}
 			return New(src, f.Cfg, nil)
 		},
 	}
