@@ -35,6 +35,18 @@ var layoutRules = []struct {
 	// but it must never parse, connect or build a part itself.
 	{"internal/config", []string{"github.com/jackc/pgx", "github.com/redis/go-redis"}, true,
 		"configuration neither connects nor parses URLs with a driver: the caller passes such checks in (config.Options)"},
+	// Go refuses the import cycle anyway; the rule says why, and keeps
+	// argument parsing (kong) out of the wiring as well.
+	{"internal/startup", []string{"internal/cli", "github.com/alecthomas/kong"}, false,
+		"the command line calls the wiring, never the other way: startup runs the parts whoever parsed the arguments"},
+	// The commands reach the adapters through startup (run, migrate, the
+	// configuration check builds each part once); startup stays their one
+	// importer.
+	{"internal/cli", []string{
+		"internal/outbox/sink/...", "internal/inbox/source/...", "internal/broker/...", "internal/lock",
+		"github.com/nats-io/", "github.com/rabbitmq/", "github.com/twmb/franz-go", "github.com/redis/go-redis",
+	}, true,
+		"the operator commands do not build sinks, sources or lock providers; startup wires them"},
 }
 
 const module = "github.com/worker-dev/worker/"
