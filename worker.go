@@ -29,6 +29,7 @@ import (
 	"github.com/riverqueue/river"
 
 	"github.com/worker-dev/worker/inbox"
+	"github.com/worker-dev/worker/internal/cli"
 	iinbox "github.com/worker-dev/worker/internal/inbox"
 	ijobs "github.com/worker-dev/worker/internal/jobs"
 	ioutbox "github.com/worker-dev/worker/internal/outbox"
@@ -48,7 +49,7 @@ func Run(args []string, opts ...Option) int {
 	for _, o := range opts {
 		o.apply(&ext)
 	}
-	return startup.MainWith(ext, args, os.Stdout, os.Stderr, os.Environ())
+	return cli.MainWith(ext, args, os.Stdout, os.Stderr, os.Environ())
 }
 
 // Option adds a Go job, a Go task kind or an outbox sink to Run.

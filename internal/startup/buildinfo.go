@@ -2,8 +2,6 @@ package startup
 
 import (
 	"context"
-	"encoding/json"
-	"fmt"
 	"log/slog"
 	"regexp"
 	"runtime"
@@ -14,6 +12,9 @@ import (
 
 	"github.com/worker-dev/worker/internal/opsserver"
 )
+
+// Version is set at build time with -ldflags "-X github.com/worker-dev/worker/internal/startup.Version=...".
+var Version = "dev"
 
 // Revision and BuildDate, like Version, are stamped at link time by a
 // release build (.goreleaser.yaml, the Dockerfile):
@@ -30,37 +31,39 @@ var (
 	BuildDate = ""
 )
 
-// build describes the running binary.
-type build struct {
-	version, revision, date, goVersion, platform string
-	// development is true for every build that is not a release: see
+// Build describes the running binary.
+type Build struct {
+	Version, Revision, Date, GoVersion, Platform string
+	// Development is true for every build that is not a release: see
 	// isRelease.
-	development bool
+	Development bool
 }
 
-func currentBuild() build {
-	b := build{version: Version, revision: Revision, date: BuildDate,
-		goVersion: runtime.Version(), platform: runtime.GOOS + "/" + runtime.GOARCH}
+// CurrentBuild is the running binary's Build: what `worker version`, the
+// startup line and worker_build_info report.
+func CurrentBuild() Build {
+	b := Build{Version: Version, Revision: Revision, Date: BuildDate,
+		GoVersion: runtime.Version(), Platform: runtime.GOOS + "/" + runtime.GOARCH}
 	bi, ok := debug.ReadBuildInfo()
-	if b.version == "dev" && ok && isRelease(bi.Main.Version) {
+	if b.Version == "dev" && ok && isRelease(bi.Main.Version) {
 		// `go install github.com/worker-dev/worker/cmd/worker@v0.1.0`
 		// stamps no ldflags, but the toolchain records the module version.
-		b.version = bi.Main.Version
+		b.Version = bi.Main.Version
 	}
-	if b.revision == "" {
-		b.revision = "unknown"
+	if b.Revision == "" {
+		b.Revision = "unknown"
 		if ok {
 			for _, s := range bi.Settings {
 				if s.Key == "vcs.revision" && s.Value != "" {
-					b.revision = s.Value
+					b.Revision = s.Value
 				}
 			}
 		}
 	}
-	if b.date == "" {
-		b.date = "unknown"
+	if b.Date == "" {
+		b.Date = "unknown"
 	}
-	b.development = !isRelease(b.version)
+	b.Development = !isRelease(b.Version)
 	return b
 }
 
@@ -80,47 +83,17 @@ func isRelease(v string) bool {
 	return semverTag.MatchString(v) && !pseudoVersion.MatchString(v) && !strings.Contains(v, "-dev")
 }
 
-// versionInfo is what `worker version --output json` prints. Its shape is
-// pinned by TestVersionJSONShape: scripts read it.
-type versionInfo struct {
-	Version     string `json:"version"`
-	Revision    string `json:"revision"`
-	BuildDate   string `json:"build_date"`
-	GoVersion   string `json:"go_version"`
-	Platform    string `json:"platform"`
-	Development bool   `json:"development"`
-}
-
-type versionCmd struct{ outputFlag }
-
-func (c versionCmd) Run(e *cmdEnv) error {
-	b := currentBuild()
-	if c.json() {
-		enc := json.NewEncoder(e.Stdout)
-		enc.SetIndent("", "  ")
-		return enc.Encode(versionInfo{Version: b.version, Revision: b.revision, BuildDate: b.date,
-			GoVersion: b.goVersion, Platform: b.platform, Development: b.development})
-	}
-	title := "worker " + b.version
-	if b.development {
-		title += " (development build)"
-	}
-	_, err := fmt.Fprintf(e.Stdout, "%s\nrevision:   %s\nbuilt:      %s\ngo:         %s %s\n",
-		title, b.revision, b.date, b.goVersion, b.platform)
-	return err
-}
-
 // registerOpsMetrics adds the metrics about the process itself:
 // worker_build_info, and worker_ready, which is what /readyz would answer
 // at scrape time, so an alert can tell a replica that runs but is not ready
 // from one that is gone.
 func registerOpsMetrics(reg prometheus.Registerer, ready *opsserver.Readiness) {
-	b := currentBuild()
+	b := CurrentBuild()
 	reg.MustRegister(
 		prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 			Name:        "worker_build_info",
 			Help:        "Always 1; the labels name the running build.",
-			ConstLabels: prometheus.Labels{"version": b.version, "revision": b.revision, "build_date": b.date, "goversion": b.goVersion},
+			ConstLabels: prometheus.Labels{"version": b.Version, "revision": b.Revision, "build_date": b.Date, "goversion": b.GoVersion},
 		}, func() float64 { return 1 }),
 		prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 			Name: "worker_ready",
@@ -139,7 +112,7 @@ func registerOpsMetrics(reg prometheus.Registerer, ready *opsserver.Readiness) {
 // and sink, and the most database connections it will hold (for sizing
 // max_connections).
 func logStartup(log *slog.Logger, cfg *runConfig, configFile string) {
-	b := currentBuild()
+	b := CurrentBuild()
 	mode := "single-instance"
 	if cfg.MultiInstance.Enabled {
 		mode = "multi-instance"
@@ -151,7 +124,7 @@ func logStartup(log *slog.Logger, cfg *runConfig, configFile string) {
 	if configFile == "" {
 		configFile = "none"
 	}
-	log.Info("worker starting", "version", b.version, "revision", b.revision, "build_date", b.date, "goversion", b.goVersion,
+	log.Info("worker starting", "version", b.Version, "revision", b.Revision, "build_date", b.Date, "goversion", b.GoVersion,
 		"config_file", configFile, "mode", mode, "lock_provider", cfg.Lock.Provider, "sink", sink,
 		"db_conns_max", cfg.MaxDBConns())
 }

@@ -122,7 +122,7 @@ func waitFor(ctx context.Context, d dependency, budget time.Duration, log *slog.
 		remaining := time.Until(deadline)
 		if remaining <= 0 {
 			elapsed := time.Since(start).Round(100 * time.Millisecond)
-			return &exitError{code: ExitUnavailable, err: err, msg: fmt.Sprintf("%s %s unreachable after %s (APP_DATABASE_CONNECT_TIMEOUT=%s): %s",
+			return &ExitError{Code: ExitUnavailable, Err: err, Msg: fmt.Sprintf("%s %s unreachable after %s (APP_DATABASE_CONNECT_TIMEOUT=%s): %s",
 				d.name, d.shown, elapsed, budget, obs.MaskDSN(err.Error()))}
 		}
 		log.Warn(d.name+" not reachable yet, retrying", "error", err, "elapsed_ms", time.Since(start).Milliseconds())
@@ -148,10 +148,10 @@ func permanentDBError(err error, url string) error {
 	shown := obs.MaskDSN(url)
 	switch {
 	case strings.HasPrefix(pgErr.Code, "28"):
-		return &exitError{code: ExitNoPerm, err: err, msg: fmt.Sprintf("database %s: authentication failed for user %q (APP_DATABASE_URL): %s (SQLSTATE %s)",
+		return &ExitError{Code: ExitNoPerm, Err: err, Msg: fmt.Sprintf("database %s: authentication failed for user %q (APP_DATABASE_URL): %s (SQLSTATE %s)",
 			shown, userOf(url), obs.MaskDSN(pgErr.Message), pgErr.Code)}
 	case pgErr.Code == "3D000":
-		return &exitError{code: ExitNoInput, err: err, msg: fmt.Sprintf("database %s (APP_DATABASE_URL): %s; create it (createdb %s) or name another database in APP_DATABASE_URL",
+		return &ExitError{Code: ExitNoInput, Err: err, Msg: fmt.Sprintf("database %s (APP_DATABASE_URL): %s; create it (createdb %s) or name another database in APP_DATABASE_URL",
 			shown, obs.MaskDSN(pgErr.Message), databaseOf(url))}
 	}
 	return nil

@@ -24,19 +24,17 @@ const (
 	ExitConfig      = 78 // invalid configuration
 )
 
-// ExitCode maps an error from a command to the process exit code.
+// ExitCode maps an error from a command to the process exit code. A
+// failed `worker healthcheck` is internal/cli's to map (exit 1).
 func ExitCode(err error) int {
 	var (
-		xe *exitError
+		xe *ExitError
 		ce *config.Error
 		se *SafetyError
-		uh *unhealthyError
 	)
 	switch {
 	case err == nil:
 		return ExitOK
-	case errors.As(err, &uh):
-		return ExitUnhealthy
 	case errors.Is(err, errInterrupted):
 		return ExitInterrupted
 	case errors.As(err, &ce):
@@ -44,7 +42,7 @@ func ExitCode(err error) int {
 	case errors.As(err, &se):
 		return ExitUnsafe
 	case errors.As(err, &xe):
-		return xe.code
+		return xe.Code
 	case obs.CodeOf(err) == obs.CodeJobExecutorRejected:
 		return ExitTempFail
 	}
@@ -54,7 +52,7 @@ func ExitCode(err error) int {
 // The error types below pick the exit code. Msg says what is wrong in the
 // operator's terms (the key, variable or item); Err keeps the cause for
 // errors.Is and errors.As. config.Error and SafetyError also name the kind
-// of mistake in their message; exitError covers the codes that need no
+// of mistake in their message; ExitError covers the codes that need no
 // more than the message.
 
 // SafetyError means multi-instance mode lacks a shared lock: exit 72. Every
@@ -71,14 +69,14 @@ func (e *SafetyError) Unwrap() error { return e.Err }
 // it finished: exit 1.
 var errInterrupted = errors.New("interrupted by a signal before the command finished")
 
-// exitError picks the exit code of the sysexits cases that need no more
-// than a message: 64, 65, 66, 69, 71 and 77. msg says what is wrong in the
-// operator's terms; err keeps the cause for errors.Is and errors.As.
-type exitError struct {
-	code int
-	msg  string
-	err  error
+// ExitError picks the exit code of the sysexits cases that need no more
+// than a message: 64, 65, 66, 69, 71 and 77. It is exported for the
+// operator commands (internal/cli), whose mistakes use the same codes.
+type ExitError struct {
+	Code int
+	Msg  string
+	Err  error
 }
 
-func (e *exitError) Error() string { return e.msg }
-func (e *exitError) Unwrap() error { return e.err }
+func (e *ExitError) Error() string { return e.Msg }
+func (e *ExitError) Unwrap() error { return e.Err }

@@ -2,8 +2,6 @@ package startup
 
 import (
 	"context"
-	"fmt"
-	"io"
 	"maps"
 	"slices"
 
@@ -39,10 +37,10 @@ type Extensions struct {
 	OnReady []func(ctx context.Context)
 }
 
-// check refuses extensions that clash with what the worker has built in,
+// Check refuses extensions that clash with what the worker has built in,
 // before any configuration is read: a programming mistake, not an
 // operator's, but reported like a configuration error (exit 78).
-func (x Extensions) check() error {
+func (x Extensions) Check() error {
 	if x.Jobs != nil {
 		if err := jobs.CheckSpecs(x.Jobs(nil)...); err != nil {
 			return config.Errorf("%w", err)
@@ -81,14 +79,4 @@ func (x Extensions) jobNames() []string {
 		}
 	}
 	return names
-}
-
-// MainWith is Main for a program that embeds the worker: the same
-// commands, configuration, exit codes and signals, plus ext.
-func MainWith(ext Extensions, args []string, stdout, stderr io.Writer, environ []string) int {
-	if err := ext.check(); err != nil {
-		fmt.Fprintln(stderr, "worker:", err)
-		return ExitConfig
-	}
-	return run(ext, args, stdout, stderr, environ)
 }

@@ -57,33 +57,30 @@ func TestExtensionJobNameIsTaken(t *testing.T) {
 
 // A program cannot replace a built-in sink.
 func TestExtensionSinkCannotShadowABuiltIn(t *testing.T) {
-	var stderr bytes.Buffer
 	ext := Extensions{Sinks: map[string]func(context.Context) (outbox.Sink, error){outboxconfig.SinkWebhook: nil}}
-	if code := MainWith(ext, []string{"version"}, &bytes.Buffer{}, &stderr, nil); code != ExitConfig || !strings.Contains(stderr.String(), `"webhook"`) {
-		t.Fatalf("exit %d, stderr %q; want 78 naming the sink", code, stderr.String())
+	if err := ext.Check(); ExitCode(err) != ExitConfig || !strings.Contains(err.Error(), `"webhook"`) {
+		t.Fatalf("Check = %v; want exit 78 naming the sink", err)
 	}
 }
 
 // A Go job the scheduler would refuse stops the program before it
 // connects to anything, with exit 78 naming the job and the mistake.
 func TestExtensionJobMistakeIsAConfigError(t *testing.T) {
-	var stderr bytes.Buffer
 	ext := Extensions{Jobs: func(*pgxpool.Pool) []jobs.Spec {
 		return []jobs.Spec{{Job: jobs.Func("no-delay", func(context.Context) error { return nil })}}
 	}}
-	if code := MainWith(ext, []string{"version"}, &bytes.Buffer{}, &stderr, nil); code != ExitConfig ||
-		!strings.Contains(stderr.String(), `"no-delay"`) || !strings.Contains(stderr.String(), "delay") {
-		t.Fatalf("exit %d, stderr %q; want 78 naming the job and its delay", code, stderr.String())
+	if err := ext.Check(); ExitCode(err) != ExitConfig ||
+		!strings.Contains(err.Error(), `"no-delay"`) || !strings.Contains(err.Error(), "delay") {
+		t.Fatalf("Check = %v; want exit 78 naming the job and its delay", err)
 	}
 }
 
 // A nil OnReady function is a programming mistake, refused before anything
 // starts.
 func TestExtensionNilOnReadyIsAConfigError(t *testing.T) {
-	var stderr bytes.Buffer
 	ext := Extensions{OnReady: []func(context.Context){nil}}
-	if code := MainWith(ext, []string{"version"}, &bytes.Buffer{}, &stderr, nil); code != ExitConfig || !strings.Contains(stderr.String(), "OnReady") {
-		t.Fatalf("exit %d, stderr %q; want 78 naming OnReady", code, stderr.String())
+	if err := ext.Check(); ExitCode(err) != ExitConfig || !strings.Contains(err.Error(), "OnReady") {
+		t.Fatalf("Check = %v; want exit 78 naming OnReady", err)
 	}
 }
 
@@ -105,9 +102,8 @@ func TestExtensionInboxHandler(t *testing.T) {
 	if ExitCode(err) != ExitConfig || !strings.Contains(err.Error(), `"receipts"`) {
 		t.Fatalf("stock worker with handler.kind=receipts: %v, want exit 78 naming it", err)
 	}
-	var stderr bytes.Buffer
 	ext = Extensions{InboxHandlers: map[string]inbox.Handler{inboxconfig.HandlerSQL: ext.InboxHandlers["receipts"]}}
-	if code := MainWith(ext, []string{"version"}, &bytes.Buffer{}, &stderr, nil); code != ExitConfig || !strings.Contains(stderr.String(), `"sql"`) {
-		t.Fatalf("exit %d, stderr %q; want 78 naming the handler", code, stderr.String())
+	if err := ext.Check(); ExitCode(err) != ExitConfig || !strings.Contains(err.Error(), `"sql"`) {
+		t.Fatalf("Check = %v; want exit 78 naming the handler", err)
 	}
 }

@@ -58,12 +58,12 @@ func TestBuildInfoNamesTheBuild(t *testing.T) {
 	t.Parallel()
 	reg := prometheus.NewRegistry()
 	registerOpsMetrics(reg, &opsserver.Readiness{})
-	b := currentBuild()
-	v, ok := testkit.Metric(t, reg, "worker_build_info", map[string]string{"version": Version, "revision": b.revision, "build_date": "unknown", "goversion": runtime.Version()})
+	b := CurrentBuild()
+	v, ok := testkit.Metric(t, reg, "worker_build_info", map[string]string{"version": Version, "revision": b.Revision, "build_date": "unknown", "goversion": runtime.Version()})
 	if !ok || v != 1 {
-		t.Fatalf("worker_build_info{version=%q,revision=%q,build_date=\"unknown\",goversion=%q} = %v (found %v), want 1", Version, b.revision, runtime.Version(), v, ok)
+		t.Fatalf("worker_build_info{version=%q,revision=%q,build_date=\"unknown\",goversion=%q} = %v (found %v), want 1", Version, b.Revision, runtime.Version(), v, ok)
 	}
-	if b.revision == "" {
+	if b.Revision == "" {
 		t.Error("revision is empty; want the ldflags value, vcs.revision or \"unknown\"")
 	}
 	// Not started yet: /readyz would answer 503, and so does the metric.

@@ -105,7 +105,7 @@ func waitForRedis(ctx context.Context, rdb *redis.Client, cfg *runConfig, log *s
 func permanentRedisError(err error, shown string) error {
 	for _, prefix := range []string{"WRONGPASS", "NOAUTH", "NOPERM", "AUTH"} {
 		if redis.HasErrorPrefix(err, prefix) {
-			return &exitError{code: ExitNoPerm, err: err, msg: fmt.Sprintf("redis %s (APP_LOCK_REDIS_URL): authentication refused: %s",
+			return &ExitError{Code: ExitNoPerm, Err: err, Msg: fmt.Sprintf("redis %s (APP_LOCK_REDIS_URL): authentication refused: %s",
 				shown, obs.MaskDSN(err.Error()))}
 		}
 	}
@@ -115,7 +115,7 @@ func permanentRedisError(err error, shown string) error {
 	}
 	if tlsErr := broker.TLSVerdict("lock.redis", err); tlsErr != nil {
 		if errors.Is(tlsErr, broker.ErrRefused) {
-			return &exitError{code: ExitNoPerm, err: tlsErr, msg: fmt.Sprintf("redis %s: %s", shown, obs.MaskDSN(tlsErr.Error()))}
+			return &ExitError{Code: ExitNoPerm, Err: tlsErr, Msg: fmt.Sprintf("redis %s: %s", shown, obs.MaskDSN(tlsErr.Error()))}
 		}
 		return &config.Error{Err: tlsErr, Msg: fmt.Sprintf("redis %s: %s", shown, obs.MaskDSN(tlsErr.Error()))}
 	}

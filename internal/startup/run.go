@@ -15,7 +15,6 @@ import (
 	"syscall"
 	"time"
 
-	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/prometheus/client_golang/prometheus"
 
@@ -34,8 +33,6 @@ type component interface {
 	Shutdown(ctx context.Context) error
 }
 
-type runCmd struct{}
-
 // defaultGCPercent is the garbage collector's target when GOGC is not set.
 // The worker's live heap is small and nearly everything it allocates lives
 // for one event, so at Go's default of 100 the collector takes a sixth to
@@ -51,7 +48,9 @@ func tuneGC() {
 	}
 }
 
-func (runCmd) Run(e *cmdEnv) error {
+// Run is `worker run`: it builds the parts from the configuration, runs
+// them until SIGTERM or SIGINT, and stops them within the shutdown budget.
+func Run(e Env) error {
 	tuneGC()
 	cfg, err := e.loadConfig(config.CheckAll)
 	if err != nil {
@@ -68,7 +67,7 @@ func (runCmd) Run(e *cmdEnv) error {
 		warnMisspeltEnv(log, cfg)
 		return err
 	}
-	stopTracing, err := startTracing(e, cfg)
+	stopTracing, err := startTracing(e.Environ, cfg, log)
 	if err != nil {
 		warnMisspeltEnv(log, cfg)
 		return err
@@ -201,7 +200,7 @@ func (runCmd) Run(e *cmdEnv) error {
 	ready.Started()
 	log.Info("worker ready", append([]any{"http_addr", cfg.HTTP.Addr, "multi_instance", cfg.MultiInstance.Enabled,
 		"lock_provider", cfg.Lock.Provider}, whereToLook(servers)...)...)
-	hooks := startOnReady(ctx, e.ext.OnReady)
+	hooks := startOnReady(ctx, e.Ext.OnReady)
 
 	<-ctx.Done()
 	ready.Draining()
@@ -261,7 +260,7 @@ func newServers(cfg *runConfig, reg *prometheus.Registry, ready *opsserver.Readi
 	srv := opsserver.New(cfg.HTTP.Addr, reg, ready, opsUI, cfg.HTTP.Pprof)
 	ln, err := srv.Listen()
 	if err != nil {
-		return nil, nil, &exitError{code: ExitOSError, err: err, msg: fmt.Sprintf("ops HTTP server on %s (APP_HTTP_ADDR): %v", cfg.HTTP.Addr, err)}
+		return nil, nil, &ExitError{Code: ExitOSError, Err: err, Msg: fmt.Sprintf("ops HTTP server on %s (APP_HTTP_ADDR): %v", cfg.HTTP.Addr, err)}
 	}
 	servers := []listening{{srv: srv.Server, ln: ln, name: "ops", ui: opsUI != nil}}
 	if guarded != nil && cfg.UI.Addr != "" {
@@ -269,7 +268,7 @@ func newServers(cfg *runConfig, reg *prometheus.Registry, ready *opsserver.Readi
 		uiLn, err := uiSrv.Listen()
 		if err != nil {
 			_ = ln.Close()
-			return nil, nil, &exitError{code: ExitOSError, err: err, msg: fmt.Sprintf("River UI server on %s (APP_UI_ADDR): %v", cfg.UI.Addr, err)}
+			return nil, nil, &ExitError{Code: ExitOSError, Err: err, Msg: fmt.Sprintf("River UI server on %s (APP_UI_ADDR): %v", cfg.UI.Addr, err)}
 		}
 		servers = append(servers, listening{srv: uiSrv.Server, ln: uiLn, name: "River UI", ui: true})
 	}
@@ -321,12 +320,14 @@ func shutdownAll(parts []component, budget time.Duration, log *slog.Logger) {
 	wg.Wait()
 }
 
-func newLogger(e *cmdEnv, cfg *runConfig) (*slog.Logger, error) {
+func newLogger(e Env, cfg *runConfig) (*slog.Logger, error) {
 	log, err := obs.NewLogger(e.Stderr, cfg.Log.Format, cfg.Log.Level, cfg.Instance.ID)
 	if err != nil {
 		return nil, config.Errorf("%w", err)
 	}
-	e.log = log
+	if e.OnLogger != nil {
+		e.OnLogger(log)
+	}
 	return log, nil
 }
 
@@ -348,65 +349,4 @@ func closeBounded(pool *pgxpool.Pool, limit time.Duration, log *slog.Logger) {
 	case <-time.After(limit):
 		log.Warn("database pool did not close in time")
 	}
-}
-
-type migrateCmd struct{}
-
-// Run checks the whole configuration, as run does: migrate is the step
-// before a rollout, where a mistake is cheapest to find.
-func (migrateCmd) Run(e *cmdEnv) error {
-	return withPoolChecking(e, config.CheckAll, func(ctx context.Context, pool *pgxpool.Pool, log *slog.Logger) error {
-		if err := migrate.Up(ctx, pool, log); err != nil {
-			return migrateError(e.cfg, err)
-		}
-		log.Info("migrations current")
-		return nil
-	})
-}
-
-// migrateError is err from migrate.Up: exit 78 for a database a newer
-// release migrated (see checkSchemaAhead), else the error as it is.
-func migrateError(cfg *runConfig, err error) error {
-	var mm *migrate.MismatchError
-	if errors.As(err, &mm) && mm.Newer() {
-		return schemaAheadError(cfg, mm)
-	}
-	return fmt.Errorf("migrations: %w", err)
-}
-
-// withPool runs an operator command that needs only the database: load the
-// configuration, checking what such a command uses (config.CheckDatabase),
-// connect (bounded, like run), call f, close.
-func withPool(e *cmdEnv, f func(ctx context.Context, pool *pgxpool.Pool, log *slog.Logger) error) error {
-	return withPoolChecking(e, config.CheckDatabase, f)
-}
-
-// withPoolChecking is withPool checking level of the configuration.
-func withPoolChecking(e *cmdEnv, level config.Level, f func(ctx context.Context, pool *pgxpool.Pool, log *slog.Logger) error) error {
-	cfg, err := e.loadConfig(level)
-	if err != nil {
-		return err
-	}
-	log, err := newLogger(e, cfg)
-	if err != nil {
-		return err
-	}
-	warnMisspeltEnv(log, cfg)
-	e.cfg = cfg
-	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
-	defer stop()
-	pool, err := connectDB(ctx, cfg, log)
-	if err == nil {
-		defer pool.Close()
-		err = f(ctx, pool, log)
-	}
-	if err != nil && ctx.Err() != nil {
-		return fmt.Errorf("%w: %w", errInterrupted, err)
-	}
-	var pgErr *pgconn.PgError
-	if errors.As(err, &pgErr) && pgErr.Code == "42P01" { // undefined_table
-		return &exitError{code: ExitNoInput, err: err, msg: fmt.Sprintf("database %s has no worker tables (%s); run `worker migrate` or check APP_DATABASE_URL",
-			obs.MaskDSN(cfg.Database.URL), pgErr.Message)}
-	}
-	return err
 }

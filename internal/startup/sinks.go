@@ -257,11 +257,11 @@ func connectBroker(ctx context.Context, s brokerSink, key string, timeout time.D
 func brokerError(err error, timeoutKey string, timeout time.Duration) error {
 	switch {
 	case errors.Is(err, broker.ErrRefused):
-		return &exitError{code: ExitNoPerm, msg: err.Error(), err: err}
+		return &ExitError{Code: ExitNoPerm, Msg: err.Error(), Err: err}
 	case errors.Is(err, broker.ErrSetup):
 		return &config.Error{Msg: err.Error(), Err: err}
 	default:
-		return &exitError{code: ExitUnavailable, msg: fmt.Sprintf("%v (waited %s=%s, %s)", err, timeoutKey, timeout, config.Env(timeoutKey)), err: err}
+		return &ExitError{Code: ExitUnavailable, Msg: fmt.Sprintf("%v (waited %s=%s, %s)", err, timeoutKey, timeout, config.Env(timeoutKey)), Err: err}
 	}
 }
 

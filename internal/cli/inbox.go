@@ -1,4 +1,4 @@
-package startup
+package cli
 
 import (
 	"context"
@@ -11,6 +11,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/worker-dev/worker/internal/inbox"
+	"github.com/worker-dev/worker/internal/startup"
 )
 
 // inboxCmd is `worker inbox ...` (docs/inbox.md, "Operating").
@@ -86,7 +87,7 @@ type inboxSelection struct {
 
 func (s inboxSelection) validate() error {
 	if (s.MsgID == "") == !s.All {
-		return &exitError{code: ExitUsage, msg: "give exactly one of <msg_id> or --all"}
+		return &startup.ExitError{Code: startup.ExitUsage, Msg: "give exactly one of <msg_id> or --all"}
 	}
 	return nil
 }
@@ -112,11 +113,11 @@ func inboxAction(e *cmdEnv, sel inboxSelection, verb, list string,
 		)
 		switch {
 		case errors.As(err, &notFound):
-			return &exitError{code: ExitNoInput, err: err, msg: fmt.Sprintf("%s; `%s` shows them", strings.TrimPrefix(err.Error(), "inbox: "), list)}
+			return &startup.ExitError{Code: startup.ExitNoInput, Err: err, Msg: fmt.Sprintf("%s; `%s` shows them", strings.TrimPrefix(err.Error(), "inbox: "), list)}
 		case errors.As(err, &ambiguous):
-			return &exitError{code: ExitUsage, err: err, msg: strings.TrimPrefix(err.Error(), "inbox: ") + ": name one with --source and --msg-source"}
+			return &startup.ExitError{Code: startup.ExitUsage, Err: err, Msg: strings.TrimPrefix(err.Error(), "inbox: ") + ": name one with --source and --msg-source"}
 		case errors.As(err, &unkeyed):
-			return &exitError{code: ExitDataErr, err: err, msg: strings.TrimPrefix(err.Error(), "inbox: ") +
+			return &startup.ExitError{Code: startup.ExitDataErr, Err: err, Msg: strings.TrimPrefix(err.Error(), "inbox: ") +
 				": run again, it would still have none; fix the sender or inbox.sources[].key, have it sent again, and purge this one (`worker inbox dead purge " + sel.MsgID + "`)"}
 		case errors.As(err, &left):
 			fmt.Fprintf(e.Stdout, "%s %d message(s); %d left DEAD because they have no dedupe key: purge them\n", verb, n, left.Left)

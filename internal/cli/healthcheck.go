@@ -1,13 +1,15 @@
-package startup
+package cli
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"net"
 	"net/http"
 	"time"
 
 	"github.com/worker-dev/worker/internal/config"
+	"github.com/worker-dev/worker/internal/startup"
 )
 
 // healthcheckCmd asks the worker running beside it whether it is ready, for
@@ -29,7 +31,7 @@ func (c healthcheckCmd) Run(e *cmdEnv) error {
 	if c.Timeout <= 0 {
 		// A zero budget would fail every check as "context deadline
 		// exceeded", which reads like a worker that does not answer.
-		return &exitError{code: ExitUsage, msg: fmt.Sprintf("--timeout %s: want a positive duration, such as 3s", c.Timeout)}
+		return &startup.ExitError{Code: startup.ExitUsage, Msg: fmt.Sprintf("--timeout %s: want a positive duration, such as 3s", c.Timeout)}
 	}
 	if err := c.check(e); err != nil {
 		return &unhealthyError{err}
@@ -66,10 +68,20 @@ func (c healthcheckCmd) check(e *cmdEnv) error {
 func localAddr(listen string) string {
 	host, port, err := net.SplitHostPort(listen)
 	if err != nil {
-		return listen // validated by LoadConfig; not reached
+		return listen // validated when the configuration was read; not reached
 	}
 	if ip := net.ParseIP(host); host == "" || ip != nil && ip.IsUnspecified() {
 		host = "127.0.0.1"
 	}
 	return net.JoinHostPort(host, port)
+}
+
+// exitCode is startup.ExitCode with the one code the wiring does not
+// know: a failed health check's.
+func exitCode(err error) int {
+	var uh *unhealthyError
+	if errors.As(err, &uh) {
+		return startup.ExitUnhealthy
+	}
+	return startup.ExitCode(err)
 }
