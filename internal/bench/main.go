@@ -62,7 +62,8 @@ func main() {
 	flag.StringVar(&phases, "phases", "", "comma-separated phases to run (default all): "+strings.Join(allPhaseNames(), ","))
 	flag.StringVar(&o.out, "out", ".", "directory for bench.csv and bench.png")
 	flag.StringVar(&o.profile, "profile", "", "a shell command run during each drain from the commit to the last event, then sent SIGINT; "+
-		"$WORKER_PIDS and $BACKEND_PIDS are the workers' and their database backends' pids (comma-separated), $PHASE the phase, $ROUND the round")
+		"$WORKER_PIDS and $BACKEND_PIDS are the workers' and their database backends' pids (comma-separated), $WORKER_OPS the workers' ops addresses "+
+		"(host:port, comma-separated; with -worker-env APP_HTTP_PPROF=true they serve Go's profiles), $PHASE the phase, $ROUND the round")
 	o.workerEnv = map[string]string{}
 	flag.Func("worker-env", "an APP_* setting of every worker, KEY=VALUE (repeatable): a what-if, or a small pool for a smoke test", func(s string) error {
 		k, v, ok := strings.Cut(s, "=")
@@ -542,7 +543,7 @@ func (b *bench) drain(ctx context.Context, d drain) (result, error) {
 	}
 	n := b.o.events
 	cpu := b.cpuMeter(ctx, ps)
-	stopProfile := b.startProfile(d.name(), cpu)
+	stopProfile := b.startProfile(d.name(), cpu, ps)
 	defer stopProfile()
 	if _, err := b.conn.Exec(ctx, `INSERT INTO outbox_event (aggregate_type, aggregate_id, event_type, payload)
 		SELECT 'order', (g % $2)::text, 'order.shipped', `+payloadSQL+` FROM generate_series(1, $1) g`, n, b.o.aggregates); err != nil {
@@ -697,7 +698,7 @@ func (t *tailBuffer) String() string {
 
 // startProfile runs o.profile, if any, and returns what stops it: SIGINT,
 // as perf record and the like expect, then a wait for it to write out.
-func (b *bench) startProfile(phase string, m *cpuMeter) (stop func()) {
+func (b *bench) startProfile(phase string, m *cpuMeter, ps []*proc) (stop func()) {
 	if b.o.profile == "" {
 		return func() {}
 	}
@@ -715,8 +716,12 @@ func (b *bench) startProfile(phase string, m *cpuMeter) (stop func()) {
 		}
 	}
 	cmd := exec.Command("sh", "-c", b.o.profile)
+	ops := make([]string, len(ps))
+	for i, p := range ps {
+		ops[i] = p.ops
+	}
 	cmd.Env = append(os.Environ(), "WORKER_PIDS="+join(m.workers), "BACKEND_PIDS="+join(backends),
-		"PHASE="+phase, "ROUND="+strconv.Itoa(b.round))
+		"WORKER_OPS="+strings.Join(ops, ","), "PHASE="+phase, "ROUND="+strconv.Itoa(b.round))
 	cmd.Stdout, cmd.Stderr = os.Stderr, os.Stderr
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
 	if err := cmd.Start(); err != nil {
