@@ -61,7 +61,7 @@ func main() {
 	flag.IntVar(&o.slowEvents, "slow-events", 5000, "backlog of the slow webhook phases (200 aggregates, 10 commits)")
 	flag.StringVar(&phases, "phases", "", "comma-separated phases to run (default all): "+strings.Join(allPhaseNames(), ","))
 	flag.StringVar(&o.out, "out", ".", "directory for bench.csv and bench.png")
-	flag.StringVar(&o.profile, "profile", "", "a shell command run during each drain from the commit to the last event, then sent SIGINT; "+
+	flag.StringVar(&o.profile, "profile", "", "a shell command run during each drain from the commit to the last event, and each latency phase while its producers run, then sent SIGINT; "+
 		"$WORKER_PIDS and $BACKEND_PIDS are the workers' and their database backends' pids (comma-separated), $WORKER_OPS the workers' ops addresses "+
 		"(host:port, comma-separated; with -worker-env APP_HTTP_PPROF=true they serve Go's profiles), $PHASE the phase, $ROUND the round")
 	o.workerEnv = map[string]string{}
@@ -613,11 +613,14 @@ func (b *bench) latency(ctx context.Context, rate int) (result, error) {
 	fmt.Fprintf(script, "\\set a random(1, %d)\nINSERT INTO outbox_event (aggregate_type, aggregate_id, event_type, payload) VALUES ('order', :a, 'order.shipped', '{\"carrier\": \"DHL\"}');\n", b.o.aggregates)
 	script.Close()
 	cpu := b.cpuMeter(ctx, ps)
+	stopProfile := b.startProfile(fmt.Sprintf("latency-%d", rate), cpu, ps)
+	defer stopProfile()
 	secs := strconv.Itoa(max(1, int(b.o.rateFor.Seconds())))
 	pg := exec.CommandContext(ctx, "pgbench", "-n", "-c", "4", "-j", "2", "-R", strconv.Itoa(rate), "-T", secs, "-f", script.Name(), b.url)
 	if out, err := pg.CombinedOutput(); err != nil {
 		return result{}, fmt.Errorf("pgbench: %v\n%s", err, out)
 	}
+	stopProfile()
 	var n int
 	if err := b.conn.QueryRow(ctx, "SELECT count(*) FROM outbox_event").Scan(&n); err != nil {
 		return result{}, err
