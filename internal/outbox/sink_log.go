@@ -4,7 +4,6 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
-	"errors"
 	"fmt"
 	"io"
 	"slices"
@@ -173,15 +172,14 @@ func appendHeaders(b []byte, h map[string]string) []byte {
 }
 
 // appendPayload copies the payload through: JSON as PostgreSQL prints
-// jsonb, on one line. It must be valid JSON; line breaks, which JSON
-// allows only as whitespace between tokens, are compacted away so the
-// event stays on its line. An empty payload is null.
+// jsonb, on one line. The column is jsonb, so the payload is valid JSON
+// and is not checked again here (json.Valid was an eighth of the worker's
+// CPU in a drain); line breaks, which JSON allows only as whitespace
+// between tokens, are compacted away so the event stays on its line. An
+// empty payload is null.
 func appendPayload(b []byte, p json.RawMessage) ([]byte, error) {
 	if len(p) == 0 {
 		return append(b, "null"...), nil
-	}
-	if !json.Valid(p) {
-		return b, errors.New("payload is not valid JSON")
 	}
 	if bytes.ContainsAny(p, "\r\n") {
 		var c bytes.Buffer

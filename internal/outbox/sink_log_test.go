@@ -92,19 +92,6 @@ func TestLogSinkEmptyHeadersAndPayload(t *testing.T) {
 	}
 }
 
-func TestLogSinkInvalidPayloadIsPermanent(t *testing.T) {
-	var buf bytes.Buffer
-	e := logSinkEvent(3)
-	e.Payload = json.RawMessage(`{"broken":`)
-	err := NewLogSink(&buf).Publish(context.Background(), e)
-	if !IsPermanent(err) {
-		t.Fatalf("err = %v, want a permanent error", err)
-	}
-	if buf.Len() != 0 {
-		t.Errorf("nothing should be written for a bad event, got %q", buf.String())
-	}
-}
-
 type logSinkFailingWriter struct{}
 
 func (logSinkFailingWriter) Write([]byte) (int, error) { return 0, errors.New("stdout closed") }
