@@ -45,7 +45,13 @@ import (
 //     is gone does, and only on one unbroken session of the watcher. A
 //     restart, crash or failover of the server ends every session, the
 //     watcher's too, so it starts over having seen nothing; the owners take
-//     their markers back when they reconnect.
+//     their markers back when they reconnect. A new session counts as seen
+//     the markers that IN_FLIGHT events detached since the server started
+//     name (namedMarkersSQL): a detach writes only while its marker is held
+//     (below), so such a marker was held on this server, as surely as if
+//     the session had looked then. Without that, a replica that starts
+//     just before another dies never saw the dead one's marker, and its
+//     events waited for the timeout.
 //   - Only a session of its own gets a marker. Behind a pooler the
 //     listener's backend is not the one its startup named (the
 //     BackendKeyData pid is not pg_backend_pid()), or it changes between
@@ -181,6 +187,7 @@ func (m *marker) snapshot() (id int64, off bool) {
 type markerWatch struct {
 	seen     map[int64]time.Time // markers seen held: zero while held, else when first found missing
 	named    bool                // this session holds the marker, and its detaches may name it
+	adopted  bool                // the markers in flight events name were counted as seen (namedMarkersSQL)
 	lastGood time.Time           // start of the last look that succeeded
 	failing  bool                // a look failed since the last good one (logged once)
 	lastPing time.Time           // without a marker: the last health check
@@ -231,6 +238,16 @@ FROM m`
 	markerPollSQL = `
 SELECT pg_backend_pid(), coalesce(array_agg(DISTINCT l.objid::bigint), '{}'),
        coalesce(bool_or(l.pid = pg_backend_pid() AND l.objid::bigint = $1), false)` + markerHolders
+
+	// namedMarkersSQL lists the markers named by IN_FLIGHT events detached
+	// since the server started ($1: in_flight_timeout in ms, which the
+	// detach added to its clock_timestamp()). An event detached before a
+	// restart names a marker whose owner may still be reconnecting.
+	namedMarkersSQL = `
+SELECT DISTINCT substring(claimed_by FROM '@([0-9]+)$')::bigint
+FROM outbox_delivery
+WHERE status = 'IN_FLIGHT' AND next_attempt_at > now() AND claimed_by ~ '@[0-9]+$'
+  AND next_attempt_at - $1 * interval '1 millisecond' > pg_postmaster_start_time()`
 
 	// reclaimLockSQL tries the detach lock of marker $1 for the reclaim's
 	// transaction: false while a claim transaction that may still commit
@@ -362,6 +379,19 @@ func (l *listener) markerTick(ctx context.Context, conn *pgx.Conn) error {
 	w.lastGood = start
 	if w.named && mine {
 		l.marker.held(id, pid, start.Add(markerFresh))
+	}
+	if !w.adopted {
+		rows, _ := conn.Query(qctx, namedMarkersSQL, l.inFlightTimeout.Milliseconds())
+		named, err := pgx.CollectRows(rows, pgx.RowTo[int64])
+		if err != nil {
+			return l.lookFailed(w, conn, err)
+		}
+		for _, m := range named {
+			if _, ok := w.seen[m]; !ok && m != id {
+				w.seen[m] = time.Time{}
+			}
+		}
+		w.adopted = true
 	}
 	l.looks.Add(1)
 	for _, m := range w.observe(held, id, start) {
