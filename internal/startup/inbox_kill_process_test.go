@@ -57,7 +57,7 @@ func TestInboxNATSKilledConsumers(t *testing.T) {
 // wait for the group's session to end (session_timeout 6s), then for the
 // rebalance, which waits at most inbox.lease_ttl (10s here) for the live
 // replica to rejoin. Every event is applied once and in its aggregate's
-// order (one partition per aggregate, one member per partition), and no
+// order (each aggregate in one partition, one member per partition), and no
 // claim deadlocks.
 func TestInboxKafkaKilledConsumers(t *testing.T) {
 	t.Parallel()
