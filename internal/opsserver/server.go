@@ -6,7 +6,6 @@ import (
 	"context"
 	"net"
 	"net/http"
-	"net/http/pprof"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -171,14 +170,7 @@ func New(addr string, reg *prometheus.Registry, ready *Readiness, ui http.Handle
 		mux.Handle(UIPrefix+"/", ui)
 	}
 	if profiling {
-		// pprof.Index serves every named profile (heap, allocs, goroutine,
-		// ...) below its path; the CPU profile and the trace have handlers
-		// of their own.
-		mux.HandleFunc("GET /debug/pprof/", pprof.Index)
-		mux.HandleFunc("GET /debug/pprof/cmdline", pprof.Cmdline)
-		mux.HandleFunc("GET /debug/pprof/profile", pprof.Profile)
-		mux.HandleFunc("GET /debug/pprof/symbol", pprof.Symbol)
-		mux.HandleFunc("GET /debug/pprof/trace", pprof.Trace)
+		serveProfiles(mux)
 	}
 	// OpenMetrics, to a scraper that asks for it, carries the duration
 	// histograms' exemplars: the trace ids of traced runs.
