@@ -89,6 +89,9 @@ type claim struct {
 	twins    []*Delivery
 	decided  bool   // its source was told a final outcome: not Busy or Unavailable
 	found    string // for a Duplicate, the state its row was found in
+	// written: the round's claim wrote its row PROCESSED already
+	// (insertProcessed); its work commits with that row or rolls back.
+	written bool
 }
 
 // batchState is one lane of a Process call: its token, and its
@@ -280,7 +283,7 @@ func (b *batchState) receive(ctx context.Context, claims []*claim) ([]*claim, er
 	var in intake
 	err := pgx.BeginFunc(ctx, b.c.pool, func(tx pgx.Tx) error {
 		var err error
-		in, err = b.claimIn(ctx, tx, claims)
+		in, err = b.claimIn(ctx, tx, claims, false)
 		return err
 	})
 	if err != nil {
@@ -291,12 +294,15 @@ func (b *batchState) receive(ctx context.Context, claims []*claim) ([]*claim, er
 }
 
 // claimIn claims the messages of claims in tx: new keys inserted
-// PROCESSING, the rest (dead letters, keys seen before) looked at. It
-// draws the transaction's token and bounds it on the server first.
-func (b *batchState) claimIn(ctx context.Context, tx pgx.Tx, claims []*claim) (in intake, err error) {
+// PROCESSING, or PROCESSED already when processed says the work commits
+// in tx or not at all, and the rest (dead letters, keys seen before)
+// looked at. It draws the transaction's token and bounds it on the server
+// first.
+func (b *batchState) claimIn(ctx context.Context, tx pgx.Tx, claims []*claim, processed bool) (in intake, err error) {
 	c := b.c
 	var valid, invalid []*Delivery
 	for _, cl := range claims {
+		cl.written = false
 		if cl.d.Invalid != nil {
 			invalid = append(invalid, cl.d)
 		} else {
@@ -307,18 +313,24 @@ func (b *batchState) claimIn(ctx context.Context, tx pgx.Tx, claims []*claim) (i
 	batch.Queue(claimToken, b.bounds(ctx)...)
 	if len(valid) > 0 {
 		s, i := keyArrays(valid)
-		ok, ty, og, h, body := make([]string, len(valid)), make([]string, len(valid)), make([]string, len(valid)), make([]json.RawMessage, len(valid)), make([][]byte, len(valid))
+		ok, ty, og := make([]string, len(valid)), make([]string, len(valid)), make([]string, len(valid))
 		for n, d := range valid {
-			ok[n], ty[n], og[n], h[n], body[n] = d.Message.OrderKey, d.Message.Type, d.Message.Origin, headersJSON(d.Message.Headers), d.Message.Body
+			ok[n], ty[n], og[n] = d.Message.OrderKey, d.Message.Type, d.Message.Origin
 		}
-		batch.Queue(insertClaimed, c.name, s, i, c.owner, c.cfg.LeaseTTL, ok, ty, og, h, body)
+		if processed {
+			batch.Queue(insertProcessed, c.name, s, i, ok, ty, og)
+		} else {
+			h, body := storedBodies(valid)
+			batch.Queue(insertClaimed, c.name, s, i, c.owner, c.cfg.LeaseTTL, ok, ty, og, h, body)
+		}
 	}
 	if len(invalid) > 0 {
 		s, i := keyArrays(invalid)
-		e, og, h, body := make([]string, len(invalid)), make([]string, len(invalid)), make([]json.RawMessage, len(invalid)), make([][]byte, len(invalid))
+		e, og := make([]string, len(invalid)), make([]string, len(invalid))
 		for n, d := range invalid {
-			e[n], og[n], h[n], body[n] = d.Invalid.Error(), d.Message.Origin, headersJSON(d.Message.Headers), d.Message.Body
+			e[n], og[n] = d.Invalid.Error(), d.Message.Origin
 		}
+		h, body := storedBodies(invalid)
 		batch.Queue(insertDead, c.name, s, i, e, og, h, body)
 	}
 	inserted := map[[2]string]bool{}
@@ -353,6 +365,7 @@ func (b *batchState) claimIn(ctx context.Context, tx pgx.Tx, claims []*claim) (i
 			in.settled = append(in.settled, decided{cl, Dead, 0})
 		default:
 			owned[cl] = true
+			cl.written = processed
 		}
 	}
 	if len(existing) > 0 {
@@ -369,17 +382,29 @@ func (b *batchState) claimIn(ctx context.Context, tx pgx.Tx, claims []*claim) (i
 			busyKeys[d.cl.d.Message.OrderKey] = true
 		}
 	}
-	var behind []*claim
+	var behind, behindWritten []*Delivery
 	for _, cl := range claims {
 		if owned[cl] && busyKeys[cl.d.Message.OrderKey] {
-			behind = append(behind, cl)
+			if cl.written {
+				behindWritten = append(behindWritten, cl.d)
+				cl.written = false
+			} else {
+				behind = append(behind, cl.d)
+			}
 			delete(owned, cl)
 			in.settled = append(in.settled, decided{cl, Busy, time.Second})
 		}
 	}
 	if len(behind) > 0 {
-		s, i := keyArrays(claimDeliveries(behind))
+		s, i := keyArrays(behind)
 		if _, err := tx.Exec(ctx, release, c.name, s, i, c.owner, b.token, time.Duration(0)); err != nil {
+			return intake{}, err
+		}
+	}
+	if len(behindWritten) > 0 {
+		s, i := keyArrays(behindWritten)
+		h, body := storedBodies(behindWritten)
+		if _, err := tx.Exec(ctx, unprocess, c.name, s, i, c.owner, b.token, h, body); err != nil {
 			return intake{}, err
 		}
 	}
@@ -547,6 +572,16 @@ func keyArrays(ds []*Delivery) (sources, ids []string) {
 		sources[n], ids[n] = d.key()
 	}
 	return sources, ids
+}
+
+// storedBodies are the headers and bodies of ds as their rows keep them,
+// for a retry or an operator.
+func storedBodies(ds []*Delivery) (headers []json.RawMessage, bodies [][]byte) {
+	headers, bodies = make([]json.RawMessage, len(ds)), make([][]byte, len(ds))
+	for n, d := range ds {
+		headers[n], bodies[n] = headersJSON(d.Message.Headers), d.Message.Body
+	}
+	return headers, bodies
 }
 
 func headersJSON(h map[string]string) json.RawMessage {

@@ -119,6 +119,57 @@ func TestProcessedOnceAndDuplicatesAcked(t *testing.T) {
 	}
 }
 
+// A message whose work succeeds at its first try has its row written
+// once, already PROCESSED: its claim and work commit together, so the row
+// needs no body stored for a retry and no second write to clear it. A
+// batch with a failure rolls back and claims again the long way, and its
+// messages still end as they should.
+func TestFirstTryWritesItsRowOnce(t *testing.T) {
+	t.Parallel()
+	db := workDB(t)
+	ctx := context.Background()
+	if _, err := db.Pool.Exec(ctx, `
+		CREATE TABLE row_writes (msg_id text, state text);
+		CREATE FUNCTION log_row_write() RETURNS trigger LANGUAGE plpgsql AS $$
+		BEGIN INSERT INTO row_writes VALUES (NEW.msg_id, NEW.state); RETURN NEW; END $$;
+		CREATE TRIGGER log_row_write AFTER INSERT OR UPDATE ON inbox_message FOR EACH ROW EXECUTE FUNCTION log_row_write();
+		CREATE TABLE work_fails (n text);
+		INSERT INTO work_fails VALUES ('boom');
+		CREATE FUNCTION work_ok(n text) RETURNS text LANGUAGE plpgsql AS $$
+		BEGIN IF EXISTS (SELECT FROM work_fails f WHERE f.n = work_ok.n) THEN RAISE EXCEPTION 'no'; END IF; RETURN n; END $$`); err != nil {
+		t.Fatal(err)
+	}
+	h := inbox.SQLHandler{SQL: `INSERT INTO work (id, n) VALUES (@id, work_ok(@body_json::jsonb->>'n'))`}
+	c := newConsumer(t, db, "a", testConfig(), h)
+	s := &settled{outcomes: map[string][]inbox.Outcome{}}
+	c.Process(ctx, []*inbox.Delivery{s.delivery("1", "x"), s.delivery("2", "y")})
+	writes := func(id string) string {
+		t.Helper()
+		var w string
+		if err := db.Pool.QueryRow(ctx, `SELECT coalesce(string_agg(state, ' ' ORDER BY ctid), '') FROM row_writes WHERE msg_id = $1`, id).Scan(&w); err != nil {
+			t.Fatal(err)
+		}
+		return w
+	}
+	for _, id := range []string{"1", "2"} {
+		if w := writes(id); w != "PROCESSED" || workCount(t, db, id) != 1 {
+			t.Fatalf("message %s: row writes %q, work %d; want one write, PROCESSED, and its work once", id, w, workCount(t, db, id))
+		}
+	}
+
+	// "boom" fails: the batch rolls back and runs again with a savepoint
+	// each, claiming the long way.
+	c.Process(ctx, []*inbox.Delivery{s.delivery("3", "z"), s.delivery("4", "boom")})
+	if workCount(t, db, "3") != 1 || state(t, db, "3") != "PROCESSED" || state(t, db, "4") != "DEAD" {
+		t.Fatalf("after a failure: 3 worked %d times and is %s, 4 is %s; want 3 PROCESSED once and 4 DEAD after its retries",
+			workCount(t, db, "3"), state(t, db, "3"), state(t, db, "4"))
+	}
+	var body string
+	if err := db.Pool.QueryRow(ctx, `SELECT convert_from(body, 'UTF8') FROM inbox_message WHERE msg_id = '4'`).Scan(&body); err != nil || body != `{"n":"boom"}` {
+		t.Fatalf("the dead message's body is %q (%v); want it kept for an operator", body, err)
+	}
+}
+
 func TestFailureRetriedThenDead(t *testing.T) {
 	t.Parallel()
 	db := workDB(t)
@@ -281,6 +332,16 @@ func TestBehindABusyMessageWaits(t *testing.T) {
 	}
 	if workCount(t, db, "2") != 0 {
 		t.Fatal("2 overtook 1")
+	}
+	// Let go, 2 keeps what a takeover runs it from: the sweep may have to,
+	// if its source never delivers it again.
+	var st, body string
+	var expired bool
+	if err := db.Pool.QueryRow(ctx, `SELECT state, convert_from(body, 'UTF8'), lease_until <= now() FROM inbox_message WHERE msg_id = '2'`).Scan(&st, &body, &expired); err != nil {
+		t.Fatal(err)
+	}
+	if st != "RECEIVED" || body != `{"n":"k"}` || !expired {
+		t.Fatalf("2 is %s with body %q, lease expired %v; want RECEIVED, its body kept and its lease ended", st, body, expired)
 	}
 	// 2's claim was let go: its next delivery runs it once 1 is done.
 	if _, err := db.Pool.Exec(ctx, `UPDATE inbox_message SET state = 'PROCESSED', finished_at = now(), owner = NULL, lease_token = NULL, lease_until = NULL WHERE msg_id = '1'`); err != nil {

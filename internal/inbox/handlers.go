@@ -40,8 +40,9 @@ func (h SQLHandler) Handle(ctx context.Context, tx pgx.Tx, m Message) error {
 	return err
 }
 
-// queue implements batchQueuer: a batch's statements go in one round trip.
-func (h SQLHandler) queue(b *pgx.Batch, m Message) { b.Queue(h.SQL, sqlArgs(m)) }
+// Queue adds m's statement to b: a batch's statements go to the database
+// in one round trip (batchQueuer).
+func (h SQLHandler) Queue(b *pgx.Batch, m Message) { b.Queue(h.SQL, sqlArgs(m)) }
 
 func sqlArgs(m Message) pgx.NamedArgs {
 	args := pgx.NamedArgs{
@@ -62,7 +63,7 @@ func sqlArgs(m Message) pgx.NamedArgs {
 // batchQueuer is a Handler whose work for a message is one statement: the
 // work transaction sends a whole batch's in one round trip.
 type batchQueuer interface {
-	queue(b *pgx.Batch, m Message)
+	Queue(b *pgx.Batch, m Message)
 }
 
 // RiverHandler enqueues a River task of a configured kind per message, in

@@ -37,6 +37,32 @@ SELECT $1, s, i, 'PROCESSING', $4, currval('inbox_lease_token_seq'), now() + $5:
 ON CONFLICT DO NOTHING
 RETURNING msg_source, msg_id`
 
+// insertProcessed is insertClaimed for a transactional handler's first
+// try: its claim, work and PROCESSED commit together or not at all, and
+// no other session sees the row before that commit, so the row is written
+// once, already the dedupe record markProcessed would make of it, with no
+// body or headers to store and then clear. A message that must not run
+// after all (behind a busy one of its order key) is rewritten by
+// unprocess; a failed work rolls the transaction back, and its retry
+// claims with insertClaimed.
+const insertProcessed = `
+INSERT INTO inbox_message (consumer, msg_source, msg_id, state, finished_at, order_key, msg_type, origin)
+SELECT $1, s, i, 'PROCESSED', now(), ok, ty, og
+  FROM unnest($2::text[], $3::text[], $4::text[], $5::text[], $6::text[]) AS u(s, i, ok, ty, og)
+ ORDER BY s COLLATE "C", i COLLATE "C"
+ON CONFLICT DO NOTHING
+RETURNING msg_source, msg_id`
+
+// unprocess turns rows insertProcessed wrote in this transaction into
+// claims let go (release): RECEIVED under owner $4 and token $5, their
+// lease ended, with the headers ($6) and body ($7) a takeover runs them
+// from.
+const unprocess = `
+UPDATE inbox_message m
+   SET state = 'RECEIVED', finished_at = NULL, owner = $4, lease_token = $5, lease_until = now(), headers = u.h, body = u.b
+  FROM unnest($2::text[], $3::text[], $6::jsonb[], $7::bytea[]) AS u(s, i, h, b)
+ WHERE m.consumer = $1 AND m.msg_source = u.s AND m.msg_id = u.i AND m.state = 'PROCESSED'`
+
 // insertDead dead-letters messages that cannot be processed, with their
 // reason ($4); a redelivery of one finds it and is a duplicate. Sorted
 // like insertClaimed.

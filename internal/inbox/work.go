@@ -125,12 +125,14 @@ func splitHeld(claims []*claim, attempts map[[2]string]int) (held, lost []*claim
 }
 
 // take starts a work transaction by doing what kind says (see round),
-// bounded on the server, and returns the claims to work in it.
-func (b *batchState) take(ctx context.Context, tx pgx.Tx, run []*claim, kind roundKind, res *workResult) ([]*claim, error) {
+// bounded on the server, and returns the claims to work in it. With
+// processed, a claim in the work writes new rows PROCESSED already: the
+// caller's work either commits every message it takes or rolls back.
+func (b *batchState) take(ctx context.Context, tx pgx.Tx, run []*claim, kind roundKind, processed bool, res *workResult) ([]*claim, error) {
 	c := b.c
 	switch kind {
 	case claimInWork:
-		in, err := b.claimIn(ctx, tx, run)
+		in, err := b.claimIn(ctx, tx, run, processed)
 		if err != nil {
 			return nil, err
 		}
@@ -189,7 +191,8 @@ func (b *batchState) work(ctx context.Context, run []*claim, kind roundKind, iso
 	var span trace.Span // the transaction's, through its commit
 	err = pgx.BeginFunc(ctx, c.pool, func(tx pgx.Tx) error {
 		res = workResult{}
-		todo, err := b.take(ctx, tx, run, kind, &res)
+		// Without isolate, the first failure rolls everything back.
+		todo, err := b.take(ctx, tx, run, kind, !isolate, &res)
 		if err != nil || len(todo) == 0 {
 			return err
 		}
@@ -247,13 +250,13 @@ func (b *batchState) workEach(ctx context.Context, tx pgx.Tx, run []*claim, isol
 		}
 		res.done = append(res.done, cl)
 	}
-	if len(res.done) > 0 {
-		s, i := keyArrays(claimDeliveries(res.done))
+	if mark := unwritten(res.done); len(mark) > 0 {
+		s, i := keyArrays(claimDeliveries(mark))
 		got, err := collectKeyed[struct{}](tx.Query(ctx, markProcessed, c.name, s, i, c.owner, b.token))
 		if err != nil {
 			return err
 		}
-		for _, cl := range res.done {
+		for _, cl := range mark {
 			if _, ok := got[cl.d.keyPair()]; !ok {
 				res.lost = append(res.lost, cl)
 			}
@@ -287,7 +290,7 @@ func (b *batchState) workPipelined(ctx context.Context, tx pgx.Tx, run []*claim,
 		m.Attempt = cl.attempts + 1
 		_, spans[n] = c.startProcess(ctx, m)
 		linkBatch(ctx, spans[n])
-		q.queue(batch, m)
+		q.Queue(batch, m)
 	}
 	// A statement's failure fails the whole round trip: every span ends
 	// with the first error, and the isolated run that follows has its own.
@@ -297,8 +300,11 @@ func (b *batchState) workPipelined(ctx context.Context, tx pgx.Tx, run []*claim,
 			tracing.End(span, berr)
 		}
 	}()
-	s, i := keyArrays(claimDeliveries(run))
-	batch.Queue(markProcessed, c.name, s, i, c.owner, b.token)
+	mark := unwritten(run)
+	if len(mark) > 0 {
+		s, i := keyArrays(claimDeliveries(mark))
+		batch.Queue(markProcessed, c.name, s, i, c.owner, b.token)
+	}
 	br := tx.SendBatch(ctx, batch)
 	defer br.Close()
 	for range run {
@@ -310,12 +316,15 @@ func (b *batchState) workPipelined(ctx context.Context, tx pgx.Tx, run []*claim,
 			return &handlerFailure{err}
 		}
 	}
-	got, err := collectKeyed[struct{}](br.Query())
-	if err != nil {
-		return err
+	got := map[[2]string]struct{}{}
+	if len(mark) > 0 {
+		var err error
+		if got, err = collectKeyed[struct{}](br.Query()); err != nil {
+			return err
+		}
 	}
 	for _, cl := range run {
-		if _, ok := got[cl.d.keyPair()]; ok {
+		if _, ok := got[cl.d.keyPair()]; ok || cl.written {
 			res.done = append(res.done, cl)
 		} else {
 			res.lost = append(res.lost, cl)
@@ -325,6 +334,18 @@ func (b *batchState) workPipelined(ctx context.Context, tx pgx.Tx, run []*claim,
 		return errLost
 	}
 	return br.Close()
+}
+
+// unwritten are the claims of cls whose rows markProcessed must still turn
+// PROCESSED: all but those the claim wrote so (insertProcessed).
+func unwritten(cls []*claim) []*claim {
+	var out []*claim
+	for _, cl := range cls {
+		if !cl.written {
+			out = append(out, cl)
+		}
+	}
+	return out
 }
 
 // boundWork bounds a work transaction on the server, where a holder that
@@ -385,7 +406,7 @@ func (b *batchState) timedOut(ctx context.Context, run []*claim, kind roundKind,
 	reason := fmt.Errorf("the batch's work ran for %s, past 2/3 of inbox.lease_ttl, and rolled back", took.Round(time.Millisecond))
 	err = pgx.BeginFunc(ctx, b.c.pool, func(tx pgx.Tx) error {
 		res = workResult{}
-		todo, err := b.take(ctx, tx, run, kind, &res)
+		todo, err := b.take(ctx, tx, run, kind, false, &res)
 		if err != nil {
 			return err
 		}

@@ -114,7 +114,8 @@ func (BareHandoff) Down(error) {}
 
 // plainWork runs the sql handler's statement for every message of a batch
 // in one transaction, then settles them: the work the inbox does, without
-// its claims and dedupe records.
+// its claims and dedupe records. The statements go in one round trip, as
+// the inbox sends them.
 type plainWork struct {
 	f *Fixture
 }
@@ -122,12 +123,11 @@ type plainWork struct {
 func (p *plainWork) Process(ctx context.Context, batch []*inbox.Delivery) {
 	h := inbox.SQLHandler{SQL: p.f.Src.Handler.SQL}
 	err := pgx.BeginFunc(ctx, p.f.DB.Pool, func(tx pgx.Tx) error {
+		b := &pgx.Batch{}
 		for _, d := range batch {
-			if err := h.Handle(ctx, tx, d.Message); err != nil {
-				return err
-			}
+			h.Queue(b, d.Message)
 		}
-		return nil
+		return tx.SendBatch(ctx, b).Close()
 	})
 	if err != nil {
 		p.f.T.Error(err)
