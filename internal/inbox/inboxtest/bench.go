@@ -43,59 +43,87 @@ type Bench struct {
 // database's pool (pgtest.PoolConns) caps what runs at once.
 const ConcurrencyEnv = "WORKER_BENCH_INBOX_CONCURRENCY"
 
+// ReplicasEnv names an environment variable that adds a fourth phase when
+// it is 2 or more: the inbox with that many replicas, each a source and a
+// consumer on a pool of its own, reading through one consumer, group or
+// queue, as replicas of the worker do. The summary gives its rate against
+// the one-replica inbox phase's in the same round.
+const ReplicasEnv = "WORKER_BENCH_INBOX_REPLICAS"
+
 // Run runs the rounds, b.N times.
 func (bn *Bench) Run(b *testing.B) {
 	f, n := bn.Fixture, bn.Messages
 	if c, err := strconv.Atoi(os.Getenv(ConcurrencyEnv)); err == nil && c > 0 {
 		f.Src.Concurrency = c
 	}
+	replicas, _ := strconv.Atoi(os.Getenv(ReplicasEnv))
 	fmt.Printf("%s: inbox concurrency %d\n", bn.Kind, f.Src.Concurrency)
 	for range b.N {
-		rounds := make([][3]float64, 0, bn.Rounds) // bare, plain work, inbox
+		rounds := make([][]float64, 0, bn.Rounds) // bare, plain work, inbox[, inbox × replicas]
 		for round := range bn.Rounds {
-			handoffs := []func() inbox.Handoff{
-				func() inbox.Handoff { return BareHandoff{} },
-				func() inbox.Handoff { f.Reset(); return &plainWork{f: f} },
-				func() inbox.Handoff { f.Reset(); return f.Consumer(nil) },
+			handoffs := [][]inbox.Handoff{
+				{BareHandoff{}},
+				{&plainWork{f: f}},
+				{f.Consumer(nil)},
+			}
+			if replicas > 1 {
+				var hs []inbox.Handoff
+				for r := range replicas {
+					pool := f.DB.NewPool(f.T, 0)
+					hs = append(hs, NewConsumerOn(f.T, pool, f.Src, f.Cfg, inbox.SQLHandler{SQL: f.Src.Handler.SQL}, fmt.Sprintf("replica-%d", r)))
+				}
+				handoffs = append(handoffs, hs)
 			}
 			readers := make([]string, len(handoffs))
 			for i := range readers {
 				readers[i] = fmt.Sprintf("p%d-%d", i, round)
 			}
 			where := bn.Load(round, readers)
-			var rates [3]float64
+			rates := make([]float64, len(handoffs))
 			for k := range handoffs {
 				i := (k + round) % len(handoffs) // rotate the order between rounds
-				rates[i] = bn.phase(where, readers[i], handoffs[i]())
+				if i > 0 {
+					f.Reset()
+				}
+				rates[i] = bn.phase(where, readers[i], handoffs[i])
 			}
 			rounds = append(rounds, rates)
 			fmt.Printf("round %d: bare %s %.0f msgs/s, plain work %.0f msgs/s, inbox %.0f msgs/s; inbox/bare %.3f, inbox/plain %.2f\n",
 				round+1, bn.Loop, rates[0], rates[1], rates[2], rates[2]/rates[0], rates[2]/rates[1])
+			if replicas > 1 {
+				fmt.Printf("round %d: inbox × %d replicas %.0f msgs/s; ÷ one replica %.2f\n", round+1, replicas, rates[3], rates[3]/rates[2])
+			}
 		}
-		printSummary(b, bn.Kind, n, f.Cfg.BatchSize, rounds)
+		printSummary(b, bn.Kind, n, f.Cfg.BatchSize, replicas, rounds)
 	}
 }
 
-// phase runs a source on where through reader, in front of h, until
-// Messages messages are settled processed, and returns the rate.
-func (bn *Bench) phase(where, reader string, h inbox.Handoff) float64 {
+// phase runs a source on where through reader in front of each of hs,
+// until Messages messages are settled processed in all, and returns the
+// rate.
+func (bn *Bench) phase(where, reader string, hs []inbox.Handoff) float64 {
 	t, n := bn.Fixture.T, bn.Messages
 	t.Helper()
-	s, err := bn.Source(where, reader)
-	if err != nil {
-		t.Fatal(err)
-	}
-	c := NewCounting(h, n)
+	c := NewCounting(nil, n)
 	start := time.Now()
-	stop := RunSource(t, s, c)
+	var stops []func() error
+	for _, h := range hs {
+		s, err := bn.Source(where, reader)
+		if err != nil {
+			t.Fatal(err)
+		}
+		stops = append(stops, RunSource(t, s, c.Also(h)))
+	}
 	select {
 	case <-c.Done:
 	case <-time.After(5 * time.Minute):
 		t.Fatalf("%s: %d of %d messages processed in 5 minutes", reader, c.Settled.Load(), n)
 	}
 	took := time.Since(start)
-	if err := stop(); err != nil {
-		t.Fatal(err)
+	for _, stop := range stops {
+		if err := stop(); err != nil {
+			t.Fatal(err)
+		}
 	}
 	return float64(n) / took.Seconds()
 }
@@ -142,18 +170,23 @@ func (*plainWork) Down(error) {}
 
 // printSummary prints min / median / max of each phase's rate and of the
 // inbox's ratios, and reports the medians.
-func printSummary(b *testing.B, kind string, n, batch int, rounds [][3]float64) {
-	col := func(f func(r [3]float64) float64) []float64 {
+func printSummary(b *testing.B, kind string, n, batch, replicas int, rounds [][]float64) {
+	col := func(f func(r []float64) float64) []float64 {
 		var out []float64
 		for _, r := range rounds {
 			out = append(out, f(r))
 		}
 		return out
 	}
-	bare, plain, full := SpreadOf(col(func(r [3]float64) float64 { return r[0] })), SpreadOf(col(func(r [3]float64) float64 { return r[1] })), SpreadOf(col(func(r [3]float64) float64 { return r[2] }))
-	toBare, toPlain := SpreadOf(col(func(r [3]float64) float64 { return r[2] / r[0] })), SpreadOf(col(func(r [3]float64) float64 { return r[2] / r[1] }))
+	bare, plain, full := SpreadOf(col(func(r []float64) float64 { return r[0] })), SpreadOf(col(func(r []float64) float64 { return r[1] })), SpreadOf(col(func(r []float64) float64 { return r[2] }))
+	toBare, toPlain := SpreadOf(col(func(r []float64) float64 { return r[2] / r[0] })), SpreadOf(col(func(r []float64) float64 { return r[2] / r[1] }))
 	fmt.Printf("%s, %d messages, batch %d, %d rounds (min / median / max):\n  bare loop msgs/s %s\n  plain work msgs/s %s\n  inbox msgs/s %s\n  inbox/bare %s\n  inbox/plain work %s\n",
 		kind, n, batch, len(rounds), bare.Text("%.0f"), plain.Text("%.0f"), full.Text("%.0f"), toBare.Text("%.3f"), toPlain.Text("%.2f"))
+	if replicas > 1 {
+		many, toOne := SpreadOf(col(func(r []float64) float64 { return r[3] })), SpreadOf(col(func(r []float64) float64 { return r[3] / r[2] }))
+		fmt.Printf("  inbox × %d replicas msgs/s %s\n  inbox × %d replicas / one replica %s\n", replicas, many.Text("%.0f"), replicas, toOne.Text("%.2f"))
+		b.ReportMetric(toOne.Med, "replicas/one")
+	}
 	b.ReportMetric(toBare.Med, "inbox/bare")
 	b.ReportMetric(toPlain.Med, "inbox/plain")
 	b.ReportMetric(full.Med, "inbox_msgs/s")

@@ -109,6 +109,12 @@ func (o *Outcomes) Count(out inbox.Outcome) int {
 // deliveries settled processed, and closes Done once Want were.
 type Counting struct {
 	inbox.Handoff
+	*Count
+}
+
+// Count is what Counting handoffs count; replicas' handoffs share one
+// (Also).
+type Count struct {
 	Want    int64
 	Done    chan struct{}
 	Settled atomic.Int64
@@ -117,7 +123,12 @@ type Counting struct {
 
 // NewCounting returns h, counting until want deliveries were processed.
 func NewCounting(h inbox.Handoff, want int) *Counting {
-	return &Counting{Handoff: h, Want: int64(want), Done: make(chan struct{})}
+	return &Counting{Handoff: h, Count: &Count{Want: int64(want), Done: make(chan struct{})}}
+}
+
+// Also returns h counting into c's count too: another replica's handoff.
+func (c *Counting) Also(h inbox.Handoff) *Counting {
+	return &Counting{Handoff: h, Count: c.Count}
 }
 
 func (c *Counting) Process(ctx context.Context, batch []*inbox.Delivery) {

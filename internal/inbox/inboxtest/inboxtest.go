@@ -162,6 +162,17 @@ func (f *Fixture) Reset() {
 // its log is printed when the test fails.
 func NewConsumer(t testing.TB, pool *pgxpool.Pool, src inboxconfig.SourceConfig, cfg inboxconfig.Config, h inbox.Handler, reg prometheus.Registerer) *inbox.Consumer {
 	t.Helper()
+	return newConsumer(t, pool, src, cfg, h, reg, "test-instance")
+}
+
+// NewConsumerOn is NewConsumer for a replica called owner, with metrics
+// of its own.
+func NewConsumerOn(t testing.TB, pool *pgxpool.Pool, src inboxconfig.SourceConfig, cfg inboxconfig.Config, h inbox.Handler, owner string) *inbox.Consumer {
+	t.Helper()
+	return newConsumer(t, pool, src, cfg, h, prometheus.NewRegistry(), owner)
+}
+
+func newConsumer(t testing.TB, pool *pgxpool.Pool, src inboxconfig.SourceConfig, cfg inboxconfig.Config, h inbox.Handler, reg prometheus.Registerer, owner string) *inbox.Consumer {
 	m, err := inbox.NewMetrics(reg)
 	if err != nil {
 		t.Fatal(err)
@@ -172,7 +183,7 @@ func NewConsumer(t testing.TB, pool *pgxpool.Pool, src inboxconfig.SourceConfig,
 			t.Logf("consumer log:\n%s", logs.String())
 		}
 	})
-	return inbox.NewConsumer(pool, src, cfg, h, "test-instance", logs.Logger(), m)
+	return inbox.NewConsumer(pool, src, cfg, h, owner, logs.Logger(), m)
 }
 
 // Scalar runs a query returning one number.
