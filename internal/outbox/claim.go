@@ -35,6 +35,7 @@ type claimer struct {
 	size         int            // events the next claim takes when its pace leaves it to the claimer: batch_size, or fewer (nextSize)
 	window       int            // rows the next window claim reads
 	again        bool           // claim again at once: the window was widened, or a share was stale; read by the loop
+	drained      bool           // the last claim took every live event its window read, and the window was not full; read by the loop
 	conn         *pgxpool.Conn  // held while batches follow each other
 	replan       bool           // conn's plans may predate the backlog: drop them at its first full batch
 	claimed      int            // events locked in the open claim transaction, extensions included

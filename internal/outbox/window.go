@@ -93,6 +93,10 @@ func (c *claimer) lock(ctx context.Context, pc pace) ([][]claimedRow, time.Durat
 	// A share whose heads others took meanwhile says nothing about the
 	// backlog: read a window at once rather than sleep.
 	c.again = fromShare && got == 0
+	// A window that was not full read every live event, and a claim that
+	// took them all leaves none behind: the next events come after it,
+	// and their inserts' notifications say so (loop).
+	c.drained = !fromShare && len(op.win) < c.window && got == len(op.win)
 	switch {
 	case congested && c.window < maxWindowFactor*c.cfg.BatchSize:
 		c.window *= 2
