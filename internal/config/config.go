@@ -42,6 +42,7 @@ type Config struct {
 		MigrateOnStart bool          `koanf:"migrate_on_start"`
 		ConnectTimeout time.Duration `koanf:"connect_timeout"`
 		MaxConns       int           `koanf:"max_conns"`
+		Trace          bool          `koanf:"trace"`
 	} `koanf:"database"`
 	MultiInstance struct {
 		Enabled bool `koanf:"enabled"`
@@ -140,6 +141,7 @@ func settings() []setting {
 		{"database.migrate_on_start", true},
 		{"database.connect_timeout", 30 * time.Second},
 		{"database.max_conns", 10},
+		{"database.trace", false},
 		{"multi_instance.enabled", false},
 		{"instance.id", ""},
 		{"lock.provider", ""},

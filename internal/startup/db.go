@@ -16,6 +16,7 @@ import (
 	"github.com/worker-dev/worker/internal/obs"
 	"github.com/worker-dev/worker/internal/opsserver"
 	"github.com/worker-dev/worker/internal/tasks"
+	"github.com/worker-dev/worker/internal/tracing"
 )
 
 // Connect attempts: at most pingTimeout each, and at least lastPing for the
@@ -55,6 +56,9 @@ func connectDB(ctx context.Context, cfg *runConfig, log *slog.Logger) (*pgxpool.
 	}
 	pcfg.MaxConns = int32(cfg.Database.MaxConns)
 	pcfg.ConnConfig.RuntimeParams["application_name"] = "worker " + cfg.Instance.ID
+	if cfg.Database.Trace {
+		pcfg.ConnConfig.Tracer = tracing.DatabaseTracer{} // River's pool copies this configuration
+	}
 	pool, err := pgxpool.NewWithConfig(ctx, pcfg)
 	if err != nil {
 		return nil, config.Errorf("database.url: %s", obs.MaskDSN(err.Error()))

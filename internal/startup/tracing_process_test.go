@@ -92,7 +92,7 @@ jobs:
 			p := startWorker(t, append([]string{"APP_DATABASE_URL=" + db.URL, cfg, "APP_DATABASE_MAX_CONNS=6",
 				"OTEL_EXPORTER_OTLP_ENDPOINT=" + endpoint, "OTEL_EXPORTER_OTLP_PROTOCOL=" + protocol,
 				"OTEL_TRACES_SAMPLER=parentbased_always_on", "OTEL_BSP_SCHEDULE_DELAY=100",
-				"OTEL_SERVICE_NAME=shop-worker"}, sink...))
+				"OTEL_SERVICE_NAME=shop-worker", "APP_DATABASE_TRACE=true"}, sink...))
 			p.waitReady(t, 30*time.Second)
 
 			// The producer's transaction, inside its own span.
@@ -120,9 +120,14 @@ jobs:
 			if b.name == "webhook" {
 				writeTracePicture(t, rcv, traceID)
 			}
-			rcv.waitSpan(t, "job run", 30*time.Second, func(s *tracepb.Span) bool {
+			run := rcv.waitSpan(t, "job run", 30*time.Second, func(s *tracepb.Span) bool {
 				return s.GetName() == "job tick" && len(s.GetParentSpanId()) == 0 && hasAttr(s, "worker.job.outcome", "success") &&
 					hasAttr(s, "worker.job.name", "tick")
+			})
+			// database.trace: the run's statement is a span under it.
+			rcv.waitSpan(t, "job statement (SELECT 1, child of its run)", 30*time.Second, func(s *tracepb.Span) bool {
+				return s.GetKind() == tracepb.Span_SPAN_KIND_CLIENT && bytes.Equal(s.GetParentSpanId(), run.GetSpanId()) &&
+					s.GetName() == "SELECT" && hasAttr(s, "db.system.name", "postgresql") && hasAttr(s, "db.query.text", "SELECT 1")
 			})
 			// The job duration histogram links to the run's trace.
 			req, err := http.NewRequestWithContext(t.Context(), http.MethodGet, "http://"+p.addr+"/metrics", nil)
@@ -149,6 +154,13 @@ jobs:
 			}
 			rcv.mu.Lock()
 			named := rcv.services["shop-worker"]
+			for _, s := range rcv.spans {
+				// The relay's claims, the sweeps and River's polling run
+				// outside any span: no statement span of theirs.
+				if hasAttr(s, "db.system.name", "postgresql") && len(s.GetParentSpanId()) == 0 {
+					t.Errorf("a statement span without a parent: %s %v", s.GetName(), s.GetAttributes())
+				}
+			}
 			rcv.mu.Unlock()
 			if !named {
 				t.Errorf("no span came from service.name shop-worker (OTEL_SERVICE_NAME)")
