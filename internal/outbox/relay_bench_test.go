@@ -62,7 +62,7 @@ type scalePhase struct {
 	delay   time.Duration
 	backlog string // the saved backlog it drains: benchTable (default), slowTable or brokerTable
 	extra   bool   // run only when -phases names it
-	traced  bool   // tracing on: every span sampled, exported over OTLP/HTTP to a local receiver
+	traced  bool   // tracing on: every span sampled unless env names a sampler, exported over OTLP/HTTP to a local receiver
 }
 
 // The saved backlogs.
@@ -95,6 +95,10 @@ var scalePhases = []scalePhase{
 	{key: "rabbitmq", name: "RabbitMQ, 1 relay, batch 500, 100,000 events", procs: 1, env: relays(1, batch500...), broker: outboxconfig.SinkRabbitMQ, backlog: brokerTable},
 	{key: "kafka", name: "Kafka (kfake), 1 relay, batch 500, 100,000 events", procs: 1, env: relays(1, batch500...), broker: outboxconfig.SinkKafka, backlog: brokerTable},
 	{key: "r1otel", name: "1 relay, batch 500, tracing on", procs: 1, env: relays(1, batch500...), traced: true, extra: true},
+	// The floor of tracing on: each event's span is started, not sampled,
+	// and its context still written into the message.
+	{key: "r1otel0", name: "1 relay, batch 500, tracing on, nothing sampled", procs: 1, traced: true, extra: true,
+		env: relays(1, append([]string{"OTEL_TRACES_SAMPLER=always_off"}, batch500...)...)},
 	{key: "wh0otel", name: "webhook 0 ms, 1 relay, batch 500, tracing on", procs: 1, env: relays(1, batch500...), webhook: true, traced: true, extra: true},
 	{key: "r1gc100", name: "1 relay, batch 500, GOGC=100", procs: 1, env: relays(1, batch500[0], goDefaultGC), extra: true},
 	{key: "wh0gc100", name: "webhook 0 ms, 1 relay, batch 500, GOGC=100", procs: 1, env: relays(1, batch500[0], goDefaultGC), webhook: true, extra: true},
@@ -199,7 +203,9 @@ func runScalePhase(tb testing.TB, db *pgtest.DB, ph scalePhase, idle time.Durati
 	if ph.traced {
 		otlp := newOTLPSink()
 		defer otlp.Close()
-		env = append(slices.Clone(env), "OTEL_EXPORTER_OTLP_ENDPOINT="+otlp.URL, "OTEL_TRACES_SAMPLER=always_on")
+		// Every span sampled, unless the phase names its own sampler: a
+		// later value of a variable wins.
+		env = append([]string{"OTEL_EXPORTER_OTLP_ENDPOINT=" + otlp.URL, "OTEL_TRACES_SAMPLER=always_on"}, env...)
 	}
 	instance := "bench-" + ph.key + "-"
 	cpu0 := testkit.SelfCPU(tb)
