@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/worker-dev/worker/internal/inbox"
 )
@@ -57,6 +58,10 @@ func (bn *Bench) Run(b *testing.B) {
 		f.Src.Concurrency = c
 	}
 	replicas, _ := strconv.Atoi(os.Getenv(ReplicasEnv))
+	var pools []*pgxpool.Pool // the replicas', one each, for every round
+	for range replicas {
+		pools = append(pools, f.DB.NewPool(f.T, 0))
+	}
 	fmt.Printf("%s: inbox concurrency %d\n", bn.Kind, f.Src.Concurrency)
 	for range b.N {
 		rounds := make([][]float64, 0, bn.Rounds) // bare, plain work, inbox[, inbox × replicas]
@@ -68,8 +73,7 @@ func (bn *Bench) Run(b *testing.B) {
 			}
 			if replicas > 1 {
 				var hs []inbox.Handoff
-				for r := range replicas {
-					pool := f.DB.NewPool(f.T, 0)
+				for r, pool := range pools {
 					hs = append(hs, NewConsumerOn(f.T, pool, f.Src, f.Cfg, inbox.SQLHandler{SQL: f.Src.Handler.SQL}, fmt.Sprintf("replica-%d", r)))
 				}
 				handoffs = append(handoffs, hs)
