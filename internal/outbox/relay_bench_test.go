@@ -17,6 +17,10 @@ import (
 	"text/tabwriter"
 	"time"
 
+	coltracepb "go.opentelemetry.io/proto/otlp/collector/trace/v1"
+	tracepb "go.opentelemetry.io/proto/otlp/trace/v1"
+	"google.golang.org/protobuf/proto"
+
 	"github.com/worker-dev/worker/internal/outbox/outboxconfig"
 	"github.com/worker-dev/worker/internal/pgtest"
 	"github.com/worker-dev/worker/internal/testkit"
@@ -100,21 +104,59 @@ var scalePhases = []scalePhase{
 	{key: "r1otel0", name: "1 relay, batch 500, tracing on, nothing sampled", procs: 1, traced: true, extra: true,
 		env: relays(1, append([]string{"OTEL_TRACES_SAMPLER=always_off"}, batch500...)...)},
 	{key: "wh0otel", name: "webhook 0 ms, 1 relay, batch 500, tracing on", procs: 1, env: relays(1, batch500...), webhook: true, traced: true, extra: true},
+	{key: "natsotel", name: "NATS, 1 relay, batch 500, 100,000 events, tracing on", procs: 1, env: relays(1, batch500...), broker: outboxconfig.SinkNATS, backlog: brokerTable, traced: true, extra: true},
+	{key: "kafkaotel", name: "Kafka (kfake), 1 relay, batch 500, 100,000 events, tracing on", procs: 1, env: relays(1, batch500...), broker: outboxconfig.SinkKafka, backlog: brokerTable, traced: true, extra: true},
 	{key: "r1gc100", name: "1 relay, batch 500, GOGC=100", procs: 1, env: relays(1, batch500[0], goDefaultGC), extra: true},
 	{key: "wh0gc100", name: "webhook 0 ms, 1 relay, batch 500, GOGC=100", procs: 1, env: relays(1, batch500[0], goDefaultGC), webhook: true, extra: true},
 	{key: "wh0r4", name: "webhook 0 ms, 4 relays, batch 500", procs: 1, env: relays(4, batch500...), webhook: true, extra: true},
 	{key: "wh20r4", name: "webhook 20 ms, 4 relays, 2,000 events / 200 aggregates", procs: 1, env: relays(4), webhook: true, delay: 20 * time.Millisecond, backlog: slowTable, extra: true},
 }
 
-// newOTLPSink is the local OTLP/HTTP receiver of the traced phases: it
-// takes every export and answers success (an empty
+// otlpSink is the local OTLP/HTTP receiver of the traced phases: it keeps
+// every export's body and answers success (an empty
 // ExportTraceServiceResponse), so the worker pays for building, batching
-// and sending its spans, and the receiver for nothing else.
-func newOTLPSink() *httptest.Server {
-	return httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		_, _ = io.Copy(io.Discard, r.Body)
+// and sending its spans, and the receiver for little else. The bodies are
+// decoded after the phase, to count the spans that arrived: the SDK drops
+// a span that finds its queue full rather than wait.
+type otlpSink struct {
+	*httptest.Server
+	mu     sync.Mutex
+	bodies [][]byte
+}
+
+func newOTLPSink() *otlpSink {
+	o := &otlpSink{}
+	o.Server = httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		body, _ := io.ReadAll(r.Body)
+		o.mu.Lock()
+		o.bodies = append(o.bodies, body)
+		o.mu.Unlock()
 		w.Header().Set("Content-Type", "application/x-protobuf")
 	}))
+	return o
+}
+
+// spans counts the publish spans received.
+func (o *otlpSink) spans(tb testing.TB) int {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	n := 0
+	for _, body := range o.bodies {
+		var msg coltracepb.ExportTraceServiceRequest
+		if err := proto.Unmarshal(body, &msg); err != nil {
+			tb.Fatalf("OTLP export: %v", err)
+		}
+		for _, rs := range msg.ResourceSpans {
+			for _, ss := range rs.ScopeSpans {
+				for _, sp := range ss.Spans {
+					if sp.Kind == tracepb.Span_SPAN_KIND_PRODUCER {
+						n++
+					}
+				}
+			}
+		}
+	}
+	return n
 }
 
 // phaseRun is one phase in one round, with the ceiling run next to it.
@@ -123,6 +165,7 @@ type phaseRun struct {
 	disorder       int           // events the receiver saw out of their aggregate's order
 	brokerCPU      time.Duration // an in-process broker's or the receiver's CPU during the phase
 	workerRSS      int64         // the largest peak resident memory of the phase's workers, bytes
+	spans          int           // spans the OTLP receiver got, in a traced phase
 }
 
 // BenchmarkRelayScale drains the same 200,000-event backlog (1,000
@@ -194,18 +237,19 @@ func runScalePhase(tb testing.TB, db *pgtest.DB, ph scalePhase, idle time.Durati
 		defer rcv.close()
 		env = append(slices.Clone(env), "APP_OUTBOX_SINK=webhook", "APP_OUTBOX_WEBHOOK_URL="+rcv.url)
 	}
+	var otlp *otlpSink
+	if ph.traced {
+		otlp = newOTLPSink()
+		defer otlp.Close()
+		// Every span sampled, unless the phase names its own sampler: a
+		// later value of a variable wins.
+		env = append([]string{"OTEL_EXPORTER_OTLP_ENDPOINT=" + otlp.URL, "OTEL_TRACES_SAMPLER=always_on"}, env...)
+	}
 	var broker *benchBroker
 	if ph.broker != "" {
 		broker = startBroker(tb, ph.broker)
 		defer broker.close()
 		env = append(slices.Clone(env), broker.env...)
-	}
-	if ph.traced {
-		otlp := newOTLPSink()
-		defer otlp.Close()
-		// Every span sampled, unless the phase names its own sampler: a
-		// later value of a variable wins.
-		env = append([]string{"OTEL_EXPORTER_OTLP_ENDPOINT=" + otlp.URL, "OTEL_TRACES_SAMPLER=always_on"}, env...)
 	}
 	instance := "bench-" + ph.key + "-"
 	cpu0 := testkit.SelfCPU(tb)
@@ -228,6 +272,9 @@ func runScalePhase(tb testing.TB, db *pgtest.DB, ph scalePhase, idle time.Durati
 	run.phase.events, run.phase.rate = publishedSpan(tb, db.Pool)
 	if rcv != nil {
 		run.disorder, _ = rcv.stats()
+	}
+	if otlp != nil {
+		run.spans = otlp.spans(tb) // the workers flushed their spans as they stopped
 	}
 	return run
 }
@@ -298,6 +345,11 @@ func printScale(w io.Writer, phases []scalePhase, runs [][]phaseRun, idle time.D
 		{"RabbitMQ ÷ log sink (100,000 events)", "rabbitmq", "log100k", rate},
 		{"Kafka (kfake) ÷ log sink (100,000 events)", "kafka", "log100k", rate},
 		{"database CPU per event, 4 relays ÷ 1 relay", "r4", "r1", dbPerEvent},
+		{"tracing on ÷ off, log sink", "r1otel", "r1", rate},
+		{"tracing on, nothing sampled ÷ off, log sink", "r1otel0", "r1", rate},
+		{"tracing on ÷ off, webhook 0 ms", "wh0otel", "wh0", rate},
+		{"tracing on ÷ off, NATS", "natsotel", "nats", rate},
+		{"tracing on ÷ off, Kafka (kfake)", "kafkaotel", "kafka", rate},
 	} {
 		i := slices.IndexFunc(phases, func(p scalePhase) bool { return p.key == c.num })
 		j := slices.IndexFunc(phases, func(p scalePhase) bool { return p.key == c.den })
@@ -310,6 +362,17 @@ func printScale(w io.Writer, phases []scalePhase, runs [][]phaseRun, idle time.D
 		}
 		s := spreadOf(xs)
 		fmt.Fprintf(w, "%s, same round: median %.2f (%.2f-%.2f)\n", c.name, s.med, s.min, s.max)
+	}
+	for i, ph := range phases {
+		if !ph.traced {
+			continue
+		}
+		var xs []float64
+		for _, run := range runs[i] {
+			xs = append(xs, float64(run.spans)/float64(max(run.phase.events, 1)))
+		}
+		s := spreadOf(xs)
+		fmt.Fprintf(w, "%s: publish spans received ÷ events published: median %.3f (%.3f-%.3f)\n", ph.name, s.med, s.min, s.max)
 	}
 }
 

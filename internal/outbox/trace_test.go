@@ -3,6 +3,8 @@ package outbox
 import (
 	"context"
 	"errors"
+	"strings"
+	"sync/atomic"
 	"testing"
 
 	"github.com/jackc/pgx/v5"
@@ -37,12 +39,16 @@ func (s *headerTxSink) PublishTx(_ context.Context, _ pgx.Tx, events []Event) ([
 // the event's traceparent (a new root without one), and hands the sink
 // the event with the publish span's context in its headers; the claimed
 // event's own headers stay as they were. A TxSink stays a TxSink, with one
-// span per event, failed where its event failed.
+// span per event, failed where its event failed. An unsampled event
+// records nothing, and its context still travels, marked unsampled.
 func TestTracedSinkPublishSpans(t *testing.T) {
 	rec := tracetest.NewSpanRecorder()
-	tracing.Use(sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(rec)))
+	var sampling toggledSampler
+	sampling.on.Store(true)
+	tracing.Use(sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(rec), sdktrace.WithSampler(&sampling)))
 	const producer = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
-	withParent := Event{EventID: "e1", EventType: "order.paid", Headers: map[string]string{"traceparent": producer, "k": "v"}}
+	withParent := Event{EventID: "e1", EventType: "order.paid", AggregateID: "o-1", Attempts: 2,
+		Headers: map[string]string{"traceparent": producer, "k": "v"}}
 	orphan := Event{EventID: "e2", EventType: "order.paid"}
 
 	plain := &headerSink{}
@@ -63,6 +69,16 @@ func TestTracedSinkPublishSpans(t *testing.T) {
 	if first.SpanKind() != trace.SpanKindProducer || first.Name() != "publish order.paid" ||
 		first.Parent().SpanID().String() != "00f067aa0ba902b7" || first.SpanContext().TraceID().String() != "4bf92f3577b34da6a3ce929d0e0e4736" {
 		t.Errorf("publish span %s (%v), parent %s; want PRODUCER under the producer's span", first.Name(), first.SpanKind(), first.Parent().SpanID())
+	}
+	attrs := map[string]string{}
+	for _, kv := range first.Attributes() {
+		attrs[string(kv.Key)] = kv.Value.Emit()
+	}
+	for k, v := range map[string]string{"messaging.system": "fake", "messaging.operation.type": "send",
+		"messaging.message.id": "e1", "worker.outbox.aggregate_id": "o-1", "worker.outbox.attempt": "3"} {
+		if attrs[k] != v {
+			t.Errorf("publish span attribute %s = %q, want %q (all: %v)", k, attrs[k], v, attrs)
+		}
 	}
 	if want := "00-4bf92f3577b34da6a3ce929d0e0e4736-" + first.SpanContext().SpanID().String() + "-01"; plain.got[0].Headers["traceparent"] != want || plain.got[0].Headers["k"] != "v" {
 		t.Errorf("the sink got headers %v, want traceparent %s and k=v", plain.got[0].Headers, want)
@@ -86,4 +102,30 @@ func TestTracedSinkPublishSpans(t *testing.T) {
 	if tx.got[0].Headers["traceparent"] != "00-4bf92f3577b34da6a3ce929d0e0e4736-"+spans[0].SpanContext().SpanID().String()+"-01" {
 		t.Errorf("TxSink got %v", tx.got[0].Headers)
 	}
+
+	sampling.on.Store(false)
+	if err := s.Publish(context.Background(), withParent); err != nil {
+		t.Fatal(err)
+	}
+	if n := len(rec.Ended()); n != 4 {
+		t.Errorf("an unsampled publish recorded a span: %d spans, want 4", n)
+	}
+	sent := plain.got[len(plain.got)-1].Headers["traceparent"]
+	if !strings.HasPrefix(sent, "00-4bf92f3577b34da6a3ce929d0e0e4736-") || !strings.HasSuffix(sent, "-00") || sent == producer {
+		t.Errorf("an unsampled publish sent traceparent %q, want the producer's trace, a new span id, unsampled", sent)
+	}
 }
+
+// toggledSampler samples every span or none, as a test or benchmark asks:
+// OpenTelemetry's global provider delegates to the first one set, so a
+// second provider with another sampler would not be used.
+type toggledSampler struct{ on atomic.Bool }
+
+func (s *toggledSampler) ShouldSample(p sdktrace.SamplingParameters) sdktrace.SamplingResult {
+	if s.on.Load() {
+		return sdktrace.AlwaysSample().ShouldSample(p)
+	}
+	return sdktrace.NeverSample().ShouldSample(p)
+}
+
+func (s *toggledSampler) Description() string { return "toggled" }
