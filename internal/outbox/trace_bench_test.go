@@ -57,6 +57,10 @@ func BenchmarkTracedPublish(b *testing.B) {
 		if err != nil {
 			b.Fatal(err)
 		}
+		// Installed once: OpenTelemetry's global provider delegates to the
+		// first one set, and the benchmark function runs more than once.
+		// The processor waits for the exporter instead of dropping a span
+		// that finds its queue full, so every span is paid for.
 		benchTP = sdktrace.NewTracerProvider(sdktrace.WithBatcher(exp, sdktrace.WithBlocking()), sdktrace.WithSampler(&benchSampling))
 		tracing.Use(benchTP)
 	})
