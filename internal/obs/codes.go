@@ -11,6 +11,9 @@ const (
 	CodeJobTimeout             = "JOB_TIMEOUT"              // transient, retryable
 	CodeJobDeadLetter          = "JOB_DEAD_LETTER"          // internal, not retryable
 	CodeInboxWebhookRefused    = "INBOX_WEBHOOK_REFUSED"    // a webhook request refused: the sender's to fix, or retry
+	// The OpenTelemetry collector refused spans or could not be reached:
+	// they are dropped, and the work goes on. Logged once an outage.
+	CodeTraceExportFailed = "TRACE_EXPORT_FAILED"
 )
 
 // Codes of a replica that cannot work as it is; each also turns /readyz

@@ -34,7 +34,7 @@ func startTracing(environ []string, cfg *runConfig, log *slog.Logger) (stop func
 	if err != nil {
 		return nil, err
 	}
-	stop, err = tracing.Setup(context.Background(), s, CurrentBuild().Version, cfg.Instance.ID)
+	stop, err = tracing.Setup(context.Background(), s, CurrentBuild().Version, cfg.Instance.ID, log)
 	if err != nil {
 		return nil, config.Errorf("%w", err)
 	}

@@ -5,7 +5,9 @@ import (
 	"encoding/hex"
 	"fmt"
 	"io"
+	"net"
 	"net/http"
+	"net/http/httptest"
 	"regexp"
 	"strings"
 	"syscall"
@@ -312,5 +314,50 @@ func TestTracingConfigPrint(t *testing.T) {
 				t.Errorf("output lacks %q:\n%s%s", c.want, stdout, stderr)
 			}
 		})
+	}
+}
+
+// A collector that cannot be reached is one WARN line with
+// TRACE_EXPORT_FAILED, however many exports fail, and nothing unstructured
+// on stderr. Once it answers, one INFO line ends the outage, counting the
+// spans lost, and spans arrive again.
+func TestTraceExportOutage(t *testing.T) {
+	t.Parallel()
+	db := pgtest.New(t)
+	collector := freeAddr(t) // nothing listens there yet
+	cfg := writeConfig(t, "jobs:\n  - {name: tick, kind: sql, delay: 20ms, sql: SELECT 1}\n")
+	p := startWorker(t, []string{"APP_DATABASE_URL=" + db.URL, cfg, "APP_TASKS_ENABLED=false",
+		"OTEL_EXPORTER_OTLP_ENDPOINT=http://" + collector, "OTEL_BSP_SCHEDULE_DELAY=20"})
+	p.waitReady(t, 30*time.Second)
+	const failing = `"error.code":"TRACE_EXPORT_FAILED"`
+	testkit.Eventually(t, 30*time.Second, "the outage's WARN line", func() bool { return strings.Contains(p.out.String(), failing) })
+	// Each run is a span, exported within 20 ms: 50 more runs are dozens of
+	// failed exports.
+	runs := func() int { return strings.Count(p.out.String(), `"msg":"job run finished"`) }
+	from := runs()
+	testkit.Eventually(t, 30*time.Second, "50 more job runs while the collector is down", func() bool { return runs() >= from+50 })
+
+	ln, err := net.Listen("tcp", collector)
+	if err != nil {
+		t.Fatal(err)
+	}
+	rcv := &otlpReceiver{services: map[string]bool{}}
+	hs := &httptest.Server{Listener: ln, Config: &http.Server{Handler: http.HandlerFunc(rcv.serveHTTP)}}
+	hs.Start()
+	t.Cleanup(hs.Close)
+	rcv.waitSpan(t, "a job run's span once the collector answers", 30*time.Second, func(s *tracepb.Span) bool { return s.GetName() == "job tick" })
+	testkit.Eventually(t, 10*time.Second, "the INFO line ending the outage", func() bool {
+		return regexp.MustCompile(`"msg":"trace export works again".*"spans_lost":[1-9]`).MatchString(p.out.String())
+	})
+
+	out := p.out.String()
+	if n := strings.Count(out, failing); n != 1 {
+		t.Errorf("%d lines with %s, want 1 for the outage", n, failing)
+	}
+	for line := range strings.SplitSeq(out, "\n") {
+		if line != "" && !strings.HasPrefix(line, "{") {
+			t.Errorf("a line that is not JSON: %s", line)
+			break
+		}
 	}
 }

@@ -16,6 +16,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"slices"
 	"strings"
 	"sync/atomic"
@@ -121,8 +122,9 @@ func (s Settings) Describe() string {
 // global one, with the W3C trace-context propagator. The returned shutdown
 // flushes what is buffered and stops the exporter; it is a no-op when
 // tracing is off. version and instanceID become service.version and
-// service.instance.id.
-func Setup(ctx context.Context, s Settings, version, instanceID string) (shutdown func(), err error) {
+// service.instance.id. The exporter's outages and the SDK's errors go to
+// log.
+func Setup(ctx context.Context, s Settings, version, instanceID string, log *slog.Logger) (shutdown func(), err error) {
 	if !s.On {
 		return func() {}, nil
 	}
@@ -143,7 +145,9 @@ func Setup(ctx context.Context, s Settings, version, instanceID string) (shutdow
 		return nil, &Error{fmt.Sprintf("OTEL_RESOURCE_ATTRIBUTES: %v", err)}
 	}
 	// The sampler comes from OTEL_TRACES_SAMPLER(_ARG), read by the SDK.
+	exp = &watchedExporter{SpanExporter: exp, log: log, endpoint: obs.MaskDSN(first(s.Endpoint, "<exporter default>"))}
 	tp := sdktrace.NewTracerProvider(sdktrace.WithBatcher(exp), sdktrace.WithResource(res))
+	handleErrors(log)
 	Use(tp)
 	return func() {
 		sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), shutdownBudget)
