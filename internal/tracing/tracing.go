@@ -144,8 +144,8 @@ func Setup(ctx context.Context, s Settings, version, instanceID string, log *slo
 	if err != nil && !errors.Is(err, resource.ErrPartialResource) {
 		return nil, &Error{fmt.Sprintf("OTEL_RESOURCE_ATTRIBUTES: %v", err)}
 	}
-	// The sampler comes from OTEL_TRACES_SAMPLER(_ARG), read by the SDK.
 	exp = &watchedExporter{SpanExporter: exp, log: log, endpoint: obs.MaskDSN(first(s.Endpoint, "<exporter default>"))}
+	// The sampler comes from OTEL_TRACES_SAMPLER(_ARG), read by the SDK.
 	tp := sdktrace.NewTracerProvider(sdktrace.WithBatcher(exp), sdktrace.WithResource(res))
 	handleErrors(log)
 	Use(tp)
