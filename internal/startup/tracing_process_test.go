@@ -346,9 +346,8 @@ func TestTraceExportOutage(t *testing.T) {
 	hs.Start()
 	t.Cleanup(hs.Close)
 	rcv.waitSpan(t, "a job run's span once the collector answers", 30*time.Second, func(s *tracepb.Span) bool { return s.GetName() == "job tick" })
-	testkit.Eventually(t, 10*time.Second, "the INFO line ending the outage", func() bool {
-		return regexp.MustCompile(`"msg":"trace export works again".*"spans_lost":[1-9]`).MatchString(p.out.String())
-	})
+	recovered := regexp.MustCompile(`"msg":"trace export works again".*"spans_lost":[1-9]`)
+	testkit.Eventually(t, 10*time.Second, "the INFO line ending the outage", func() bool { return recovered.MatchString(p.out.String()) })
 
 	out := p.out.String()
 	if n := strings.Count(out, failing); n != 1 {

@@ -115,7 +115,12 @@ func (s Settings) Describe() string {
 		return "off (" + s.Why + ")"
 	}
 	return fmt.Sprintf("on: exporter=otlp protocol=%s endpoint=%s sampler=%s", s.Protocol,
-		obs.MaskDSN(first(s.Endpoint, "<exporter default>")), first(s.Sampler, "parentbased_always_on"))
+		s.endpoint(), first(s.Sampler, "parentbased_always_on"))
+}
+
+// endpoint is where the spans go, for a log line: credentials masked.
+func (s Settings) endpoint() string {
+	return obs.MaskDSN(first(s.Endpoint, "<exporter default>"))
 }
 
 // Setup builds the tracer provider s asks for and installs it as the
@@ -144,7 +149,7 @@ func Setup(ctx context.Context, s Settings, version, instanceID string, log *slo
 	if err != nil && !errors.Is(err, resource.ErrPartialResource) {
 		return nil, &Error{fmt.Sprintf("OTEL_RESOURCE_ATTRIBUTES: %v", err)}
 	}
-	exp = &watchedExporter{SpanExporter: exp, log: log, endpoint: obs.MaskDSN(first(s.Endpoint, "<exporter default>"))}
+	exp = &watchedExporter{SpanExporter: exp, log: log, endpoint: s.endpoint()}
 	// The sampler comes from OTEL_TRACES_SAMPLER(_ARG), read by the SDK.
 	tp := sdktrace.NewTracerProvider(sdktrace.WithBatcher(exp), sdktrace.WithResource(res))
 	handleErrors(log)
